@@ -1,0 +1,30 @@
+# Two commands: `make run` sets up and opens ds4station, `make test` sets up and runs the test suite.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# A CPU build of torch is enough to run the demo model and the tests; on a GPU host install the CUDA or
+# ROCm build of torch into $(VENV) first (see README), and `make` keeps it.
+TORCH ?= torch>=2.11
+
+$(BIN)/ds4station: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+.PHONY: setup run test lint clean
+setup: $(BIN)/ds4station
+
+run: setup
+	$(BIN)/ds4station $(ARGS)
+
+test: setup
+	$(BIN)/ruff check ds4station tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check ds4station tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

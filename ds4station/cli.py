@@ -1,0 +1,47 @@
+"""The `ds4station` command: the control panel by default, and one subcommand per tool.
+
+Each subcommand lives in ds4station/commands/ exposing `add_arguments(parser)` and `run(args) -> int`;
+those modules import heavy packages (torch, textual, fastapi) only inside run(), so building the parser is
+cheap and `ds4station detect` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-model": ("ds4station.commands.make_model", "write a DS4 GGUF with random weights (demo model or full shape)"),
+    "inspect": ("ds4station.commands.inspect", "print a GGUF's config, tensor check and per-layer bytes"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4station", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        if "tui" in COMMANDS:
+            return importlib.import_module(COMMANDS["tui"][0]).run(args)
+        parser.print_help()
+        return 0
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The model-file layer and the DS4 model: GGUF I/O, quant formats, tokenizer, chat format, reference model."""

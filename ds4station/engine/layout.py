@@ -1,0 +1,158 @@
+"""The DS4 tensor table: every tensor's name, ggml shape and quant type, for any ModelConfig.
+
+This is the one description of the file layout. The GGUF writer emits it, the reader validates a file
+against it (ds4 rejects any mismatch with a message naming the tensor; so do we), the planner sums its
+bytes per layer, and the benchmark builds random weights from it.
+
+Shapes are in ggml order (ne[0] is the contiguous, innermost dimension); `torch_shape` reverses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
+
+from .config import ModelConfig
+
+# role -> quant type, per recipe. Roles are the tensor names with the "blk.N." prefix and ".weight" removed.
+_Q2 = {
+    "token_embd": Q.F16, "output": Q.Q8_0,
+    "attn_q_a": Q.Q8_0, "attn_q_b": Q.Q8_0, "attn_kv": Q.Q8_0,
+    "attn_output_a": Q.Q8_0, "attn_output_b": Q.Q8_0,
+    "ffn_gate_shexp": Q.Q8_0, "ffn_up_shexp": Q.Q8_0, "ffn_down_shexp": Q.Q8_0,
+    "ffn_gate_exps": Q.IQ2_XXS, "ffn_up_exps": Q.IQ2_XXS, "ffn_down_exps": Q.Q2_K,
+}
+RECIPES = ("q2", "f16", "f32")
+
+# Tensors that hold norms, scales, biases and sinks stay F32 in every recipe.
+F32_ROLES = {
+    "hc_attn_scale", "hc_attn_base", "hc_ffn_scale", "hc_ffn_base", "attn_norm", "ffn_norm",
+    "attn_q_a_norm", "attn_kv_a_norm", "attn_sinks", "attn_compressor_norm", "indexer_compressor_norm",
+    "exp_probs_b", "output_hc_scale", "output_hc_base", "output_norm",
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]  # ggml order
+    qtype: Q
+    layer: int | None  # None for global tensors
+
+    @property
+    def role(self) -> str:
+        return role_of(self.name)
+
+    @property
+    def torch_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape))
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def n_bytes(self) -> int:
+        return tensor_bytes(self.shape, self.qtype)
+
+    @property
+    def is_routed_expert(self) -> bool:
+        return self.role in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def role_of(name: str) -> str:
+    parts = name.split(".")
+    if parts[0] == "blk":
+        parts = parts[2:]
+    if parts[-1] in ("weight", "bias"):
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape[0] % block:
+        raise ValueError(f"innermost dim {shape[0]} is not a multiple of the {qtype.name} block ({block})")
+    return n // block * size
+
+
+def quant_type(role: str, recipe: str) -> Q:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown quant recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
+    if role == "ffn_gate_tid2eid":
+        return Q.I32
+    if role in F32_ROLES or recipe == "f32":
+        return Q.F32
+    if recipe == "q2":
+        return _Q2.get(role, Q.F16)
+    return Q.F16
+
+
+def layer_tensors(cfg: ModelConfig, layer: int, recipe: str = "q2") -> list[TensorSpec]:
+    d, H, M = cfg.dim, cfg.hc_dim, cfg.hc_mix
+    shapes: dict[str, tuple[int, ...]] = {
+        "hc_attn_fn": (H, M), "hc_attn_scale": (3,), "hc_attn_base": (M,),
+        "attn_norm": (d,),
+        "attn_q_a": (d, cfg.q_lora_rank), "attn_q_a_norm": (cfg.q_lora_rank,),
+        "attn_q_b": (cfg.q_lora_rank, cfg.n_heads * cfg.head_dim),
+        "attn_kv": (d, cfg.head_dim), "attn_kv_a_norm": (cfg.head_dim,),
+        "attn_sinks": (cfg.n_heads,),
+        "attn_output_a": (cfg.heads_per_group * cfg.head_dim, cfg.o_groups * cfg.o_lora_rank),
+        "attn_output_b": (cfg.o_groups * cfg.o_lora_rank, d),
+    }
+    r = cfg.ratio(layer)
+    if r:
+        w = cfg.compressor_width(layer)
+        shapes |= {"attn_compressor_ape": (w, r), "attn_compressor_kv": (d, w),
+                   "attn_compressor_gate": (d, w), "attn_compressor_norm": (cfg.head_dim,)}
+    if cfg.has_indexer(layer):
+        iw = 2 * cfg.index_dim
+        shapes |= {"indexer.attn_q_b": (cfg.q_lora_rank, cfg.index_heads * cfg.index_dim),
+                   "indexer.proj": (d, cfg.index_heads),
+                   "indexer_compressor_ape": (iw, 4), "indexer_compressor_kv": (d, iw),
+                   "indexer_compressor_gate": (d, iw), "indexer_compressor_norm": (cfg.index_dim,)}
+    shapes |= {"hc_ffn_fn": (H, M), "hc_ffn_scale": (3,), "hc_ffn_base": (M,),
+               "ffn_norm": (d,), "ffn_gate_inp": (d, cfg.n_experts)}
+    if cfg.is_hash_layer(layer):
+        shapes["ffn_gate_tid2eid"] = (cfg.n_experts_used, cfg.vocab_size)
+    else:
+        shapes["exp_probs_b"] = (cfg.n_experts,)
+    f, E = cfg.expert_ffn, cfg.n_experts
+    shapes |= {"ffn_gate_exps": (d, f, E), "ffn_up_exps": (d, f, E), "ffn_down_exps": (f, d, E)}
+    if cfg.n_shared_experts:
+        fs = f * cfg.n_shared_experts
+        shapes |= {"ffn_gate_shexp": (d, fs), "ffn_up_shexp": (d, fs), "ffn_down_shexp": (fs, d)}
+    return [
+        TensorSpec(f"blk.{layer}.{role}.{'bias' if role == 'exp_probs_b' else 'weight'}", shape,
+                   quant_type(role, recipe), layer)
+        for role, shape in shapes.items()
+    ]
+
+
+def global_tensors(cfg: ModelConfig, recipe: str = "q2", *, embed: bool = True,
+                   output: bool = True) -> list[TensorSpec]:
+    specs = []
+    if embed:
+        specs.append(("token_embd", (cfg.dim, cfg.vocab_size)))
+    if output:
+        specs += [("output_hc_fn", (cfg.hc_dim, cfg.hc_mult)), ("output_hc_scale", (1,)),
+                  ("output_hc_base", (cfg.hc_mult,)), ("output_norm", (cfg.dim,)),
+                  ("output", (cfg.dim, cfg.vocab_size))]
+    return [TensorSpec(f"{role}.weight", shape, quant_type(role, recipe), None) for role, shape in specs]
+
+
+def model_tensors(cfg: ModelConfig, recipe: str = "q2", layers: range | None = None, *,
+                  embed: bool = True, output: bool = True) -> list[TensorSpec]:
+    """The tensors of a layer slice (default: the whole model) plus the embedding / output head."""
+    layers = range(cfg.n_layers) if layers is None else layers
+    specs = global_tensors(cfg, recipe, embed=embed, output=False)
+    for i in layers:
+        specs += layer_tensors(cfg, i, recipe)
+    return specs + global_tensors(cfg, recipe, embed=False, output=output)

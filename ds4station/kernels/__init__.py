@@ -1,0 +1,1 @@
+"""ds4station.kernels"""
