@@ -8,7 +8,6 @@ import os
 import pytest
 
 
-
 def _has_gpu() -> bool:
     import torch
 

@@ -8,7 +8,8 @@ here; `from_metadata` names the missing or inconsistent key instead of failing l
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+import struct
+from dataclasses import dataclass
 from typing import Any
 
 ARCH = "deepseek4"
@@ -64,7 +65,11 @@ class ModelConfig:
         if not self.swiglu_clamp:
             object.__setattr__(self, "swiglu_clamp", (10.0,) * self.n_layers)
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
-        object.__setattr__(self, "swiglu_clamp", tuple(float(c) for c in self.swiglu_clamp))
+        # GGUF stores these as f32: keep exactly what a file round trip gives, so configs compare equal.
+        object.__setattr__(self, "swiglu_clamp", tuple(_f32(c) for c in self.swiglu_clamp))
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                object.__setattr__(self, f.name, _f32(getattr(self, f.name)))
         self.validate()
 
     # ---- derived shape ------------------------------------------------------------------------
@@ -218,6 +223,10 @@ _KEYS: dict[str, str] = {
 _OPTIONAL_KEYS = {"swiglu_clamp_exp", "swiglu_clamp_shexp", "attention.value_length"}
 
 
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", float(x)))[0]
+
+
 def _to_gguf_value(v: Any) -> Any:
     return list(v) if isinstance(v, tuple) else v
 
@@ -271,4 +280,4 @@ TINY = ModelConfig(
 
 PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "flash": FLASH}
 
-__all__ = ["ARCH", "ConfigError", "FLASH", "ModelConfig", "PRESETS", "TINY", "field", "flash_ratios"]
+__all__ = ["ARCH", "ConfigError", "FLASH", "ModelConfig", "PRESETS", "TINY", "flash_ratios"]

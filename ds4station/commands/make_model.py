@@ -1,0 +1,24 @@
+"""`ds4station make-model`: write a random-weight DS4 GGUF (the demo model, or any preset shape)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", help="model shape: tiny (demo, default) or flash (the full 284B shape)")
+    p.add_argument("--out", required=True, help="path of the GGUF file to write")
+    p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
+    p.add_argument("--quant", default="q2", choices=["q2", "f16", "f32"],
+                   help="q2: the quant types of the common q2 file (default); f16/f32: float weights")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4station.engine.demo import make_model
+    from ds4station.engine.gguf import GGUFFile
+
+    path = make_model(args.out, preset=args.preset, seed=args.seed, quant=args.quant)
+    f = GGUFFile.open(path)
+    print(f"wrote {path}: {len(f.specs)} tensors, {f.total_bytes / 2**20:.1f} MiB, "
+          f"{f.config.n_layers} layers, vocab {f.config.vocab_size}")
+    return 0

@@ -1,0 +1,71 @@
+"""Random-weight DS4 models: the built-in demo model and any preset shape, written as a real GGUF.
+
+The weights are random but well-scaled (projections ~ 1/sqrt(fan_in), norms ~ 1), quantised blocks are
+random *valid* blocks of the recipe's type, so the file exercises exactly the tensor names, ggml shapes
+and quant types of the real q2 file. Same seed, same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from .config import PRESETS, ModelConfig
+from .gguf import write_gguf
+from .layout import TensorSpec, model_tensors
+from .quants import QTensor, random_blocks
+from .tokenizer import build_demo_vocab, tokenizer_metadata
+
+DEMO_PRESET = "tiny"
+# Bump when the demo model's contents change, so old cached files are not reused.
+DEMO_VERSION = 1
+
+
+def random_weight(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor | QTensor:
+    """One tensor of a random model: float for F32/F16/I32 roles, random valid blocks for quantised ones."""
+    role, shape = spec.role, spec.torch_shape
+    if role == "ffn_gate_tid2eid":  # hash routing: n_used distinct experts per token
+        scores = torch.rand(shape[0], cfg.n_experts, generator=gen)
+        return scores.argsort(dim=-1)[:, : cfg.n_experts_used].to(torch.int32)
+    if role.endswith("norm"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if role in ("hc_attn_scale", "hc_ffn_scale", "output_hc_scale"):
+        return 0.5 + 0.1 * torch.rand(shape, generator=gen)
+    if role in ("hc_attn_base", "hc_ffn_base", "output_hc_base", "attn_sinks", "exp_probs_b"):
+        return 0.5 * torch.randn(shape, generator=gen)
+    fan_in = spec.shape[0]
+    scale = 1.0 if role == "token_embd" else fan_in ** -0.5
+    if role.endswith("_ape"):
+        scale = 0.1
+    if spec.qtype in (Q.F32, Q.F16, Q.BF16):
+        return scale * torch.randn(shape, generator=gen)
+    return QTensor(random_blocks(spec.qtype, spec.n_elements, gen, scale), spec.qtype, shape)
+
+
+def make_model(out: str | os.PathLike[str], preset: str = DEMO_PRESET, seed: int = 0, quant: str = "q2") -> Path:
+    """Write a complete DS4 GGUF of the named shape with random weights and the demo tokenizer."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    cfg = PRESETS[preset]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {s.name: random_weight(s, cfg, gen) for s in model_tensors(cfg, quant)}
+    meta = tokenizer_metadata(build_demo_vocab(cfg.vocab_size))
+    extra = {"general.name": f"ds4station random {preset} ({quant}, seed {seed})"}
+    return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra)
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "ds4station"
+
+
+def demo_model_path() -> Path:
+    """The built-in demo model, created on first use in the user's cache directory."""
+    path = cache_dir() / f"demo-{DEMO_PRESET}-q2-v{DEMO_VERSION}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_model(path)
+    return path
