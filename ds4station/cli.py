@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("ds4station.commands.make_model", "write a DS4 GGUF with random weights (demo model or full shape)"),
     "inspect": ("ds4station.commands.inspect", "print a GGUF's config, tensor check and per-layer bytes"),
+    "generate": ("ds4station.commands.generate", "generate text from a prompt (the demo model by default)"),
 }
 
 

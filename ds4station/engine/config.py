@@ -46,7 +46,9 @@ class ModelConfig:
     hc_eps: float = 1e-6
     compress_ratios: tuple[int, ...] = ()
     swiglu_clamp: tuple[float, ...] = ()
-    swiglu_clamp_shared: float = 0.0  # 0 = no clamp on the shared expert (DeepSeek's reference)
+    # Per layer; empty = the routed clamp. DeepSeek's reference (Expert(..., swiglu_limit)), ds4.c and
+    # transformers all clamp the shared expert like the routed ones; ds4's files carry no key for it.
+    swiglu_clamp_shared: tuple[float, ...] = ()
     rope_base: float = 10000.0
     compress_rope_base: float = 160000.0
     rope_factor: float = 16.0
@@ -64,9 +66,14 @@ class ModelConfig:
             object.__setattr__(self, "compress_ratios", flash_ratios(self.n_layers, 128))
         if not self.swiglu_clamp:
             object.__setattr__(self, "swiglu_clamp", (10.0,) * self.n_layers)
+        if not self.swiglu_clamp_shared:
+            object.__setattr__(self, "swiglu_clamp_shared", self.swiglu_clamp)
+        elif isinstance(self.swiglu_clamp_shared, (int, float)):  # one value for every layer
+            object.__setattr__(self, "swiglu_clamp_shared", (float(self.swiglu_clamp_shared),) * self.n_layers)
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
         # GGUF stores these as f32: keep exactly what a file round trip gives, so configs compare equal.
-        object.__setattr__(self, "swiglu_clamp", tuple(_f32(c) for c in self.swiglu_clamp))
+        for name in ("swiglu_clamp", "swiglu_clamp_shared"):
+            object.__setattr__(self, name, tuple(_f32(c) for c in getattr(self, name)))
         for f in dataclasses.fields(self):
             if f.type == "float":
                 object.__setattr__(self, f.name, _f32(getattr(self, f.name)))
@@ -121,6 +128,8 @@ class ModelConfig:
              f"attention.compress_ratios has {len(self.compress_ratios)} entries, block_count is {self.n_layers}")
         need(len(self.swiglu_clamp) == self.n_layers,
              f"swiglu_clamp_exp has {len(self.swiglu_clamp)} entries, block_count is {self.n_layers}")
+        need(len(self.swiglu_clamp_shared) == self.n_layers,
+             f"swiglu_clamp_shexp has {len(self.swiglu_clamp_shared)} entries, block_count is {self.n_layers}")
         for i, r in enumerate(self.compress_ratios):
             need(r == 0 or r == 4 or (r > 4 and r & (r - 1) == 0),
                  f"attention.compress_ratios[{i}] = {r}: must be 0, 4 or a larger power of two")
@@ -234,6 +243,8 @@ def _to_gguf_value(v: Any) -> Any:
 def _from_gguf_value(v: Any, typ: Any, fname: str) -> Any:
     t = str(typ)
     try:
+        if t.startswith("tuple") and not isinstance(v, (list, tuple)):
+            return float(v)  # a scalar for every layer (swiglu_clamp_shexp in some converters)
         if t.startswith("tuple"):
             seq = list(v)
             return tuple(float(x) for x in seq) if "float" in t else tuple(int(x) for x in seq)

@@ -1,0 +1,501 @@
+"""The fast execution path of one stage: quantised weights in kernel form, preallocated KV, graph decode.
+
+`GpuStage` runs the same DeepSeek-V4 layer slice as the reference `DS4Model` (model.py) and reuses its
+small numerics (norms, RoPE, hyper-connections, round trips) and its `KVCache`, but:
+- weights stay quantised, repacked once into what the Triton kernels read (Q8_0 -> int8 + fp16 scales,
+  IQ2_XXS / Q2_K experts -> packed words); F16 tensors stay fp16;
+- every decode op has a static shape and no host synchronisation, so a whole decode step is captured in
+  one CUDA graph (HIP graph on ROCm) and replayed; the context-dependent parts (indexer keys, compressed
+  rows) are read up to a power-of-two position bucket, one graph per bucket;
+- prefill runs in chunks with bounded scratch: indexer scores are computed over blocks of compressed rows,
+  attention over blocks of queries, never a [T, ctx] x heads tensor.
+On a CPU tensor every kernel call falls back to the kernels' torch references, so the same code is tested
+against the reference model without a GPU (tests/test_gpu_stage.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from ds4station.kernels import moe as moe_k
+from ds4station.kernels.iq2_xxs import PackedIQ2XXS, dequantize_iq2_xxs, repack_iq2_xxs
+from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, repack_q2_k
+from ds4station.kernels.q8_0 import PackedQ8_0, q8_0_matmul, q8_0_matvec, q8_0_matvec_ref, repack_q8_0
+
+from .config import ModelConfig
+from .kv import DEFAULT_CHUNK, Frontier, KVCache
+from .layout import model_tensors
+from .model import (
+    HyperConnection,
+    Rope,
+    RoundTrips,
+    fp4_e2m1_roundtrip,
+    fp8_e4m3_roundtrip,
+    hadamard,
+    rms_norm,
+    swiglu,
+)
+from .quants import QTensor
+
+Tensor = torch.Tensor
+Weight = QTensor | Tensor
+
+MATVEC_MAX_ROWS = 8  # the decode matvec kernels take 1-8 activation rows; more goes to the tiled matmul
+SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score block
+MIN_BUCKET = 4096  # smallest decode position bucket
+
+
+def _q(w: Weight) -> QTensor:
+    if isinstance(w, QTensor):
+        return w
+    if w.dtype == torch.int32:
+        return QTensor(w.contiguous().view(torch.uint8).view(-1), Q.I32, tuple(w.shape))
+    return QTensor(w.float().contiguous().view(torch.uint8).view(-1), Q.F32, tuple(w.shape))
+
+
+def _dense(w: Weight, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """A float weight on the device; F16 raw blocks are viewed, not dequantised, on the way."""
+    q = _q(w)
+    if q.qtype == Q.F16:
+        t = q.data.view(torch.float16).view(q.shape)
+    elif q.qtype == Q.I32:
+        return q.data.view(torch.int32).view(q.shape).to(device)
+    else:
+        t = q.dequantize()
+    return t.to(device=device, dtype=dtype)
+
+
+class Linear:
+    """y = x @ W^T in fp32, with W in the form its kernel reads. `groups` = G splits W's rows into G
+    groups, group g reading x[:, g*K:(g+1)*K] (the grouped attention output projection)."""
+
+    def __init__(self, w: Weight, device: torch.device, groups: int = 1) -> None:
+        q = _q(w)
+        self.groups = groups
+        self.n, self.k = q.shape[0], q.shape[-1]
+        self.packed: PackedQ8_0 | None = None
+        self.dense: Tensor | None = None
+        if q.qtype == Q.Q8_0:
+            self.packed = repack_q8_0(q.data.to(device), self.k)
+        else:  # F16 stays fp16 on a GPU (no bf16: Vega20 has none); exact fp32 on CPU
+            self.dense = _dense(q, device, torch.float16 if device.type == "cuda" else torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes if self.packed is not None else self.dense.numel() * self.dense.element_size()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.dense is not None:
+            if self.groups == 1:
+                return (x.to(self.dense.dtype) @ self.dense.T).float()
+            xg = x.to(self.dense.dtype).view(x.shape[0], self.groups, self.k)
+            return torch.einsum("mgk,gnk->mgn", xg, self.dense.view(self.groups, -1, self.k)).flatten(1).float()
+        w = self.packed
+        if not x.is_cuda:
+            return q8_0_matvec_ref(x.float(), w, self.groups, out_dtype=torch.float32)
+        if x.shape[0] <= MATVEC_MAX_ROWS:
+            return q8_0_matvec(x, w, self.groups, out_dtype=torch.float32)
+        if self.groups == 1:
+            return q8_0_matmul(x, w, out_dtype=torch.float32)
+        rows = self.n // self.groups
+        return torch.cat([q8_0_matmul(x[:, g * self.k:(g + 1) * self.k],
+                                      PackedQ8_0(w.qs[g * rows:(g + 1) * rows], w.d[g * rows:(g + 1) * rows]),
+                                      out_dtype=torch.float32) for g in range(self.groups)], dim=1)
+
+
+def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K:
+    q = _q(w)
+    k = q.shape[-1]
+    raw = q.data.to(device).view(*q.shape[:-1], -1)  # [E, N, row bytes]
+    if q.qtype == Q.IQ2_XXS:
+        return repack_iq2_xxs(raw, k)
+    if q.qtype == Q.Q2_K:
+        return repack_q2_k(raw, k)
+    raise NotImplementedError(f"the GPU path has expert kernels for IQ2_XXS and Q2_K, not {q.qtype.name}; "
+                              "use the reference engine (--device cpu) for this file")
+
+
+class Experts:
+    """A layer's routed experts, packed: gate/up [E, F, D], down [E, D, F]."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight, clamp: float, device: torch.device) -> None:
+        self.gate, self.up, self.down = (_pack_experts(w, device) for w in (gate, up, down))
+        self.clamp = clamp if clamp > 0 else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor) -> Tensor:
+        """xn [T, D], ids / wts [T, S] -> [T, D] fp32."""
+        if xn.shape[0] <= MATVEC_MAX_ROWS:
+            fn = moe_k.moe_decode if xn.is_cuda else moe_k.moe_decode_ref
+            return fn(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
+        # Prefill: each used expert is dequantised once to fp16 and multiplied with all its tokens.
+        y = torch.zeros(xn.shape, dtype=torch.float32, device=xn.device)
+        dt = torch.float16 if xn.is_cuda else torch.float32
+        x = xn.to(dt)
+        for e in ids.unique().tolist():
+            t, slot = torch.where(ids == e)
+            g = x[t] @ _expert_weight(self.gate, e, dt).T
+            u = x[t] @ _expert_weight(self.up, e, dt).T
+            h = swiglu(g.float(), u.float(), self.clamp or 0.0) * wts[t, slot, None]
+            y.index_add_(0, t, (h.to(dt) @ _expert_weight(self.down, e, dt).T).float())
+        return y
+
+
+def _expert_weight(w: PackedIQ2XXS | PackedQ2K, e: int, dtype: torch.dtype) -> Tensor:
+    one = moe_k._expert(w, e)
+    return (dequantize_iq2_xxs(one) if isinstance(one, PackedIQ2XXS) else dequantize_q2_k(one)).to(dtype)
+
+
+# ---- one layer's weights -----------------------------------------------------------------------------------
+@dataclass
+class CompressorW:
+    kv: Linear
+    gate: Linear
+    ape: Tensor  # [r, coff*d] fp32
+    norm: Tensor  # [d]
+    ratio: int
+    d: int
+
+    @property
+    def coff(self) -> int:
+        return self.kv.n // self.d
+
+
+class GpuLayer:
+    def __init__(self, cfg: ModelConfig, i: int, w: Mapping[str, Weight], dev: torch.device) -> None:
+        p = f"blk.{i}"
+
+        def f32(name: str) -> Tensor:
+            return _dense(w[f"{p}.{name}"], dev, torch.float32)
+
+        def lin(name: str, groups: int = 1) -> Linear:
+            return Linear(w[f"{p}.{name}.weight"], dev, groups)
+
+        self.layer, self.ratio = i, cfg.ratio(i)
+        self.hc_attn = HyperConnection(f32("hc_attn_fn.weight"), f32("hc_attn_scale.weight"),
+                                       f32("hc_attn_base.weight"), cfg)
+        self.hc_ffn = HyperConnection(f32("hc_ffn_fn.weight"), f32("hc_ffn_scale.weight"),
+                                      f32("hc_ffn_base.weight"), cfg)
+        self.attn_norm, self.ffn_norm = f32("attn_norm.weight"), f32("ffn_norm.weight")
+        self.q_a, self.q_a_norm, self.q_b = lin("attn_q_a"), f32("attn_q_a_norm.weight"), lin("attn_q_b")
+        self.kv, self.kv_norm = lin("attn_kv"), f32("attn_kv_a_norm.weight")
+        self.sinks = f32("attn_sinks.weight")
+        self.out_a, self.out_b = lin("attn_output_a", cfg.o_groups), lin("attn_output_b")
+        self.rope = Rope(cfg, compressed=self.ratio > 0, device=dev)
+        self.comp = self.index_comp = None
+        if self.ratio:
+            self.comp = CompressorW(lin("attn_compressor_kv"), lin("attn_compressor_gate"),
+                                    f32("attn_compressor_ape.weight"), f32("attn_compressor_norm.weight"),
+                                    self.ratio, cfg.head_dim)
+        if cfg.has_indexer(i):
+            self.index_comp = CompressorW(lin("indexer_compressor_kv"), lin("indexer_compressor_gate"),
+                                          f32("indexer_compressor_ape.weight"), f32("indexer_compressor_norm.weight"),
+                                          4, cfg.index_dim)
+            self.index_q_b, self.index_proj = lin("indexer.attn_q_b"), lin("indexer.proj")
+        self.gate_inp = lin("ffn_gate_inp")
+        self.tid2eid = _dense(w[f"{p}.ffn_gate_tid2eid.weight"], dev, torch.int32).long() \
+            if cfg.is_hash_layer(i) else None
+        self.bias = None if cfg.is_hash_layer(i) else f32("exp_probs_b.bias")
+        self.experts = Experts(w[f"{p}.ffn_gate_exps.weight"], w[f"{p}.ffn_up_exps.weight"],
+                               w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev)
+        self.shared = tuple(lin(f"ffn_{k}_shexp") for k in ("gate", "up", "down")) if cfg.n_shared_experts else None
+
+
+# ---- the stage -----------------------------------------------------------------------------------------------
+@dataclass
+class Step:
+    """Where a forward call sits: positions pos [T] (device) and, for prefill, their host bounds.
+    `bucket` > 0 marks a static-shape decode step that reads context up to `bucket` positions."""
+
+    pos: Tensor
+    p0: int | None
+    p1: int | None
+    bucket: int = 0
+
+    @property
+    def decode(self) -> bool:
+        return self.bucket > 0
+
+
+class GpuStage:
+    """Layers `layers` of DeepSeek-V4 with the embedding and/or head, on one device (GPU, or CPU for tests)."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, Weight], layers: range | None = None, *,
+                 embed: bool = True, output: bool = True, device: str | torch.device = "cuda",
+                 round_trips: RoundTrips = RoundTrips()) -> None:
+        self.cfg, self.device = cfg, torch.device(device)
+        self.layers = range(cfg.n_layers) if layers is None else layers
+        self.has_embed, self.has_output, self.rt = embed, output, round_trips
+        needed = [s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed, output=output)]
+        missing = [n for n in needed if n not in weights]
+        if missing:
+            raise KeyError(f"weights for the stage are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        if self.device.type == "cuda":  # fp16 GEMMs accumulate in fp32, as the reference does
+            torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        dev = self.device
+        self.token_embd = _dense(weights["token_embd.weight"], dev, torch.float16 if dev.type == "cuda"
+                                 else torch.float32) if embed else None
+        self.blocks = [GpuLayer(cfg, i, weights, dev) for i in self.layers]
+        if output:
+            self.out_hc = HyperConnection(*(_dense(weights[f"output_hc_{k}.weight"], dev, torch.float32)
+                                            for k in ("fn", "scale", "base")), cfg)
+            self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
+            self.output = Linear(weights["output.weight"], dev)
+        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+
+    # ---- building blocks -----------------------------------------------------------------------------------
+    def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0) -> KVCache:
+        return KVCache(self.cfg, self.layers, ctx, chunk=chunk, rollback=rollback, device=self.device)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        x = self.token_embd[tokens].float()
+        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def head(self, X: Tensor) -> Tensor:
+        cfg = self.cfg
+        mix = (X.flatten(1) @ self.out_hc.fn.T) * torch.rsqrt(X.flatten(1).square().mean(-1, keepdim=True)
+                                                              + cfg.rms_eps)
+        pre = torch.sigmoid(mix * self.out_hc.scale + self.out_hc.base) + cfg.hc_eps
+        return self.output(rms_norm((pre.unsqueeze(-1) * X).sum(1), self.output_norm, cfg.rms_eps))
+
+    def _kv_round_trip(self, x: Tensor) -> Tensor:
+        if not self.rt.fp8_kv:
+            return x
+        nope = self.cfg.nope_dim
+        return torch.cat((fp8_e4m3_roundtrip(x[..., :nope]), x[..., nope:]), dim=-1)
+
+    def _index_round_trip(self, x: Tensor) -> Tensor:
+        return fp4_e2m1_roundtrip(hadamard(x)) if self.rt.indexer_fp4 else x
+
+    def _compress(self, c: CompressorW, rope: Rope, xn: Tensor, st: Step, frontier: Frontier, rows: Tensor,
+                  finish) -> None:
+        """Project into the frontier and write the rows of blocks closing at these positions. Decode
+        always pools the current block and keeps the result only if the block closes (no host branch)."""
+        r, d, coff = c.ratio, c.d, c.coff
+        kv = c.kv(xn)
+        score = c.gate(xn) + c.ape[st.pos % r]
+        frontier.write(st.pos, kv, score)
+        if st.decode:
+            blocks, keep = st.pos // r, (st.pos + 1) % r == 0  # [1], [1]
+        else:
+            blocks, keep = torch.arange(st.p0 // r, st.p1 // r, device=xn.device), None
+            if blocks.numel() == 0:
+                return
+        src = blocks[:, None] * r - (coff - 1) * r + torch.arange(coff * r, device=xn.device)
+        kv_s, sc_s = frontier.read(src)  # [B, coff*r, coff*d]
+        if coff == 2:
+            kv_s = torch.cat((kv_s[:, :r, :d], kv_s[:, r:, d:]), dim=1)
+            sc_s = torch.cat((sc_s[:, :r, :d], sc_s[:, r:, d:]), dim=1)
+        pooled = (sc_s.softmax(dim=1) * kv_s).sum(1)
+        new = finish(rope(rms_norm(pooled, c.norm, self.cfg.rms_eps), blocks * r)).to(rows.dtype)
+        if keep is not None:
+            new = torch.where(keep[:, None], new, rows[blocks])
+        rows[blocks] = new
+
+    def _index(self, L: GpuLayer, xn: Tensor, qr: Tensor, st: Step, kv) -> tuple[Tensor, Tensor]:
+        """Lightning indexer -> (selected block ids [T, k], valid [T, k])."""
+        cfg, T = self.cfg, xn.shape[0]
+        self._compress(L.index_comp, L.rope, xn, st, kv.index_frontier, kv.index_keys, self._index_round_trip)
+        n_blocks = st.bucket // 4 if st.decode else st.p1 // 4
+        k = min(cfg.index_topk, max(n_blocks, 1))
+        if n_blocks == 0:
+            z = torch.zeros(T, k, dtype=torch.long, device=xn.device)
+            return z, z.bool()
+        q = self._index_round_trip(L.rope(L.index_q_b(qr).view(T, cfg.index_heads, cfg.index_dim), st.pos))
+        w = L.index_proj(xn) * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)  # [T, IH]
+        keys = kv.index_keys
+        score = torch.empty(T, n_blocks, device=xn.device)
+        step = max(64, SCRATCH_BYTES // (4 * T * cfg.index_heads))
+        for n0 in range(0, n_blocks, step):  # bounded scratch: [T, IH, step]
+            kb = keys[n0:min(n0 + step, n_blocks)].float()
+            score[:, n0:n0 + kb.shape[0]] = torch.einsum("th,thn->tn", w, torch.einsum("thd,nd->thn", q, kb).relu())
+        visible = (torch.arange(n_blocks, device=xn.device)[None] + 1) * 4 <= st.pos[:, None] + 1
+        # Stable sort, not topk: tied scores (every head's relu at 0) pick the earlier block, as the reference does.
+        top = torch.sort(score.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+        return top, visible.gather(1, top)
+
+    def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
+        cfg, T = self.cfg, xn.shape[0]
+        H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
+        qr = rms_norm(L.q_a(xn), L.q_a_norm, eps)
+        q = L.rope(rms_norm(L.q_b(qr).view(T, H, D), None, eps), st.pos)
+        kv.write_raw(st.pos, self._kv_round_trip(L.rope(rms_norm(L.kv(xn), L.kv_norm, eps), st.pos)))
+        raw_pos = st.pos[0] - (W - 1) + torch.arange(W + T - 1, device=xn.device)  # static count
+        keys_w = kv.read_raw(raw_pos.clamp(min=0))
+        allow_w = (raw_pos[None] <= st.pos[:, None]) & (raw_pos[None] > st.pos[:, None] - W) & (raw_pos[None] >= 0)
+        keys_c = allow_c = None
+        if L.comp is not None:
+            self._compress(L.comp, L.rope, xn, st, kv.comp_frontier, kv.comp, self._kv_round_trip)
+            if L.index_comp is not None:
+                top, valid = self._index(L, xn, qr, st, kv)
+                keys_c, allow_c = top, valid  # per-query rows, gathered per query block below
+            else:
+                n_blocks = (st.bucket if st.decode else st.p1) // L.ratio
+                keys_c = kv.comp[:n_blocks]
+                allow_c = (torch.arange(n_blocks, device=xn.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
+        o = self._attend(q, keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed=L.index_comp is not None)
+        o = L.rope(o, st.pos, inverse=True)
+        return L.out_b(L.out_a(o.reshape(T, -1)))
+
+    def _attend(self, q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
+                sinks: Tensor, indexed: bool) -> Tensor:
+        """Sink attention of q [T, H, D] over shared window keys kw [Nw, D] (mask aw [T, Nw]) and compressed
+        rows: shared kc [Nc, D] (mask ac [T, Nc]) or, indexed, per-query row ids kc [T, k] into comp.
+        Queries go in blocks so the logits never exceed SCRATCH_BYTES."""
+        T, H, D = q.shape
+        scale = D ** -0.5
+        n_keys = kw.shape[0] + (0 if kc is None else kc.shape[-1] if indexed else kc.shape[0])
+        per_query = 4 * (H * max(n_keys, 1) + (kc.shape[-1] * D if indexed else 0))  # logits + gathered rows
+        qb = max(1, SCRATCH_BYTES // per_query)
+        out = []
+        for t0 in range(0, T, qb):
+            qs, sl = q[t0:t0 + qb], slice(t0, t0 + qb)
+            z = torch.einsum("thd,nd->thn", qs, kw) * scale
+            mask = aw[sl]
+            if kc is not None:
+                if indexed:
+                    rows = comp[kc[sl]].float()  # [t, k, D]
+                    zc = torch.einsum("thd,tkd->thk", qs, rows) * scale
+                else:
+                    rows = kc.float()
+                    zc = torch.einsum("thd,nd->thn", qs, rows) * scale
+                z, mask = torch.cat((z, zc), -1), torch.cat((mask, ac[sl]), -1)
+            z = z.masked_fill(~mask.unsqueeze(1), float("-inf"))
+            m = torch.maximum(z.amax(-1), sinks)
+            e = torch.exp(z - m.unsqueeze(-1))
+            p = e / (e.sum(-1) + torch.exp(sinks - m)).unsqueeze(-1)
+            nw = kw.shape[0]
+            o = torch.einsum("thn,nd->thd", p[..., :nw], kw)
+            if kc is not None:
+                o = o + (torch.einsum("thk,tkd->thd", p[..., nw:], rows) if indexed
+                         else torch.einsum("thn,nd->thd", p[..., nw:], rows))
+            out.append(o)
+        return torch.cat(out)
+
+    def _moe(self, L: GpuLayer, xn: Tensor, tokens: Tensor) -> Tensor:
+        cfg = self.cfg
+        p = torch.sqrt(F.softplus(L.gate_inp(xn)))  # [T, E]
+        ids = L.tid2eid[tokens] if L.tid2eid is not None else (p + L.bias).topk(cfg.n_experts_used, dim=-1).indices
+        wts = p.gather(1, ids)
+        if cfg.expert_weights_norm:
+            wts = wts / wts.sum(-1, keepdim=True)
+        y = L.experts(xn, ids, wts * cfg.expert_weights_scale)
+        if L.shared is not None:
+            g, u, d = L.shared
+            y = y + d(swiglu(g(xn), u(xn), cfg.swiglu_clamp_shared[L.layer]))
+        return y
+
+    def run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
+        eps = self.cfg.rms_eps
+        for L in self.blocks:
+            kv = cache[L.layer]
+            x, post, comb = L.hc_attn.pre(X)
+            X = HyperConnection.post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
+            x, post, comb = L.hc_ffn.pre(X)
+            X = HyperConnection.post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens), X, post, comb)
+        return X
+
+    # ---- public forward ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, tokens: Tensor | list[int], cache: KVCache) -> Tensor:
+        """Append tokens to the cache in chunks of cache.chunk -> logits of the last position [vocab]."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+        logits = None
+        for s in range(0, tokens.numel(), cache.chunk):
+            t = tokens[s:s + cache.chunk]
+            cache.check_room(t.numel())
+            p0 = cache.length
+            st = Step(torch.arange(p0, p0 + t.numel(), device=self.device), p0, p0 + t.numel())
+            X = self.run_layers(self.embed(t), t, cache, st)
+            cache.length += t.numel()
+            logits = self.head(X[-1:])[0]
+        return logits
+
+    def bucket(self, cache: KVCache) -> int:
+        """Decode reads context up to this many positions: a power of two > the position decoded (or ctx)."""
+        return min(max(MIN_BUCKET, 1 << cache.length.bit_length()), cache.ctx)
+
+    @torch.inference_mode()
+    def decode(self, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
+        """One token -> logits [vocab]. On CUDA the step replays a captured graph (one per cache and
+        position bucket); `graph=False` runs the same ops eagerly."""
+        cache.check_room(1)
+        use_graph = self.device.type == "cuda" if graph is None else graph
+        bucket = self.bucket(cache)
+        if not use_graph:
+            t = torch.tensor([token], device=self.device)
+            st = Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
+            logits = self.head(self.run_layers(self.embed(t), t, cache, st))[0]
+        else:
+            key = (id(cache), bucket)
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = _DecodeGraph(self, cache, bucket)
+            logits = g.run(token, cache.length)
+        cache.length += 1
+        return logits
+
+    def drop_graphs(self, cache: KVCache) -> None:
+        """Release the decode graphs captured for a cache (when its session ends)."""
+        for key in [k for k in self._graphs if k[0] == id(cache)]:
+            del self._graphs[key]
+
+
+class _DecodeGraph:
+    """One decode step captured in a CUDA graph, over static token / position buffers."""
+
+    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int) -> None:
+        dev = stage.device
+        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)
+        st = Step(self.pos, None, None, bucket)
+
+        def step() -> Tensor:
+            return stage.head(stage.run_layers(stage.embed(self.tok), self.tok, cache, st))[0]
+
+        # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
+        # position's KV slots, which the real replay overwrites with the same position's values.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = step()
+
+    def run(self, token: int, position: int) -> Tensor:
+        self.tok.fill_(token)
+        self.pos.fill_(position)
+        self.graph.replay()
+        return self.logits
+
+
+def random_stage_weights(cfg: ModelConfig, recipe: str = "q2", layers: range | None = None, *, embed: bool = True,
+                         output: bool = True, device: str | torch.device = "cuda", seed: int = 0) -> dict[str, Weight]:
+    """Random valid weights of the layout built directly on `device` (the full Flash shape fits an H200
+    without any file): quantised tensors as random valid blocks, small float tensors as demo.py makes them."""
+    from .demo import random_weight
+    from .quants import random_blocks
+
+    device = torch.device(device)
+    gen_dev = torch.Generator(device=device).manual_seed(seed)
+    gen_cpu = torch.Generator().manual_seed(seed)
+    out: dict[str, Weight] = {}
+    for spec in model_tensors(cfg, recipe, layers, embed=embed, output=output):
+        if spec.qtype in (Q.F32, Q.I32):
+            w = random_weight(spec, cfg, gen_cpu)
+            out[spec.name] = w.to(device) if isinstance(w, Tensor) else w
+        else:
+            scale = 1.0 if spec.role == "token_embd" else 0.1 if spec.role.endswith("_ape") else spec.shape[0] ** -0.5
+            out[spec.name] = QTensor(random_blocks(spec.qtype, spec.n_elements, gen_dev, scale), spec.qtype,
+                                     spec.torch_shape)
+    return out

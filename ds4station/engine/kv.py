@@ -1,0 +1,181 @@
+"""The per-sequence KV cache of one layer slice: what DeepSeek-V4 keeps between tokens, by layer type.
+
+Every layer keeps a raw ring of its shared K=V rows (the sliding window). Compressed layers (ratio r > 0)
+also keep the compressed rows (one per closed block of r positions) and the compressor's *frontier*: the
+projected kv and gate scores of recent positions, from which the next block is pooled. Ratio-4 layers
+additionally keep the lightning indexer's own compressed keys and frontier.
+
+Rings are larger than the model strictly needs, by `slack = max(chunk, rollback)` positions:
+- a prefill chunk of up to `chunk` tokens writes all its rows into the ring before attending to it;
+- `truncate(n)` can roll the sequence back by up to `slack` tokens (live-KV prefix reuse in the server),
+  because the raw rows and frontier projections that position n needs are still in the rings.
+
+Sizes come from `kv_bytes`, a closed formula the planner uses; `KVCache.nbytes()` equals it (tested).
+Raw/compressed rows and indexer keys are stored in `dtype`; frontiers always in float32 because the
+compressor pools in fp32 (DeepSeek's reference: "compression need fp32").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import ModelConfig
+
+DEFAULT_CHUNK = 256
+
+
+def _slack(chunk: int, rollback: int) -> int:
+    return max(chunk, rollback)
+
+
+def _frontier_rows(ratio: int, slack: int) -> int:
+    """Positions a compressor frontier ring holds: the pooled span (2r overlapping, r otherwise) + slack."""
+    coff = 2 if ratio == 4 else 1
+    return coff * ratio + slack
+
+
+def kv_bytes(cfg: ModelConfig, layers: range | None, ctx: int, dtype: torch.dtype = torch.float32, *,
+             chunk: int = DEFAULT_CHUNK, rollback: int = 0) -> int:
+    """Bytes `KVCache(cfg, layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback)` allocates."""
+    layers = range(cfg.n_layers) if layers is None else layers
+    item = torch.empty((), dtype=dtype).element_size()
+    f32 = 4
+    slack = _slack(chunk, rollback)
+    total = 0
+    for i in layers:
+        r = cfg.ratio(i)
+        total += (cfg.window + slack) * cfg.head_dim * item  # raw ring
+        if r:
+            total += math.ceil(ctx / r) * cfg.head_dim * item  # compressed rows
+            total += 2 * _frontier_rows(r, slack) * cfg.compressor_width(i) * f32  # kv + score
+        if cfg.has_indexer(i):
+            total += math.ceil(ctx / 4) * cfg.index_dim * item  # indexer keys
+            total += 2 * _frontier_rows(4, slack) * 2 * cfg.index_dim * f32
+    return total
+
+
+def kv_bytes_per_token(cfg: ModelConfig, layers: range | None = None, dtype: torch.dtype = torch.float32) -> float:
+    """Bytes per token of context (compressed rows + indexer keys), the part that grows with ctx."""
+    layers = range(cfg.n_layers) if layers is None else layers
+    item = torch.empty((), dtype=dtype).element_size()
+    per = 0.0
+    for i in layers:
+        r = cfg.ratio(i)
+        if r:
+            per += cfg.head_dim * item / r
+        if cfg.has_indexer(i):
+            per += cfg.index_dim * item / 4
+    return per
+
+
+class Frontier:
+    """Ring of a compressor's per-position projections (kv [width] and gate score + ape [width])."""
+
+    def __init__(self, rows: int, width: int, device: torch.device | str | None) -> None:
+        self.rows = rows
+        self.kv = torch.zeros(rows, width, dtype=torch.float32, device=device)
+        self.score = torch.zeros(rows, width, dtype=torch.float32, device=device)
+
+    def write(self, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
+        """pos [T] absolute positions, kv/score [T, width]."""
+        slots = pos % self.rows
+        self.kv[slots] = kv.float()
+        self.score[slots] = score.float()
+
+    def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos [...] -> kv, score [..., width]; positions < 0 read as kv = 0, score = -inf (no weight)."""
+        slots = pos.clamp(min=0) % self.rows
+        kv, score = self.kv[slots], self.score[slots]
+        before = (pos < 0).unsqueeze(-1)
+        return kv.masked_fill(before, 0.0), score.masked_fill(before, float("-inf"))
+
+    def nbytes(self) -> int:
+        return self.kv.nbytes + self.score.nbytes
+
+
+@dataclass
+class LayerKV:
+    """One layer's cache; fields a layer type does not use are None."""
+
+    raw: torch.Tensor  # [window + slack, head_dim] ring, row of position p at p % len
+    comp: torch.Tensor | None = None  # [ceil(ctx / r), head_dim] compressed rows, block i at i
+    comp_frontier: Frontier | None = None
+    index_keys: torch.Tensor | None = None  # [ceil(ctx / 4), index_dim]
+    index_frontier: Frontier | None = None
+
+    def write_raw(self, pos: torch.Tensor, rows: torch.Tensor) -> None:
+        self.raw[pos % self.raw.shape[0]] = rows.to(self.raw.dtype)
+
+    def read_raw(self, pos: torch.Tensor) -> torch.Tensor:
+        """pos [N] (all >= 0 and within the ring's reach) -> rows [N, head_dim] float32."""
+        return self.raw[pos % self.raw.shape[0]].float()
+
+    def nbytes(self) -> int:
+        n = self.raw.nbytes
+        for t in (self.comp, self.index_keys):
+            n += 0 if t is None else t.nbytes
+        for f in (self.comp_frontier, self.index_frontier):
+            n += 0 if f is None else f.nbytes()
+        return n
+
+
+class KVCache:
+    """The cache of one sequence for the layers of one slice, sized for `ctx` positions."""
+
+    def __init__(self, cfg: ModelConfig, layers: range | None, ctx: int, *, dtype: torch.dtype = torch.float32,
+                 chunk: int = DEFAULT_CHUNK, rollback: int = 0, device: torch.device | str | None = None) -> None:
+        if ctx <= 0 or chunk <= 0 or rollback < 0:
+            raise ValueError(f"bad KV cache size: ctx={ctx}, chunk={chunk}, rollback={rollback}")
+        self.cfg, self.ctx, self.dtype, self.chunk, self.rollback = cfg, ctx, dtype, chunk, rollback
+        self.layer_range = range(cfg.n_layers) if layers is None else layers
+        self.slack = _slack(chunk, rollback)
+        self.length = 0  # positions written so far (the next token's position)
+        self.layers: dict[int, LayerKV] = {}
+        for i in self.layer_range:
+            r = cfg.ratio(i)
+            kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device))
+            if r:
+                kv.comp = torch.zeros(math.ceil(ctx / r), cfg.head_dim, dtype=dtype, device=device)
+                kv.comp_frontier = Frontier(_frontier_rows(r, self.slack), cfg.compressor_width(i), device)
+            if cfg.has_indexer(i):
+                kv.index_keys = torch.zeros(math.ceil(ctx / 4), cfg.index_dim, dtype=dtype, device=device)
+                kv.index_frontier = Frontier(_frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
+            self.layers[i] = kv
+
+    def __getitem__(self, layer: int) -> LayerKV:
+        return self.layers[layer]
+
+    def nbytes(self) -> int:
+        return sum(kv.nbytes() for kv in self.layers.values())
+
+    @property
+    def max_rollback(self) -> int:
+        """How far back `truncate` can always go: the rings keep `slack` positions beyond what decoding needs."""
+        return self.slack
+
+    def check_room(self, n_new: int) -> None:
+        if n_new > self.chunk:
+            raise ValueError(f"{n_new} tokens in one step exceed the cache's chunk size {self.chunk}; split them")
+        if self.length + n_new > self.ctx:
+            raise ValueError(f"context full: {self.length} + {n_new} tokens exceed ctx {self.ctx}; "
+                             "start a new session or load with a larger --ctx")
+
+    def truncate(self, n: int) -> bool:
+        """Roll the sequence back to its first `n` positions. False (cache unchanged) when the rings no
+        longer hold what position n needs, i.e. when going back more than `max_rollback` tokens."""
+        if n < 0 or n > self.length:
+            return False
+        if n == self.length:
+            return True
+        if self.length - n > self.slack:
+            return False
+        # Compressed rows of blocks that closed after n, frontier and ring entries at positions >= n are
+        # simply overwritten later: every read is bounded by `length`.
+        self.length = n
+        return True
+
+    def reset(self) -> None:
+        self.length = 0

@@ -1,0 +1,500 @@
+"""DeepSeek-V4-Flash in plain PyTorch: the numerical reference for every kernel and faster path.
+
+Written from /work/shared/DS4-MODEL.md and checked against DeepSeek's reference `inference/model.py`,
+antirez/ds4 `ds4.c` and transformers' `DeepseekV4ForCausalLM` (tests/test_model_transformers.py).
+Everything is fp32, one sequence (no batch dimension), one code path: a forward over T new tokens at
+positions p0..p0+T-1 reads and extends a `KVCache`. A full-sequence forward is that with an empty cache;
+decoding is T = 1; chunked prefill is several calls. Shapes in comments: T new tokens, N keys, H heads,
+D head_dim, C hc_mult, E experts.
+
+A `DS4Model` is any contiguous layer slice, with or without the embedding and the output head, so a
+pipeline stage builds and runs exactly its part: embed() -> run_layers() -> head().
+
+The quantisation-aware round trips of the real model (FP8 e4m3 on the non-RoPE KV dims; Hadamard + FP4
+e2m1 in the lightning indexer) are on by default and switchable (`RoundTrips`) for comparisons with
+references that lack them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kv import DEFAULT_CHUNK, Frontier, KVCache, LayerKV
+from .layout import model_tensors
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class RoundTrips:
+    """The model's quantisation-aware-training round trips (both on in the real model)."""
+
+    fp8_kv: bool = True  # FP8 e4m3 on KV dims [:nope] of raw and compressed rows
+    indexer_fp4: bool = True  # Hadamard-128 rotation + FP4 e2m1 on indexer queries and keys
+
+
+OFF = RoundTrips(fp8_kv=False, indexer_fp4=False)
+
+
+# ---- small numerics ------------------------------------------------------------------------------------
+def rms_norm(x: Tensor, weight: Tensor | None, eps: float) -> Tensor:
+    """x [..., n] -> x / rms(x) (* weight)."""
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def _pow2_ceil(x: Tensor) -> Tensor:
+    return torch.exp2(torch.ceil(torch.log2(x)))
+
+
+def fp8_e4m3_roundtrip(x: Tensor, block: int = 64) -> Tensor:
+    """Quantise/dequantise the last dim in blocks with power-of-two scales (UE8M0), like DeepSeek's
+    act_quant(..., scale_fmt="ue8m0") and ds4's dsv4_fp8_kv_quantize_row: scale = 2^ceil(log2(amax/448)),
+    amax floored at 1e-4, values rounded to the nearest e4m3 value (ties to even)."""
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=1e-4)
+    scale = _pow2_ceil(amax / 448.0)
+    q = (xb / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+# e2m1 magnitudes and the rounding thresholds between neighbours. A tie goes to the even code
+# (0, 1, 2, 4 at codes 0, 2, 4, 6), as ds4's dsv4_e2m1fn_dequant_cpu does: ties at 0.25, 1.25, 2.5, 5 round
+# down, ties at 0.75, 1.75, 3.5 round up.
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def fp4_e2m1_roundtrip(x: Tensor, block: int = 32) -> Tensor:
+    """FP4 e2m1 quantise/dequantise in blocks, scale = 2^ceil(log2(amax / 6)) (DeepSeek fp4_act_quant)."""
+    xb = x.float().unflatten(-1, (-1, block))
+    amax = xb.abs().amax(-1, keepdim=True).clamp(min=6 * 2.0**-126)
+    scale = _pow2_ceil(amax / 6.0)
+    v = (xb / scale).clamp(-6.0, 6.0)
+    a = v.abs()
+    code = torch.zeros_like(a, dtype=torch.long)
+    for t, tie_up in _E2M1_UP:
+        code += (a >= t if tie_up else a > t).long()
+    q = torch.tensor(_E2M1, device=x.device)[code] * torch.sign(v)
+    return (q * scale).flatten(-2).to(x.dtype)
+
+
+def hadamard(x: Tensor) -> Tensor:
+    """Orthonormal Walsh-Hadamard transform of the last dim (Sylvester order, scale n^-1/2), by butterflies."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"Hadamard size {n} is not a power of two")
+    shape = x.shape
+    y = x.reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(shape) * n**-0.5).to(x.dtype)
+
+
+# ---- rotary embedding ----------------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig, compressed: bool) -> Tensor:
+    """Per-pair frequencies [rope_dim / 2]. Window-only layers: plain, base rope_base. Compressed layers
+    (and their indexer): base compress_rope_base with YaRN interpolation, without YaRN's magnitude scaling
+    (DeepSeek's precompute_freqs_cis; ds4 cancels the mscale explicitly)."""
+    n = cfg.rope_dim
+    base = cfg.compress_rope_base if compressed else cfg.rope_base
+    freqs = 1.0 / (base ** (torch.arange(0, n, 2, dtype=torch.float32) / n))
+    if compressed and cfg.rope_factor > 1 and cfg.rope_orig_ctx > 0:
+        def corr_dim(rot: float) -> float:
+            return n * math.log(cfg.rope_orig_ctx / (rot * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr_dim(cfg.beta_fast)), 0)
+        high = min(math.ceil(corr_dim(cfg.beta_slow)), n - 1)
+        ramp = ((torch.arange(n // 2, dtype=torch.float32) - low) / max(high - low, 0.001)).clamp(0, 1)
+        freqs = freqs / cfg.rope_factor * ramp + freqs * (1 - ramp)
+    return freqs
+
+
+class Rope:
+    """Interleaved-pair RoPE (x[2i], x[2i+1]) on the LAST rope_dim dims of a vector."""
+
+    def __init__(self, cfg: ModelConfig, compressed: bool, device: torch.device | None = None) -> None:
+        self.dim = cfg.rope_dim
+        self.inv_freq = rope_inv_freq(cfg, compressed).to(device)
+
+    def __call__(self, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
+        """x [T, ..., n], pos [T] -> x with its tail rotated by angle pos * freq (negative when inverse)."""
+        ang = pos.float()[:, None] * self.inv_freq  # [T, rd/2]
+        ang = ang.view(ang.shape[0], *([1] * (x.dim() - 2)), -1)
+        cos, sin = ang.cos(), ang.sin()
+        if inverse:
+            sin = -sin
+        tail = x[..., -self.dim:].unflatten(-1, (-1, 2))
+        a, b = tail[..., 0], tail[..., 1]
+        rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+        return torch.cat((x[..., : -self.dim], rot), dim=-1)
+
+
+# ---- hyper-connections (mHC) ---------------------------------------------------------------------------
+def hc_mix(X: Tensor, fn: Tensor, rms_eps: float) -> Tensor:
+    """X [T, C, dim] -> mix = (fn @ flatten(X)) / rms(flatten(X))  [T, M]."""
+    xf = X.flatten(1)  # [T, C*dim], stream-major
+    return (xf @ fn.T) * torch.rsqrt(xf.square().mean(-1, keepdim=True) + rms_eps)
+
+
+def sinkhorn(logits: Tensor, iters: int, eps: float) -> Tensor:
+    """[..., C, C] -> near doubly-stochastic: row softmax + eps, column-normalise, then iters-1 rounds of
+    (row, column) normalisation, each denominator + eps (DeepSeek hc_split_sinkhorn)."""
+    c = logits.softmax(-1) + eps
+    c = c / (c.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        c = c / (c.sum(-1, keepdim=True) + eps)
+        c = c / (c.sum(-2, keepdim=True) + eps)
+    return c
+
+
+@dataclass
+class HyperConnection:
+    """hc_pre / hc_post around one sublayer: C residual streams in, one sublayer input out, and back."""
+
+    fn: Tensor  # [M, C*dim], M = (2 + C) * C
+    scale: Tensor  # [3]: pre, post, comb
+    base: Tensor  # [M]
+    cfg: ModelConfig
+
+    def pre(self, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """X [T, C, dim] -> (sublayer input [T, dim], post [T, C], comb [T, C, C])."""
+        C = self.cfg.hc_mult
+        mix = hc_mix(X, self.fn, self.cfg.rms_eps)
+        pre = torch.sigmoid(mix[:, :C] * self.scale[0] + self.base[:C]) + self.cfg.hc_eps
+        post = 2 * torch.sigmoid(mix[:, C:2 * C] * self.scale[1] + self.base[C:2 * C])
+        comb = (mix[:, 2 * C:] * self.scale[2] + self.base[2 * C:]).unflatten(-1, (C, C))  # [T, C(j), C(k)]
+        comb = sinkhorn(comb, self.cfg.hc_sinkhorn_iters, self.cfg.hc_eps)
+        return (pre.unsqueeze(-1) * X).sum(1), post, comb
+
+    @staticmethod
+    def post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+        """X'[k] = post[k] * out + sum_j comb[j, k] * X[j]  -> [T, C, dim]."""
+        return post.unsqueeze(-1) * out.unsqueeze(1) + torch.einsum("tjk,tjd->tkd", comb, X)
+
+
+# ---- attention -----------------------------------------------------------------------------------------
+def sink_attention(q: Tensor, keys: Tensor, allowed: Tensor, sinks: Tensor, scale: float) -> Tensor:
+    """q [T, H, D], keys [N, D] (also the values), allowed [T, N] -> [T, H, D]. The per-head sink logit
+    joins the softmax denominator only: p = exp(z - m) / (sum exp(z - m) + exp(sink - m))."""
+    z = torch.einsum("thd,nd->thn", q, keys) * scale
+    z = z.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+    m = torch.maximum(z.amax(-1), sinks)  # [T, H]; a query always sees itself, so z.amax is finite
+    e = torch.exp(z - m.unsqueeze(-1))
+    p = e / (e.sum(-1) + torch.exp(sinks - m)).unsqueeze(-1)
+    return torch.einsum("thn,nd->thd", p, keys)
+
+
+class Compressor:
+    """Gated pooling of each block of r positions into one row (DS4-MODEL.md 3, "Compressor").
+
+    Ratio 4 overlaps: projections are 2 x d wide and block i pools 2r entries, block i-1's positions with
+    channels [:d] and block i's with channels [d:] (block 0's predecessors: kv = 0, score = -inf).
+    The pooled row is RMS-normed, RoPE'd at the block's first position, then round-tripped (`finish`).
+    """
+
+    def __init__(self, w: Callable[[str], Tensor], prefix: str, ratio: int, rope: Rope, eps: float,
+                 finish: Callable[[Tensor], Tensor]) -> None:
+        self.kv_w = w(f"{prefix}_kv.weight")  # [coff*d, dim]
+        self.gate_w = w(f"{prefix}_gate.weight")  # [coff*d, dim]
+        self.ape = w(f"{prefix}_ape.weight")  # [r, coff*d]
+        self.norm = w(f"{prefix}_norm.weight")  # [d]
+        self.ratio, self.rope, self.eps, self.finish = ratio, rope, eps, finish
+        self.d = self.norm.numel()
+        self.coff = self.kv_w.shape[0] // self.d
+
+    def __call__(self, xn: Tensor, pos: Tensor, frontier: Frontier, rows: Tensor) -> None:
+        """Project xn [T, dim] at positions pos [T] into the frontier; write the rows of every block that
+        closes within these positions into `rows` [n_blocks_max, d]."""
+        r, d, coff = self.ratio, self.d, self.coff
+        kv = xn @ self.kv_w.T  # [T, coff*d]
+        score = xn @ self.gate_w.T + self.ape[pos % r]  # [T, coff*d]
+        frontier.write(pos, kv, score)
+        p0, p1 = int(pos[0]), int(pos[-1]) + 1
+        blocks = torch.arange(p0 // r, p1 // r, device=xn.device)  # blocks whose last position is in [p0, p1)
+        if blocks.numel() == 0:
+            return
+        src = blocks[:, None] * r - (coff - 1) * r + torch.arange(coff * r, device=xn.device)  # [B, coff*r]
+        kv_s, sc_s = frontier.read(src)  # [B, coff*r, coff*d]
+        if coff == 2:  # previous block's entries use channels [:d], this block's [d:]
+            kv_s = torch.cat((kv_s[:, :r, :d], kv_s[:, r:, d:]), dim=1)
+            sc_s = torch.cat((sc_s[:, :r, :d], sc_s[:, r:, d:]), dim=1)
+        pooled = (sc_s.softmax(dim=1) * kv_s).sum(1)  # [B, d], per-channel softmax over the entries
+        pooled = self.rope(rms_norm(pooled, self.norm, self.eps), blocks * r)
+        rows[blocks] = self.finish(pooled).to(rows.dtype)
+
+
+class Indexer:
+    """Lightning indexer of a ratio-4 layer: picks, per query, the top-k visible compressed blocks."""
+
+    def __init__(self, cfg: ModelConfig, w: Callable[[str], Tensor], p: str, rope: Rope, rt: RoundTrips) -> None:
+        self.cfg, self.rope = cfg, rope
+        self.qat = (lambda x: fp4_e2m1_roundtrip(hadamard(x))) if rt.indexer_fp4 else (lambda x: x)
+        self.q_b = w(f"{p}.indexer.attn_q_b.weight")  # [IH*idim, q_lora]
+        self.proj = w(f"{p}.indexer.proj.weight")  # [IH, dim]
+        self.compressor = Compressor(w, f"{p}.indexer_compressor", 4, rope, cfg.rms_eps, self.qat)
+
+    def __call__(self, xn: Tensor, qr: Tensor, pos: Tensor, kv: LayerKV) -> Tensor:
+        """-> allowed [T, n_blocks]: the top-min(k, n_blocks) visible blocks of each query."""
+        cfg, T = self.cfg, xn.shape[0]
+        assert kv.index_frontier is not None and kv.index_keys is not None
+        self.compressor(xn, pos, kv.index_frontier, kv.index_keys)
+        n_blocks = (int(pos[-1]) + 1) // 4
+        visible = _visible_blocks(pos, n_blocks, 4)
+        if n_blocks == 0:
+            return visible
+        keys = kv.index_keys[:n_blocks].float()  # [n, idim]
+        q = (qr @ self.q_b.T).view(T, cfg.index_heads, cfg.index_dim)
+        q = self.qat(self.rope(q, pos))
+        w = (xn @ self.proj.T) * (cfg.index_dim**-0.5 * cfg.index_heads**-0.5)  # [T, IH]
+        score = torch.einsum("th,thn->tn", w, torch.einsum("thd,nd->thn", q, keys).relu())
+        score = score.masked_fill(~visible, float("-inf"))
+        # Ties (e.g. blocks where every head's dot product is <= 0 score exactly 0) go to the earlier block,
+        # as in ds4's selection loop; a stable sort makes that independent of chunking, torch.topk does not.
+        top = torch.sort(score, dim=-1, descending=True, stable=True).indices[:, : min(cfg.index_topk, n_blocks)]
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible  # early queries see fewer than k blocks: drop the -inf picks
+
+
+def _visible_blocks(pos: Tensor, n_blocks: int, ratio: int) -> Tensor:
+    """[T, n_blocks]: block i is visible to position s iff it has closed, (i + 1) * r <= s + 1."""
+    i = torch.arange(n_blocks, device=pos.device)
+    return (i[None] + 1) * ratio <= pos[:, None] + 1
+
+
+class Attention:
+    """Shared-KV MQA over the raw window + the layer's compressed rows, with sinks (DS4-MODEL.md 3)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Callable[[str], Tensor], rt: RoundTrips) -> None:
+        p = f"blk.{layer}"
+        self.cfg, self.layer, self.ratio = cfg, layer, cfg.ratio(layer)
+        self.rope = Rope(cfg, compressed=self.ratio > 0, device=w(f"{p}.attn_sinks.weight").device)
+        self.q_a, self.q_a_norm = w(f"{p}.attn_q_a.weight"), w(f"{p}.attn_q_a_norm.weight")
+        self.q_b = w(f"{p}.attn_q_b.weight")  # [H*D, q_lora]
+        self.kv, self.kv_norm = w(f"{p}.attn_kv.weight"), w(f"{p}.attn_kv_a_norm.weight")
+        self.sinks = w(f"{p}.attn_sinks.weight")  # [H]
+        self.out_a = w(f"{p}.attn_output_a.weight")  # [G*o_lora, (H/G)*D]
+        self.out_b = w(f"{p}.attn_output_b.weight")  # [dim, G*o_lora]
+        nope = cfg.nope_dim
+
+        def kv_round_trip(x: Tensor) -> Tensor:
+            if not rt.fp8_kv:
+                return x
+            return torch.cat((fp8_e4m3_roundtrip(x[..., :nope]), x[..., nope:]), dim=-1)
+
+        self.kv_round_trip = kv_round_trip
+        self.compressor = (Compressor(w, f"{p}.attn_compressor", self.ratio, self.rope, cfg.rms_eps, kv_round_trip)
+                           if self.ratio else None)
+        self.indexer = Indexer(cfg, w, p, self.rope, rt) if cfg.has_indexer(layer) else None
+
+    def __call__(self, xn: Tensor, pos: Tensor, kv: LayerKV) -> Tensor:
+        """xn [T, dim] (attn_norm'ed sublayer input) at positions pos [T] -> [T, dim]."""
+        cfg, T = self.cfg, xn.shape[0]
+        H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
+        qr = rms_norm(xn @ self.q_a.T, self.q_a_norm, eps)  # [T, q_lora]
+        q = rms_norm((qr @ self.q_b.T).view(T, H, D), None, eps)  # per-head norm, no weight
+        q = self.rope(q, pos)
+        row = self.rope(rms_norm(xn @ self.kv.T, self.kv_norm, eps), pos)  # [T, D]
+        kv.write_raw(pos, self.kv_round_trip(row))
+
+        # raw window: position s sees positions s-window+1 .. s
+        p0, p1 = int(pos[0]), int(pos[-1]) + 1
+        raw_pos = torch.arange(max(0, p0 - cfg.window + 1), p1, device=xn.device)
+        keys = kv.read_raw(raw_pos)  # [Nr, D]
+        allowed = (raw_pos[None] <= pos[:, None]) & (raw_pos[None] > pos[:, None] - cfg.window)
+        if self.compressor is not None:
+            assert kv.comp is not None and kv.comp_frontier is not None
+            self.compressor(xn, pos, kv.comp_frontier, kv.comp)
+            n_blocks = p1 // self.ratio
+            sel = self.indexer(xn, qr, pos, kv) if self.indexer else _visible_blocks(pos, n_blocks, self.ratio)
+            keys = torch.cat((keys, kv.comp[:n_blocks].float()))
+            allowed = torch.cat((allowed, sel), dim=1)
+
+        o = sink_attention(q, keys, allowed, self.sinks, D**-0.5)  # [T, H, D]
+        o = self.rope(o, pos, inverse=True)  # values carry rotated dims: rotate back to the query position
+        G = cfg.o_groups
+        o = torch.einsum("tgi,gri->tgr", o.reshape(T, G, -1), self.out_a.view(G, cfg.o_lora_rank, -1))
+        return o.reshape(T, -1) @ self.out_b.T
+
+
+# ---- mixture of experts --------------------------------------------------------------------------------
+def swiglu(g: Tensor, u: Tensor, clamp: float) -> Tensor:
+    """silu(g) * u with DeepSeek's clamp: gate <= c (upper only), up in [-c, c]; c <= 0 disables it."""
+    if clamp > 0:
+        g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+    return F.silu(g) * u
+
+
+class MoE:
+    """sqrt-softplus router (bias for selection only, or hash table), clamped SwiGLU experts + shared."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Callable[[str], Tensor]) -> None:
+        p = f"blk.{layer}"
+        self.cfg, self.clamp, self.shared_clamp = cfg, cfg.swiglu_clamp[layer], cfg.swiglu_clamp_shared[layer]
+        self.gate_inp = w(f"{p}.ffn_gate_inp.weight")  # [E, dim]
+        self.hash = cfg.is_hash_layer(layer)
+        self.tid2eid = w(f"{p}.ffn_gate_tid2eid.weight").long() if self.hash else None  # [vocab, k]
+        self.bias = None if self.hash else w(f"{p}.exp_probs_b.bias")  # [E]
+        self.gate, self.up = w(f"{p}.ffn_gate_exps.weight"), w(f"{p}.ffn_up_exps.weight")  # [E, ffn, dim]
+        self.down = w(f"{p}.ffn_down_exps.weight")  # [E, dim, ffn]
+        self.shared = None
+        if cfg.n_shared_experts:
+            self.shared = tuple(w(f"{p}.ffn_{k}_shexp.weight") for k in ("gate", "up", "down"))
+
+    def route(self, xn: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (expert ids [T, k], weights [T, k])."""
+        p = torch.sqrt(F.softplus(xn @ self.gate_inp.T))  # [T, E]
+        if self.tid2eid is not None:
+            ids = self.tid2eid[tokens]
+        else:
+            ids = (p + self.bias).topk(self.cfg.n_experts_used, dim=-1).indices
+        wts = p.gather(1, ids)
+        if self.cfg.expert_weights_norm:
+            wts = wts / wts.sum(-1, keepdim=True)
+        return ids, wts * self.cfg.expert_weights_scale
+
+    def __call__(self, xn: Tensor, tokens: Tensor) -> Tensor:
+        """xn [T, dim] (ffn_norm'ed), tokens [T] -> [T, dim]."""
+        ids, wts = self.route(xn, tokens)
+        y = torch.zeros_like(xn)
+        for e in ids.unique().tolist():
+            t, slot = torch.where(ids == e)
+            x = xn[t]
+            h = swiglu(x @ self.gate[e].T, x @ self.up[e].T, self.clamp) * wts[t, slot, None]  # weight before down
+            y.index_add_(0, t, h @ self.down[e].T)
+        if self.shared is not None:
+            g, u, d = self.shared
+            y = y + swiglu(xn @ g.T, xn @ u.T, self.shared_clamp) @ d.T
+        return y
+
+
+class Block:
+    """One layer: hc_pre -> attn_norm -> attention -> hc_post -> hc_pre -> ffn_norm -> MoE -> hc_post."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w: Callable[[str], Tensor],
+                 rt: RoundTrips) -> None:
+        p = f"blk.{layer}"
+        self.layer = layer
+        self.hc_attn = HyperConnection(w(f"{p}.hc_attn_fn.weight"), w(f"{p}.hc_attn_scale.weight"),
+                                       w(f"{p}.hc_attn_base.weight"), cfg)
+        self.hc_ffn = HyperConnection(w(f"{p}.hc_ffn_fn.weight"), w(f"{p}.hc_ffn_scale.weight"),
+                                      w(f"{p}.hc_ffn_base.weight"), cfg)
+        self.attn_norm, self.ffn_norm = w(f"{p}.attn_norm.weight"), w(f"{p}.ffn_norm.weight")
+        self.attn = Attention(cfg, layer, w, rt)
+        self.moe = MoE(cfg, layer, w)
+        self.eps = cfg.rms_eps
+
+    def __call__(self, X: Tensor, tokens: Tensor, pos: Tensor, kv: LayerKV) -> Tensor:
+        """X [T, C, dim] -> [T, C, dim]."""
+        x, post, comb = self.hc_attn.pre(X)
+        X = HyperConnection.post(self.attn(rms_norm(x, self.attn_norm, self.eps), pos, kv), X, post, comb)
+        x, post, comb = self.hc_ffn.pre(X)
+        return HyperConnection.post(self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens), X, post, comb)
+
+
+# ---- the model (one slice) -----------------------------------------------------------------------------
+class DS4Model:
+    """Layers `layers` of DeepSeek-V4 (default all), plus the embedding and/or the output head."""
+
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, Tensor], layers: range | None = None, *,
+                 embed: bool = True, output: bool = True, round_trips: RoundTrips = RoundTrips()) -> None:
+        self.cfg = cfg
+        self.layers = range(cfg.n_layers) if layers is None else layers
+        if self.layers.step != 1 or self.layers.start < 0 or self.layers.stop > cfg.n_layers:
+            raise ValueError(f"layer slice {self.layers} is not a contiguous range within 0..{cfg.n_layers}")
+        self.has_embed, self.has_output, self.round_trips = embed, output, round_trips
+        needed = {s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed, output=output)}
+        missing = sorted(needed - set(weights))
+        if missing:
+            raise KeyError(f"weights for the slice are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+
+        def w(name: str) -> Tensor:
+            t = weights[name]
+            return t if not t.is_floating_point() or t.dtype == torch.float32 else t.float()
+
+        self.device = next(iter(weights.values())).device if weights else torch.device("cpu")
+        self.token_embd = w("token_embd.weight") if embed else None  # [vocab, dim]
+        self.blocks = [Block(cfg, i, w, round_trips) for i in self.layers]
+        if output:
+            self.out_hc = HyperConnection(w("output_hc_fn.weight"), w("output_hc_scale.weight"),
+                                          w("output_hc_base.weight"), cfg)
+            self.output_norm, self.output = w("output_norm.weight"), w("output.weight")  # [dim], [vocab, dim]
+
+    def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
+                  dtype: torch.dtype = torch.float32) -> KVCache:
+        return KVCache(self.cfg, self.layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=self.device)
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [T] -> HC state [T, C, dim]: C copies of the embedding."""
+        if self.token_embd is None:
+            raise RuntimeError("this model slice has no embedding")
+        x = self.token_embd[tokens]
+        return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
+        """HC state [T, C, dim] of tokens [T] at positions cache.length.. -> [T, C, dim]; extends the cache.
+        Token ids are needed by the hash-routed layers."""
+        T = X.shape[0]
+        cache.check_room(T)
+        pos = torch.arange(cache.length, cache.length + T, device=X.device)
+        for block in self.blocks:
+            X = block(X, tokens, pos, cache[block.layer])
+        cache.length += T
+        return X
+
+    def head(self, X: Tensor) -> Tensor:
+        """HC state [T, C, dim] -> logits [T, vocab]: sigmoid-weighted stream sum (no Sinkhorn), norm, output."""
+        if not self.has_output:
+            raise RuntimeError("this model slice has no output head")
+        mix = hc_mix(X, self.out_hc.fn, self.cfg.rms_eps)  # [T, C]
+        pre = torch.sigmoid(mix * self.out_hc.scale + self.out_hc.base) + self.cfg.hc_eps
+        h = rms_norm((pre.unsqueeze(-1) * X).sum(1), self.output_norm, self.cfg.rms_eps)  # [T, dim]
+        return h @ self.output.T
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor | list[int], cache: KVCache | None = None, *, last_only: bool = False) -> Tensor:
+        """Embedding -> layers -> head over `tokens` appended to `cache` (a fresh one sized for them when
+        None), in chunks of cache.chunk. -> logits [T, vocab] (or [1, vocab] with last_only)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+        if cache is None:
+            cache = self.new_cache(tokens.numel(), chunk=max(1, tokens.numel()))
+        out = []
+        for s in range(0, tokens.numel(), cache.chunk):
+            t = tokens[s: s + cache.chunk]
+            X = self.run_layers(self.embed(t), t, cache)
+            out.append(self.head(X[-1:] if last_only else X))
+        return out[-1] if last_only else torch.cat(out)
+
+
+# ---- random weights (tests, benchmarks) ----------------------------------------------------------------
+def random_weights(cfg: ModelConfig, seed: int = 0, layers: range | None = None, *, embed: bool = True,
+                   output: bool = True) -> dict[str, Tensor]:
+    """Float weights of the layout with sensible scales: norms ~1, projections ~1/sqrt(fan_in)."""
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, Tensor] = {}
+    for spec in model_tensors(cfg, "f32", layers, embed=embed, output=output):
+        role, shape = spec.role, spec.torch_shape
+        if role == "ffn_gate_tid2eid":  # n_used distinct experts per token
+            out[spec.name] = torch.rand(shape[0], cfg.n_experts, generator=gen).argsort(-1)[:, : shape[1]].int()
+        elif role.endswith("norm"):
+            out[spec.name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif role.endswith("_scale"):
+            out[spec.name] = 0.5 + 0.1 * torch.rand(shape, generator=gen)
+        elif role.endswith("_base") or role in ("attn_sinks", "exp_probs_b"):
+            out[spec.name] = 0.5 * torch.randn(shape, generator=gen)
+        elif role.endswith("_ape"):
+            out[spec.name] = 0.5 * torch.randn(shape, generator=gen)
+        else:
+            scale = 1.0 if role == "token_embd" else spec.shape[0] ** -0.5  # ggml ne[0] is fan_in
+            out[spec.name] = scale * torch.randn(shape, generator=gen)
+    return out

@@ -1,0 +1,114 @@
+"""Next-token sampling and the stop rules of a generated text stream.
+
+`Sampler` turns last-position logits into a token: greedy (argmax) at temperature 0, otherwise
+temperature -> top-k -> softmax -> min-p -> top-p -> draw with the sampler's own seeded torch.Generator,
+so a seed reproduces a generation exactly and concurrent samplers do not share random state.
+
+`StopScanner` applies stop strings to streamed text: it holds back the tail that could still become a stop
+string, so text that ends up matching one is never emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # None: a random seed per Sampler
+    max_tokens: int = 256
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k {self.top_k} must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p} must be in (0, 1]")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p {self.min_p} must be in [0, 1]")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens {self.max_tokens} must be >= 0")
+
+
+def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """logits [vocab] -> the distribution actually sampled from (temperature > 0), float32, sums to 1."""
+    z = logits.float() / p.temperature
+    if 0 < p.top_k < z.numel():
+        kth = torch.topk(z, p.top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+    probs = torch.softmax(z, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1:
+        sorted_p, order = torch.sort(probs / probs.sum(), descending=True)
+        # keep the smallest prefix whose mass reaches top_p; the most likely token always survives
+        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+    return probs / probs.sum()
+
+
+class Sampler:
+    """Draws on the CPU whatever device the logits come from: one [vocab] copy per token is cheap, and a
+    seed then gives the same draws on every device."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(params.seed))
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits [vocab] (or [1, vocab]) of the last position -> token id."""
+        logits = logits.reshape(-1).float().cpu()
+        if self.params.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = filtered_probs(logits, self.params)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+class StopScanner:
+    """Feed text pieces; get back what may be shown. After a stop string is seen, `stopped` is True and
+    nothing from the stop string on is ever returned."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self.stopped = False
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        if self.stopped:
+            return ""
+        text = self._held + piece
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped, self._held = True, ""
+            return text[: min(hits)]
+        keep = self._partial_suffix(text)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep]
+
+    def flush(self) -> str:
+        """End of stream: release the held-back tail (it did not become a stop string)."""
+        text, self._held = self._held, ""
+        return "" if self.stopped else text
+
+    def _partial_suffix(self, text: str) -> int:
+        """Length of the longest suffix of text that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

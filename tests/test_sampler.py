@@ -1,0 +1,83 @@
+"""Sampler behaviours (greedy, seeds, each filter) and stop-string scanning of a text stream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, filtered_probs
+
+LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+
+
+def draws(params: SamplingParams, n: int = 400, logits: torch.Tensor = LOGITS) -> list[int]:
+    s = Sampler(params)
+    return [s(logits) for _ in range(n)]
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    assert draws(SamplingParams(temperature=0, seed=1), 5) == [0] * 5
+    assert Sampler(SamplingParams())(torch.tensor([[0.0, 3.0, 1.0]])) == 1
+
+
+def test_seed_reproduces_and_differs_between_seeds():
+    a = draws(SamplingParams(temperature=1.0, seed=42))
+    assert a == draws(SamplingParams(temperature=1.0, seed=42))
+    assert a != draws(SamplingParams(temperature=1.0, seed=43))
+    assert set(a) == {0, 1, 2, 3, 4}  # temperature 1 over 400 draws reaches every token
+
+
+def test_temperature_one_follows_the_distribution():
+    counts = torch.bincount(torch.tensor(draws(SamplingParams(temperature=1.0, seed=0), 4000)), minlength=5)
+    torch.testing.assert_close(counts / 4000, LOGITS.exp(), atol=0.03, rtol=0)
+
+
+def test_low_temperature_sharpens():
+    p = filtered_probs(LOGITS, SamplingParams(temperature=0.1))
+    assert p[0] > 0.99
+
+
+def test_top_k_keeps_k_most_likely():
+    p = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    assert set(draws(SamplingParams(temperature=1.0, top_k=2, seed=3))) == {0, 1}
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    p = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.8))  # 0.5 + 0.2 < 0.8 <= + 0.15
+    assert (p > 0).tolist() == [True, True, True, False, False]
+    p = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.01))
+    assert (p > 0).tolist() == [True, False, False, False, False]
+
+
+def test_min_p_drops_tokens_below_fraction_of_best():
+    p = filtered_probs(LOGITS, SamplingParams(temperature=1.0, min_p=0.3))  # keep >= 0.15
+    assert (p > 0).tolist() == [True, True, True, False, False]
+
+
+def test_invalid_params_are_refused():
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"min_p": 2}, {"top_k": -1}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def scan(stop: list[str], pieces: list[str]) -> tuple[str, bool]:
+    sc = StopScanner(stop)
+    out = "".join(sc.feed(p) for p in pieces) + sc.flush()
+    return out, sc.stopped
+
+
+def test_stop_string_split_across_pieces_is_never_emitted():
+    assert scan(["STOP"], ["hello S", "TO", "P and more"]) == ("hello ", True)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_match():
+    sc = StopScanner(["</end>"])
+    assert sc.feed("a </e") == "a "
+    assert sc.feed("xyz") == "</exyz"
+    assert scan(["</end>"], ["tail </en"]) == ("tail </en", False)
+
+
+def test_earliest_of_several_stop_strings_wins():
+    assert scan(["world", "lo"], ["hello world"]) == ("hel", True)
+    assert scan([], ["plain"]) == ("plain", False)
