@@ -16,6 +16,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "make-model": ("ds4station.commands.make_model", "write a DS4 GGUF with random weights (demo model or full shape)"),
     "inspect": ("ds4station.commands.inspect", "print a GGUF's config, tensor check and per-layer bytes"),
     "generate": ("ds4station.commands.generate", "generate text from a prompt (the demo model by default)"),
+    "detect": ("ds4station.commands.detect", "list GPUs with live telemetry (NVIDIA via NVML, AMD via sysfs)"),
+    "plan": ("ds4station.commands.plan", "propose a route, context and expert caches for these GPUs (or a SPEC)"),
+    "worker": ("ds4station.commands.worker", "run one pipeline stage for a coordinator (serve/generate --route)"),
+    "bench": ("ds4station.commands.bench", "measure: the model on a GPU, the kernels, or the AMD/NVIDIA compile check"),
 }
 
 

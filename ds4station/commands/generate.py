@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from ds4station.commands.worker import add_pipeline_arguments, pipeline_options
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="path of a DS4 GGUF (default: the built-in demo model)")
@@ -20,12 +22,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (same seed, same text)")
     p.add_argument("--ctx", type=int, default=4096, help="context length to allocate KV for (default 4096)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    add_pipeline_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from ds4station.engine.runtime import Engine, GenerationStats
+    from ds4station.engine.pipeline import load_engine
+    from ds4station.engine.runtime import GenerationStats
     from ds4station.engine.sampler import SamplingParams
 
     if args.model is None:
@@ -38,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                                 seed=args.seed, max_tokens=args.max_tokens)
-        engine = Engine.load(path, ctx=args.ctx, device=args.device)
+        engine = load_engine(path, args.ctx, device=args.device, **pipeline_options(args))
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=2, help="live KV sessions kept for prefix reuse (default 2)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait behind the running one")
     p.add_argument("--max-tokens", type=int, default=4096, help="default generation limit per request")
-    p.add_argument("--prefill-chunk", type=int, default=512, help="tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
+    p.add_argument("--rollback", type=int, default=1024,
+                   help="tokens a live session can roll back for prefix reuse (default 1024)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
     p.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
@@ -51,10 +53,16 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if args.sessions < 1:
         raise SystemExit("--sessions must be at least 1")
 
+    from ds4station.engine.kv import kv_bytes
+
+    per_session = kv_bytes(cfg, None, ctx, chunk=args.prefill_chunk, rollback=args.rollback)
+    print(f"ds4station serve: {path}: ctx {ctx}, KV {per_session / 2**20:.1f} MiB per session x {args.sessions} "
+          f"live session(s) = {per_session * args.sessions / 2**20:.1f} MiB", file=sys.stderr)
+
     def load() -> Any:
         from ds4station.engine.runtime import Engine
 
-        return Engine.load(path, ctx=ctx, device=args.device)
+        return Engine.load(path, ctx=ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback)
 
     scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=args.prefill_chunk,
                           ctx=ctx)

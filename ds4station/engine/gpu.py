@@ -319,7 +319,8 @@ class GpuStage:
             score[:, n0:n0 + kb.shape[0]] = torch.einsum("th,thn->tn", w, torch.einsum("thd,nd->thn", q, kb).relu())
         visible = (torch.arange(n_blocks, device=xn.device)[None] + 1) * 4 <= st.pos[:, None] + 1
         # Stable sort, not topk: tied scores (every head's relu at 0) pick the earlier block, as the reference does.
-        top = torch.sort(score.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices[:, :k]
+        masked = score.masked_fill(~visible, float("-inf"))
+        top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
         return top, visible.gather(1, top)
 
     def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
@@ -454,6 +455,7 @@ class _DecodeGraph:
 
     def __init__(self, stage: GpuStage, cache: KVCache, bucket: int) -> None:
         dev = stage.device
+        self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)
         st = Step(self.pos, None, None, bucket)
@@ -479,23 +481,33 @@ class _DecodeGraph:
         return self.logits
 
 
-def random_stage_weights(cfg: ModelConfig, recipe: str = "q2", layers: range | None = None, *, embed: bool = True,
-                         output: bool = True, device: str | torch.device = "cuda", seed: int = 0) -> dict[str, Weight]:
-    """Random valid weights of the layout built directly on `device` (the full Flash shape fits an H200
-    without any file): quantised tensors as random valid blocks, small float tensors as demo.py makes them."""
-    from .demo import random_weight
-    from .quants import random_blocks
+class RandomWeights(Mapping[str, Weight]):
+    """Random valid weights of the layout, made on `device` when a tensor is first asked for (the full
+    Flash shape fits an H200 without any file, and raw blocks are freed as soon as they are repacked).
+    Quantised tensors are random valid blocks; small float tensors as demo.py makes them. Each tensor
+    has its own seed, so the values do not depend on the order of access."""
 
-    device = torch.device(device)
-    gen_dev = torch.Generator(device=device).manual_seed(seed)
-    gen_cpu = torch.Generator().manual_seed(seed)
-    out: dict[str, Weight] = {}
-    for spec in model_tensors(cfg, recipe, layers, embed=embed, output=output):
+    def __init__(self, cfg: ModelConfig, recipe: str = "q2", layers: range | None = None, *, embed: bool = True,
+                 output: bool = True, device: str | torch.device = "cuda", seed: int = 0) -> None:
+        self.cfg, self.device, self.seed = cfg, torch.device(device), seed
+        self.specs = {s.name: (i, s) for i, s in enumerate(model_tensors(cfg, recipe, layers, embed=embed,
+                                                                         output=output))}
+
+    def __getitem__(self, name: str) -> Weight:
+        from .demo import random_weight
+        from .quants import random_blocks
+
+        i, spec = self.specs[name]
         if spec.qtype in (Q.F32, Q.I32):
-            w = random_weight(spec, cfg, gen_cpu)
-            out[spec.name] = w.to(device) if isinstance(w, Tensor) else w
-        else:
-            scale = 1.0 if spec.role == "token_embd" else 0.1 if spec.role.endswith("_ape") else spec.shape[0] ** -0.5
-            out[spec.name] = QTensor(random_blocks(spec.qtype, spec.n_elements, gen_dev, scale), spec.qtype,
-                                     spec.torch_shape)
-    return out
+            w = random_weight(spec, self.cfg, torch.Generator().manual_seed(self.seed * 100_003 + i))
+            return w.to(self.device)
+        gen = torch.Generator(device=self.device).manual_seed(self.seed * 100_003 + i)
+        role = spec.role
+        scale = 1.0 if role == "token_embd" else 0.1 if role.endswith("_ape") else spec.shape[0] ** -0.5
+        return QTensor(random_blocks(spec.qtype, spec.n_elements, gen, scale), spec.qtype, spec.torch_shape)
+
+    def __iter__(self):
+        return iter(self.specs)
+
+    def __len__(self) -> int:
+        return len(self.specs)

@@ -71,6 +71,16 @@ _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
+_E2M1_VALUES: dict[torch.device, Tensor] = {}
+
+
+def _e2m1_values(device: torch.device) -> Tensor:
+    """The e2m1 magnitudes on a device, made once (a host-to-device copy cannot run inside a CUDA graph)."""
+    if device not in _E2M1_VALUES:
+        _E2M1_VALUES[device] = torch.tensor(_E2M1, device=device)
+    return _E2M1_VALUES[device]
+
+
 def fp4_e2m1_roundtrip(x: Tensor, block: int = 32) -> Tensor:
     """FP4 e2m1 quantise/dequantise in blocks, scale = 2^ceil(log2(amax / 6)) (DeepSeek fp4_act_quant)."""
     xb = x.float().unflatten(-1, (-1, block))
@@ -81,7 +91,7 @@ def fp4_e2m1_roundtrip(x: Tensor, block: int = 32) -> Tensor:
     code = torch.zeros_like(a, dtype=torch.long)
     for t, tie_up in _E2M1_UP:
         code += (a >= t if tie_up else a > t).long()
-    q = torch.tensor(_E2M1, device=x.device)[code] * torch.sign(v)
+    q = _e2m1_values(x.device)[code] * torch.sign(v)
     return (q * scale).flatten(-2).to(x.dtype)
 
 

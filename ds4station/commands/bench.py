@@ -1,0 +1,72 @@
+"""`ds4station bench WHAT`: measurements. `kernels` times the Triton kernels at the model's real shapes on
+the GPU; `compile` builds every kernel ahead of time for NVIDIA and AMD targets (no GPU needed) and reports
+registers, spills, shared memory and the instructions that matter.
+
+Each WHAT is one entry in BENCHES (name -> (handler, help)); a model benchmark plugs in as another entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+
+def _kernels(args: argparse.Namespace) -> int:
+    import torch
+
+    from ds4station.kernels import benchmark
+
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA or ROCm GPU; none is visible to torch. "
+              "On a CPU-only machine, `ds4station bench compile` checks the kernels build.", file=sys.stderr)
+        return 2
+    rows = [int(r) for r in args.rows.split(",") if r]
+    info, results = benchmark.run_all(rows, args.prefill_tokens, args.only, sweep=args.sweep)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"info": info, "results": benchmark.as_dicts(results)}, fh, indent=1)
+    print(benchmark.format_table(info, results))
+    return 0
+
+
+def _compile(args: argparse.Namespace) -> int:
+    from ds4station.kernels import compile_check
+
+    targets = [t for t in args.targets.split(",") if t] or None
+    reports = compile_check.compile_all(targets=targets, only=args.only)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([r.as_dict() for r in reports], fh, indent=1)
+    print(compile_check.format_table(reports))
+    problems = compile_check.problems(reports)
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+# name -> (handler, one-line help)
+BENCHES: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
+    "kernels": (_kernels, "time every Triton kernel at the real decode / prefill shapes (GPU)"),
+    "compile": (_compile, "compile every kernel for cuda sm_90/sm_86 and hip gfx906/gfx1100/gfx1151 (no GPU)"),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("what", choices=sorted(BENCHES),
+                        help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(BENCHES.items())))
+    parser.add_argument("--only", default="", help="run only cases whose name contains this text")
+    parser.add_argument("--json", default="", help="also write the results as JSON to this file")
+    kern = parser.add_argument_group("kernels")
+    kern.add_argument("--rows", default="1,4", help="decode activation rows to time, comma-separated (1-8)")
+    kern.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill matmuls")
+    kern.add_argument("--sweep", action="store_true", help="also time decode tile variants at a few shapes")
+    comp = parser.add_argument_group("compile")
+    comp.add_argument("--targets", default="", help="comma-separated target names (default: all); "
+                      "sm90, sm86, gfx906, gfx1100, gfx1151")
+
+
+def run(args: argparse.Namespace) -> int:
+    handler, _ = BENCHES[args.what]
+    return handler(args)

@@ -1,0 +1,40 @@
+"""The control panel (`ds4station` with no arguments, or `ds4station tui`): detect, plan, launch, watch.
+
+Options exist for fake hardware and for choosing what to plan; a bare `ds4station` passes a Namespace
+without them, so run() reads every option with a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="PATH", help="a DS4 GGUF to plan and serve (default: the built-in demo model)")
+    p.add_argument("--preset", default="speed", metavar="speed|context", help="planner preset (default speed)")
+    p.add_argument("--sysfs-root", default="/", metavar="PATH",
+                   help="read AMD sysfs under PATH (e.g. tests/fixtures/sysfs/gfx906-workstation for fake cards)")
+    p.add_argument("--no-nvml", action="store_true", help="do not query NVIDIA GPUs")
+    p.add_argument("--host-ram", metavar="SIZE", help="system RAM the planner may use (default: this machine's)")
+    p.add_argument("--host", default="127.0.0.1", help="address launched servers listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port for launched servers (default: a free one)")
+    p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
+                   help="API key launched servers require (default $DS4_API_KEY; none on 127.0.0.1 is fine)")
+    p.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS", help="refresh interval (default 1)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ds4station.planner.sizes import parse_size
+    from ds4station.tui.app import Ds4StationApp
+
+    host_ram = getattr(args, "host_ram", None)
+    app = Ds4StationApp(
+        sysfs_root=getattr(args, "sysfs_root", "/"), use_nvml=not getattr(args, "no_nvml", False),
+        host_ram=parse_size(host_ram) if host_ram else None, model_path=getattr(args, "model", None),
+        preset=getattr(args, "preset", "speed"), poll_interval=getattr(args, "refresh", 1.0),
+        host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", None),
+        api_key=getattr(args, "api_key", None) or os.environ.get("DS4_API_KEY"),
+    )
+    app.run()
+    return int(app.return_code or 0)

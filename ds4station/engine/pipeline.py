@@ -1,0 +1,677 @@
+"""The pipeline-parallel engine, coordinator side (rank 0): starts or admits one worker per further stage,
+runs stage 0 itself, and offers the same Engine / Session interface as runtime.py, so the API server and
+`ds4station generate` drive a route exactly as they drive the single-process engine.
+
+    engine = load_engine(path, ctx=4096, route="cpu=embed,0-1,output; cpu=2-3; cpu=4-5")
+    session = engine.new_session()
+    logits = session.extend(prompt_ids)          # chunked prefill, pipelined through the stages
+
+How it runs (see stage.py for the wire protocol):
+- `PipelineEngine.load` validates the route (and each streaming stage's expert cache: too small is refused
+  before anything starts, with the minimum in the message), opens a TCPStore (the rendezvous; remote workers
+  join it with `ds4station worker --coordinator HOST:PORT --rank N`), publishes the settings, spawns
+  `ds4station worker` for every local stage, pinned to its device, and loads stage 0 meanwhile. Only when
+  every worker reports ready is the process group formed (gloo on CPU and where stages share a device, NCCL
+  between distinct GPUs), so a worker that fails to load fails `load` with its own message, never a hang.
+- A prefill of T tokens is cut into pieces of at most `chunk` tokens: stage 0 computes piece k+1 while
+  stage 1 computes piece k, and so on down the chain; only the last piece's last position comes back.
+  Activations travel as the HC state in 16 bits (default: fp16 with a power-of-two scale per row, see
+  stage.pack) or 32 (fp32: bit-for-bit the single-process result).
+- Failure handling: sends and receives are waited on by a helper thread while the calling thread polls a
+  monitor that watches every worker (process exit for local children, heartbeat counters in the store for
+  all). A dead or silent worker makes the request in flight fail within about `heartbeat_timeout` seconds
+  with `StageDown` naming the stage; the engine then stays down (`health()` / `status()` say which stage)
+  until it is closed. `close()` (also run at exit) stops every process it started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds4station.planner.route import Route, RouteError, Stage, parse_route, route_from_toml
+from ds4station.planner.sizes import parse_size
+
+from .experts import ExpertCacheTooSmall, min_cache_bytes, too_small_message
+from .gguf import GGUFFile
+from .kv import DEFAULT_CHUNK, kv_bytes
+from .model import RoundTrips
+from .stage import (
+    ACTIVATION_BITS,
+    FLAG_RESULT,
+    HEADER_LEN,
+    KV_DTYPES,
+    OP_EXTEND,
+    OP_FREE,
+    OP_NEW,
+    OP_SHUTDOWN,
+    OP_STATUS,
+    OP_TRUNCATE,
+    Link,
+    StageRunner,
+    StageSettings,
+    header,
+    make_process_group,
+    pack,
+    payload_bytes,
+    pin_env,
+    resolve_device,
+    stage_label,
+    unpack,
+)
+
+DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+DEFAULT_JOIN_TIMEOUT = 300.0
+
+
+class StageDown(RuntimeError):
+    """A pipeline stage died or stopped answering; the message names it."""
+
+    def __init__(self, rank: int, label: str, reason: str) -> None:
+        super().__init__(f"pipeline {label} is down: {reason}")
+        self.rank, self.label, self.reason = rank, label, reason
+
+
+# ---- waiting on communication without ever blocking the caller ------------------------------------------
+class _Pending:
+    __slots__ = ("done", "error", "keep")
+
+    def __init__(self, keep: Any) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.keep = keep  # the tensor being sent / received must outlive the operation
+
+
+class _Waiter:
+    """A daemon thread that completes communication in submission order while the engine thread polls for
+    liveness: gloo completes a receive only inside `work.wait()`, which blocks; NCCL's wait() only orders
+    the current stream, so there the thread polls `is_completed()` (the data is then really there). A
+    daemon thread because a wait on a hung peer may never return, and the process must still exit."""
+
+    def __init__(self, poll: bool = False) -> None:
+        self._poll = poll
+        self._q: queue.Queue[tuple[Any, _Pending] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="pipeline-waiter", daemon=True)
+        self._thread.start()
+
+    def submit(self, work: Any, keep: Any) -> _Pending:
+        p = _Pending(keep)
+        self._q.put((work, p))
+        return p
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            work, p = item
+            try:
+                while self._poll and not work.is_completed():
+                    time.sleep(0.0002)
+                work.wait()
+            except BaseException as e:  # a peer that died: gloo reports "connection closed"
+                p.error = e
+            p.done.set()
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
+
+
+# ---- the engine ----------------------------------------------------------------------------------------
+class PipelineSession:
+    """One sequence's KV, spread over the stages. `tokens` are the ids already in the KV, in order."""
+
+    def __init__(self, engine: PipelineEngine, sid: int, activation_bits: int) -> None:
+        self.engine, self.sid, self.activation_bits = engine, sid, activation_bits
+        self.tokens: list[int] = []
+        # The scheduler drops sessions by reference; the stages free their KV at the engine's next operation.
+        self._finalizer = weakref.finalize(self, engine._release, sid)
+
+    def extend(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
+        """Append tokens to the KV (prefill pieces of at most `chunk` pipelined through the stages);
+        -> logits of the last one [vocab] (float32, CPU)."""
+        return self.engine._extend(self, list(tokens), chunk)
+
+    def truncate(self, n: int) -> bool:
+        """Keep only the first n tokens; False (state unchanged) when the KV cannot roll back that far."""
+        if not self.engine._truncate(self, n):
+            return False
+        del self.tokens[n:]
+        return True
+
+    def kv_bytes(self) -> int:
+        """KV bytes of this session over all stages (each stage allocates the formula for its layers)."""
+        return self.engine.session_kv_bytes
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+class PipelineEngine:
+    """Rank 0 of a route: stage 0 in this process, one worker process (local or remote) per further stage."""
+
+    def __init__(self, *, path: str, gguf: GGUFFile, route: Route, ctx: int, chunk: int, rollback: int,
+                 kv_dtype: str, activation_bits: int, heartbeat_timeout: float, step_timeout: float | None) -> None:
+        from .tokenizer import Tokenizer
+
+        self.path, self.route, self.cfg = path, route, gguf.config
+        self.ctx, self.chunk, self.rollback, self.kv_dtype_name = ctx, chunk, rollback, kv_dtype
+        self.kv_dtype = KV_DTYPES[kv_dtype]
+        self.activation_bits = activation_bits
+        self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
+        self.tokenizer = Tokenizer.from_metadata(gguf.metadata)
+        self.world = len(route)
+        self.labels = [stage_label(i, s) for i, s in enumerate(route.stages)]
+        self.session_kv_bytes = sum(kv_bytes(self.cfg, s.layers, ctx, self.kv_dtype, chunk=chunk, rollback=rollback)
+                                    for s in route.stages)
+        self.device = torch.device("cpu")
+        self.runner: StageRunner | None = None
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.down: dict[int, str] = {}
+        self.backend = "gloo"
+        self._store: Any = None
+        self._store_lock = threading.Lock()
+        self._address = ""
+        self._link: Link | None = None
+        self._pg: Any = None
+        self._waiter: _Waiter | None = None
+        self._monitor: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()  # one pipeline operation at a time
+        self._sids = itertools.count(1)
+        self._released: list[int] = []
+        self._closed = False
+        # at garbage collection or interpreter exit without close(): still stop every started process
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, 2.0)
+
+    # ---- loading -----------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], ctx: int = 4096, route: str | Route | None = None, *,
+             expert_cache: int | str | None = None, activation_bits: int = 16, chunk: int = DEFAULT_CHUNK,
+             rollback: int = 0, kv_dtype: str = "float32", dist_addr: str = "127.0.0.1:0",
+             remote: Iterable[int] = (), threads: int | None = None, prefetch: bool = True,
+             heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
+             step_timeout: float | None = 600.0, round_trips: RoundTrips = RoundTrips()) -> PipelineEngine:
+        """Start the pipeline of `route` (text form or Route; default: one CPU stage). `expert_cache` is the
+        routed-expert cache of every stage that does not set its own `cache=` in the route. Workers of the
+        ranks in `remote` are not started here: they join with `ds4station worker --coordinator ADDR --rank N`
+        (ADDR is `dist_addr`, printed when the engine waits for them)."""
+        path = str(path)
+        gguf = GGUFFile.open(path)
+        cfg = gguf.config
+        if ctx > cfg.context_length:
+            raise ValueError(f"--ctx {ctx} exceeds the model's context length {cfg.context_length}")
+        if activation_bits not in ACTIVATION_BITS:
+            raise ValueError(f"--activation-bits {activation_bits}: use 16 or 32")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv dtype {kv_dtype!r}: use one of {', '.join(KV_DTYPES)}")
+        route = resolve_route(route, cfg.n_layers, expert_cache)
+        check_expert_caches(gguf, route)
+        remote = sorted(set(remote))
+        bad = [r for r in remote if not 0 < r < len(route)]
+        if bad:
+            raise RouteError(f"remote rank(s) {bad}: workers are ranks 1-{len(route) - 1} of this route")
+        engine = cls(path=path, gguf=gguf, route=route, ctx=ctx, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
+                     activation_bits=activation_bits, heartbeat_timeout=heartbeat_timeout, step_timeout=step_timeout)
+        try:
+            engine._start(gguf, remote, dist_addr, threads, prefetch, join_timeout, round_trips)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def _start(self, gguf: GGUFFile, remote: list[int], dist_addr: str, threads: int | None, prefetch: bool,
+               join_timeout: float, round_trips: RoundTrips) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        route = self.route
+        devices = [s.device for s in route.stages]
+        distinct_gpus = all(d != "cpu" for d in devices) and len(set(devices)) == len(devices)
+        self.backend = "nccl" if distinct_gpus and torch.cuda.is_available() and self.world > 1 else "gloo"
+        self.device = resolve_device(route.stages[0].device)
+        settings = StageSettings(model=str(Path(self.path).resolve()), route=str(route), ctx=self.ctx,
+                                 chunk=self.chunk, rollback=self.rollback, kv_dtype=self.kv_dtype_name,
+                                 backend=self.backend, prefetch=prefetch, fp8_kv=round_trips.fp8_kv,
+                                 indexer_fp4=round_trips.indexer_fp4)
+        if self.world > 1:
+            host, _, port = dist_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"distributed address {dist_addr!r}: expected HOST:PORT (port 0 = any free port)")
+            self._store = dist.TCPStore(host.strip("[]"), int(port), None, True, wait_for_workers=False,
+                                        timeout=datetime.timedelta(seconds=30))
+            connect_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host.strip("[]")
+            self._address = f"{connect_host}:{self._store.port}"
+            self._store.set("config", settings.to_json())
+            cpu_stages = sum(1 for s in route.stages if s.device == "cpu")
+            per_worker = threads or max(1, (os.cpu_count() or 1) // max(1, cpu_stages))
+            for rank in range(1, self.world):
+                if rank not in remote:
+                    self.procs[rank] = self._spawn(rank, per_worker)
+            if remote:
+                shown = socket.getfqdn() if host in ("0.0.0.0", "::", "[::]") else host
+                print(f"ds4station: waiting for remote stage(s) {', '.join(self.labels[r] for r in remote)}; on each "
+                      f"host run: ds4station worker --coordinator {shown}:{self._store.port} --rank N",
+                      file=sys.stderr, flush=True)
+        self.runner = StageRunner(gguf, route.stages[0], settings, self.device, rank=0)
+        if self.world == 1:
+            return
+        self._await_ready(join_timeout)
+        pg = make_process_group(self.backend, self._store, 0, self.world, self.device)
+        self._link = Link(pg, self.backend, self.device)
+        self._pg = pg
+        self._waiter = _Waiter(poll=self.backend == "nccl")
+        self._monitor = threading.Thread(target=self._watch, name="pipeline-monitor", daemon=True)
+        self._monitor.start()
+
+    def _spawn(self, rank: int, threads: int) -> subprocess.Popen[bytes]:
+        env_updates, local_device = pin_env(self.route.stages[rank].device)
+        env = {**os.environ, **env_updates}
+        # the child must import this very package, wherever it was imported from here
+        root = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        cmd = [sys.executable, "-m", "ds4station.commands.worker", "--coordinator", self._address, "--rank",
+               str(rank), "--device", local_device, "--threads", str(threads), "--parent-pid", str(os.getpid())]
+        # its own session: a Ctrl-C in the terminal reaches the coordinator, which then stops the workers
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def _await_ready(self, join_timeout: float) -> None:
+        """Wait until every worker has loaded its stage; a worker that fails names the reason."""
+        deadline = time.monotonic() + join_timeout
+        waiting = set(range(1, self.world))
+        while waiting:
+            for rank in sorted(waiting):
+                with self._store_lock:
+                    if self._store.check([f"error/{rank}"]):
+                        raise RuntimeError(self._store.get(f"error/{rank}").decode())
+                    if self._store.check([f"ready/{rank}"]):
+                        waiting.discard(rank)
+                        continue
+                proc = self.procs.get(rank)
+                if proc is not None and proc.poll() is not None:
+                    raise StageDown(rank, self.labels[rank], f"the worker exited with code {proc.returncode} while "
+                                                             "loading (its output is above)")
+            if waiting and time.monotonic() > deadline:
+                raise TimeoutError(f"{', '.join(self.labels[r] for r in sorted(waiting))} did not join within "
+                                   f"{join_timeout:.0f} s")
+            time.sleep(0.05)
+
+    # ---- liveness ----------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        """Every 0.2 s: local workers still running? every worker's heartbeat counter still moving?"""
+        import datetime
+
+        import torch.distributed as dist
+
+        host, _, port = self._address.rpartition(":")
+        store = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10))
+        seen = {r: (-1, time.monotonic()) for r in range(1, self.world)}
+        while not self._stop.wait(0.2):
+            now = time.monotonic()
+            for rank in range(1, self.world):
+                if rank in self.down:
+                    continue
+                proc = self.procs.get(rank)
+                if proc is not None and proc.poll() is not None:
+                    self._mark_down(rank, f"the worker process exited with code {proc.returncode}", store)
+                    continue
+                try:
+                    beats = int(store.add(f"hb/{rank}", 0))
+                except Exception as e:  # our own store failing: nothing sensible to watch any more
+                    self._mark_down(rank, f"the coordinator's store failed: {e}", None)
+                    continue
+                if beats != seen[rank][0]:
+                    seen[rank] = (beats, now)
+                elif now - seen[rank][1] > self.heartbeat_timeout:
+                    self._mark_down(rank, f"no heartbeat for {now - seen[rank][1]:.1f} s (hung, or its host is "
+                                          "unreachable)", store)
+
+    def _mark_down(self, rank: int, reason: str, store: Any) -> None:
+        if store is not None:
+            try:
+                if store.check([f"error/{rank}"]):
+                    reason += f"; it reported: {store.get(f'error/{rank}').decode()}"
+            except Exception:
+                pass
+        self.down.setdefault(rank, reason)
+
+    def _raise_if_down(self) -> None:
+        if self._closed:
+            raise RuntimeError("the pipeline engine is closed")
+        if self.down:
+            rank = min(self.down)
+            raise StageDown(rank, self.labels[rank], self.down[rank])
+
+    def _await(self, pending: list[_Pending], peer: int) -> None:
+        """Wait for these operations, never longer than liveness allows; `peer` is blamed for a failure the
+        monitor cannot attribute."""
+        start = time.monotonic()
+        for p in pending:
+            while not p.done.wait(0.05):
+                self._raise_if_down()
+                if self.step_timeout is not None and time.monotonic() - start > self.step_timeout:
+                    self.down.setdefault(peer, f"no answer within {self.step_timeout:.0f} s")
+                    self._raise_if_down()
+            if p.error is not None:
+                self._lost(peer, p.error)
+
+    def _lost(self, peer: int, error: BaseException) -> None:
+        """A connection broke: give the monitor a moment to tell which stage went away, then raise."""
+        t0 = time.monotonic()
+        while not self.down and time.monotonic() - t0 < 2.0:
+            time.sleep(0.05)
+        self.down.setdefault(peer, f"connection lost ({str(error).splitlines()[0][:200]})")
+        self._raise_if_down()
+
+    def _isend(self, t: torch.Tensor, dst: int) -> _Pending:
+        assert self._link is not None and self._waiter is not None
+        try:
+            work, keep = self._link.isend(t, dst)
+        except RuntimeError as e:  # gloo refuses at once when the connection is already closed
+            self._lost(dst, e)
+            raise
+        return self._waiter.submit(work, keep)
+
+    def _irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> tuple[_Pending, torch.Tensor]:
+        assert self._link is not None and self._waiter is not None
+        try:
+            work, buf = self._link.irecv(shape, dtype, src)
+        except RuntimeError as e:
+            self._lost(src, e)
+            raise
+        return self._waiter.submit(work, buf), buf
+
+    def health(self) -> str | None:
+        """None while every stage is up, else why the first stage that went down is down."""
+        if not self.down:
+            return None
+        rank = min(self.down)
+        return f"pipeline {self.labels[rank]} is down: {self.down[rank]}"
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def new_session(self, activation_bits: int | None = None) -> PipelineSession:
+        bits = self.activation_bits if activation_bits is None else activation_bits
+        if bits not in ACTIVATION_BITS:
+            raise ValueError(f"activation bits {bits}: use 16 or 32")
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            sid = next(self._sids)
+            assert self.runner is not None
+            self.runner.new_session(sid)
+            self._broadcast(header(OP_NEW, sid))
+        return PipelineSession(self, sid, bits)
+
+    def _release(self, sid: int) -> None:  # a finalizer: any thread, any time; applied at the next operation
+        self._released.append(sid)
+
+    def _flush_released(self) -> None:
+        while self._released:
+            sid = self._released.pop()
+            if self.runner is not None:
+                self.runner.free(sid)
+            if not self.down and not self._closed:
+                self._broadcast(header(OP_FREE, sid))
+
+    def _broadcast(self, hdr: torch.Tensor) -> list[_Pending]:
+        """Send a header down the chain (each worker applies and forwards it); -> the pending send."""
+        if self.world == 1:
+            return []
+        return [self._isend(hdr, 1)]
+
+    def _extend(self, session: PipelineSession, tokens: list[int], chunk: int | None) -> torch.Tensor:
+        if not tokens:
+            raise ValueError("extend needs at least one token")
+        runner = self.runner
+        assert runner is not None
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            cache = runner.kv[session.sid]
+            if cache.length + len(tokens) > self.ctx:  # checked before any stage moves
+                raise ValueError(f"context full: {cache.length} + {len(tokens)} tokens exceed ctx {self.ctx}; "
+                                 "start a new session or load with a larger --ctx")
+            step = self.chunk if chunk is None else max(1, min(chunk, self.chunk))
+            bits = session.activation_bits
+            ids = torch.as_tensor(tokens, dtype=torch.long)
+            pending: list[_Pending] = []
+            logits: torch.Tensor | None = None
+            for s in range(0, len(tokens), step):
+                piece = ids[s: s + step]
+                X = runner.run(session.sid, runner.embed(piece), piece)
+                final = s + step >= len(tokens)
+                if self.world == 1:
+                    if final:
+                        logits = runner.head(X[-1:])[0]
+                    continue
+                payload = pack(piece, X, bits)
+                hdr = header(OP_EXTEND, session.sid, piece.numel(), bits, FLAG_RESULT if final else 0,
+                             payload=payload.numel())
+                for t in (hdr, payload):
+                    pending.append(self._isend(t, 1))
+            if self.world > 1:
+                logits = self._result(bits, pending)
+            session.tokens += tokens
+        assert logits is not None
+        return logits.float().cpu()
+
+    def _result(self, bits: int, pending: list[_Pending]) -> torch.Tensor:
+        """Receive the last stage's answer to the final piece: logits, or the state for our head."""
+        assert self.runner is not None
+        last = self.world - 1
+        cfg = self.cfg
+        if self.route.stages[last].output:
+            done, buf = self._irecv((cfg.vocab_size,), torch.float32, last)
+        else:
+            done, buf = self._irecv((payload_bytes(1, bits, cfg.hc_mult, cfg.dim),), torch.uint8, last)
+        pending.append(done)
+        self._await(pending, last)
+        if self.route.stages[last].output:
+            return buf
+        _, X = unpack(buf, 1, bits, cfg.hc_mult, cfg.dim)
+        return self.runner.head(X)[0]
+
+    def _truncate(self, session: PipelineSession, n: int) -> bool:
+        assert self.runner is not None
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            # every stage's cache has the same length and slack, so stage 0 decides for all of them
+            if not self.runner.truncate(session.sid, n):
+                return False
+            self._broadcast(header(OP_TRUNCATE, session.sid, arg=n))
+            return True
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def stage_stats(self, refresh: bool = True) -> list[dict[str, Any]]:
+        """Every stage's statistics (KV bytes per session, expert cache), in stage order. `refresh` asks the
+        workers to publish theirs first (a round trip through the pipeline); otherwise what they last
+        published is read (what /status does, from another thread)."""
+        assert self.runner is not None
+        if refresh and self.world > 1:
+            with self._lock:
+                self._raise_if_down()
+                self._flush_released()
+                pending = self._broadcast(header(OP_STATUS))
+                pending.append(self._irecv((HEADER_LEN,), torch.int64, self.world - 1)[0])
+                self._await(pending, self.world - 1)
+        out = [self.runner.stats()]
+        for rank in range(1, self.world):
+            try:
+                with self._store_lock:
+                    out.append(json.loads(self._store.get(f"stats/{rank}")))
+            except Exception as e:
+                out.append({"rank": rank, "error": f"{type(e).__name__}: {e}"})
+        return out
+
+    def status(self) -> dict[str, Any]:
+        """What /status and /health show: route, per-stage state and memory, expert-cache totals, health."""
+        stats = self.stage_stats(refresh=False)
+        stages = []
+        for rank, (stage, st) in enumerate(zip(self.route.stages, stats, strict=True)):
+            proc = self.procs.get(rank)
+            stages.append({**st, "stage": rank, "device": stage.device,
+                           "layers": [stage.first_layer, stage.last_layer + 1],
+                           "state": "down" if rank in self.down else "up", "reason": self.down.get(rank),
+                           "pid": st.get("pid", proc.pid if proc else None),
+                           "remote": rank > 0 and rank not in self.procs})
+        caches = [s["expert_cache"] for s in stats if s.get("expert_cache")]
+        total = None
+        if caches:
+            keys = ("lookups", "hits", "misses", "bytes_read", "prefetched", "evictions", "capacity_bytes")
+            total = {k: sum(int(c[k]) for c in caches) for k in keys}
+        return {"route": str(self.route), "backend": self.backend, "activation_bits": self.activation_bits,
+                "stages": stages, "expert_cache": total, "health": self.health()}
+
+    # ---- the decode loop of `ds4station generate`: the same as the single-process engine's ----------
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        from .runtime import Engine
+
+        return Engine.generate(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    # ---- shutdown ----------------------------------------------------------------------------------
+    def close(self, grace: float = 5.0) -> None:
+        """Stop every worker this engine started (asked to shut down, then terminated, then killed)."""
+        if self._closed:
+            return
+        asked = False
+        if self.world > 1 and self._link is not None and not self.down:
+            try:
+                with self._lock:
+                    pending = self._broadcast(header(OP_SHUTDOWN))
+                    asked = pending[0].done.wait(2.0)
+            except Exception:  # best effort: the processes are stopped below either way
+                pass
+        self._closed = True
+        self._stop.set()
+        # a broken pipeline cannot shut down in order: no point waiting for the workers to finish
+        _stop_processes(self.procs, grace if asked else 0.0)
+        self._finalizer.detach()
+        if self._waiter is not None:
+            self._waiter.close()
+        if self.down and self._pg is not None:
+            try:  # NCCL kernels waiting on a dead peer would spin forever
+                self._pg.abort()
+            except Exception:
+                pass
+        # Release the process group here, in this thread, once its waits are over; left to interpreter
+        # exit, a group with broken connections can abort the process ("terminate called ...").
+        self._link = None
+        self._pg = None
+        if self.runner is not None:
+            self.runner.close()
+        self._store = None  # the store's server goes with it: remote workers notice and exit
+
+    def __enter__(self) -> PipelineEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _stop_processes(procs: dict[int, subprocess.Popen[bytes]], grace: float) -> None:
+    """Give the workers `grace` seconds to finish (they were asked to shut down), then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace
+    for proc in procs.values():
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGCONT)  # a stopped (hung) worker only acts on SIGTERM once resumed
+    for proc in procs.values():
+        try:
+            proc.wait(3.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+def resolve_route(route: str | Route | None, n_layers: int, expert_cache: int | str | None = None,
+                  device: str = "cpu") -> Route:
+    """The route to run: the text form or a .toml file of [[stages]] (planner/route.py), or one stage on
+    `device`; `expert_cache` fills in the cache of every stage that does not set its own."""
+    if route is None:
+        route = f"{device}=embed,0-{n_layers - 1},output"
+    if isinstance(route, str) and route.strip().endswith(".toml"):
+        toml = Path(route.strip())
+        if not toml.is_file():
+            raise RouteError(f"route file {toml} does not exist")
+        route = route_from_toml(toml.read_text(), n_layers)
+    r = parse_route(route, n_layers) if isinstance(route, str) else route
+    if r.n_layers != n_layers:
+        raise RouteError(f"the route covers {r.n_layers} layers, the model has {n_layers}")
+    default = parse_size(expert_cache) if expert_cache not in (None, "", 0) else 0
+    if default:
+        r = Route(tuple(s if s.expert_cache_bytes else Stage(s.device, s.first_layer, s.last_layer, s.embed,
+                                                             s.output, default) for s in r.stages), n_layers)
+    last = len(r) - 1
+    if r.output_stage not in (0, last):
+        raise RouteError(f"the output head is on stage {r.output_stage}; put it on the first stage (with the "
+                         f"embedding, the usual place) or on the last stage")
+    return r
+
+
+def check_expert_caches(gguf: GGUFFile, route: Route) -> None:
+    """Refuse, before anything starts, a streaming stage whose cache cannot hold one layer's expert table."""
+    cfg = gguf.config
+    for rank, stage in enumerate(route.stages):
+        if not stage.streaming:
+            continue
+        tensors = gguf.load(stage.layers, embed=False, output=False)
+        need = min_cache_bytes(tensors, stage.layers)
+        if stage.expert_cache_bytes < need:
+            raise ExpertCacheTooSmall(too_small_message(stage.expert_cache_bytes, cfg.n_experts,
+                                                        need // cfg.n_experts, f"{stage_label(rank, stage)}: "))
+
+
+def check_settings(model_path: str | os.PathLike[str], route: str | Route | None = None,
+                   expert_cache: int | str | None = None, activation_bits: int = 16,
+                   device: str = "cpu") -> Route | None:
+    """Validate route / expert cache / activation bits against the file's header before anything loads (what
+    `serve` checks before it starts listening). Raises RouteError / ExpertCacheTooSmall / ValueError with the
+    message for the user; -> the route to run, or None for the single-process engine."""
+    if activation_bits not in ACTIVATION_BITS:
+        raise ValueError(f"--activation-bits {activation_bits}: use 16 or 32")
+    if route is None and expert_cache in (None, "", 0):
+        return None
+    gguf = GGUFFile.open(model_path)
+    resolved = resolve_route(route, gguf.config.n_layers, expert_cache, device)
+    check_expert_caches(gguf, resolved)
+    return resolved
+
+
+def load_engine(model_path: str | os.PathLike[str], ctx: int = 4096, route: str | Route | None = None,
+                expert_cache: int | str | None = None, activation_bits: int = 16, *, device: str = "cpu",
+                **kwargs: Any) -> Any:
+    """The engine for these settings: runtime.Engine (single process, resident experts) when there is no
+    route and no expert cache, else a PipelineEngine (a single-stage one streams experts in-process)."""
+    if route is None and expert_cache in (None, "", 0):
+        from .runtime import Engine
+
+        keep = {k: v for k, v in kwargs.items() if k in ("chunk", "rollback", "round_trips")}
+        return Engine.load(model_path, ctx=ctx, device=device, **keep)
+    resolved = check_settings(model_path, route, expert_cache, activation_bits, device)
+    return PipelineEngine.load(model_path, ctx, resolved, activation_bits=activation_bits, **kwargs)
+
+
+__all__ = ["PipelineEngine", "PipelineSession", "StageDown", "check_expert_caches", "check_settings", "load_engine",
+           "parse_size", "resolve_route"]

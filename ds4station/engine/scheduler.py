@@ -1,0 +1,659 @@
+"""The request scheduler: one engine worker thread, a bounded request queue, and live KV sessions.
+
+The scheduler owns everything between "a list of prompt token ids" and "a stream of text pieces":
+- one worker thread runs the engine (torch is driven from one thread only); it also loads the engine, so
+  the HTTP server answers /health while the weights load;
+- requests beyond the running one wait in a bounded queue; a full queue raises `QueueFull` at once so
+  the server can answer 503 + Retry-After instead of piling up work;
+- up to `max_sessions` live KV states are kept; each request is served from the session with the longest
+  common token prefix and only the suffix is prefilled (in chunks, checking for cancellation between
+  chunks); a session that cannot roll back far enough (`truncate` returns False) is re-prefilled;
+- the decode loop samples, detokenizes incrementally, applies stop tokens / stop strings / max tokens,
+  and checks the request's cancel flag before every step, so a client that goes away stops the
+  generation within one decode step;
+- every finished request reports llama.cpp-style timings (cache_n, prompt_n, prompt_ms, predicted_n,
+  predicted_ms) and its cached prefix length.
+
+The engine interface is deliberately narrow (`GenerationEngine` / `EngineSession` below) so the GPU and
+pipeline engines drop in without touching the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from .sampler import Sampler, SamplingParams, StopScanner
+
+# ---------------------------------------------------------------------------------------------------
+# The engine interface the scheduler needs, and nothing more.
+
+
+class EngineSession(Protocol):
+    """One live KV state. `tokens` are the ids already in the KV, in order."""
+
+    tokens: list[int]
+
+    def extend(self, tokens: Sequence[int], chunk: int = ...) -> torch.Tensor:
+        """Append tokens to the KV; return the logits of the last position ([vocab])."""
+
+    def truncate(self, n: int) -> bool:
+        """Keep only the first n tokens; False when the state cannot roll back that far."""
+
+    def kv_bytes(self) -> int: ...
+
+
+class GenerationEngine(Protocol):
+    """What the scheduler and server use of an engine: a tokenizer (encode / decode / stream_decoder /
+    eos_id) and sessions. Optional extras the server shows when present: `cfg` (ModelConfig), `device`,
+    and `status() -> dict` with `route`, `stages`, `expert_cache` and `health` (None, or why a stage is down)."""
+
+    tokenizer: Any
+
+    def new_session(self) -> EngineSession: ...
+
+
+class Detokenizer(Protocol):
+    """Incremental ids -> text; holds back bytes of an incomplete UTF-8 character."""
+
+    def push(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+# ---------------------------------------------------------------------------------------------------
+# Requests and the events they stream back.
+
+
+class QueueFull(RuntimeError):
+    """The bounded request queue is full; the server answers 503 with Retry-After."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__("the server is busy: the request queue is full; retry later")
+        self.retry_after = retry_after
+
+
+class NotReady(RuntimeError):
+    """The engine is still loading or failed to load."""
+
+
+@dataclass
+class Forced:
+    """A guide's directive: append exactly these tokens (they count as generated output)."""
+
+    tokens: list[int]
+
+
+@dataclass
+class Allowed:
+    """A guide's directive: sample the next token from these ids only (bool mask over the vocabulary)."""
+
+    mask: torch.Tensor
+
+
+class Guide(Protocol):
+    """Steers generation (e.g. a forced tool call): asked before every step, told every accepted token."""
+
+    def next(self) -> Forced | Allowed | None: ...
+
+    def accept(self, token: int) -> None: ...
+
+
+@dataclass
+class Timings:
+    cache_n: int = 0
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+
+    def as_dict(self) -> dict[str, float | int]:
+        """llama.cpp's `timings` object."""
+        return {
+            "cache_n": self.cache_n,
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(1000.0 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms > 0 else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_second": (round(1000.0 * self.predicted_n / self.predicted_ms, 3)
+                                     if self.predicted_ms > 0 else 0.0),
+        }
+
+
+@dataclass
+class Job:
+    """One generation request as the worker sees it."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # its max_tokens / stop are not used
+    stop: list[str] = field(default_factory=list)
+    stop_tokens: set[int] = field(default_factory=set)
+    banned_tokens: list[int] = field(default_factory=list)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # OpenAI's logit_bias, added before sampling
+    guide: Guide | None = None
+    kind: str = "chat"  # label for metrics / status only
+
+    id: int = 0
+    cancel: threading.Event = field(default_factory=threading.Event)
+    queued_at: float = 0.0
+
+
+@dataclass
+class Prefill:
+    """Progress of the prompt prefill (lets the server keep a stream alive during a long prefill)."""
+
+    done: int
+    total: int
+    cached: int
+
+
+@dataclass
+class Text:
+    text: str
+    tokens: int  # tokens this piece accounts for
+
+
+@dataclass
+class Finished:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+    queue_ms: float
+    ttft_ms: float  # from being queued to the first generated token
+    error: str | None = None
+    stop_string: str | None = None  # the stop string that ended generation, if one did
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.timings.cache_n
+
+
+Event = Prefill | Text | Finished
+
+
+class Handle:
+    """The async side of one submitted job: iterate its events, or cancel it."""
+
+    def __init__(self, job: Job, loop: asyncio.AbstractEventLoop) -> None:
+        self.job = job
+        self._loop = loop
+        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished: Finished | None = None
+
+    def _post(self, event: Event) -> None:  # called from the worker thread
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            self.job.cancel.set()
+
+    def cancel(self) -> None:
+        self.job.cancel.set()
+
+    async def next(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None when `timeout` passes first (the caller sends a keep-alive)."""
+        try:
+            event = await asyncio.wait_for(self._queue.get(), timeout)
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(event, Finished):
+            self.finished = event
+        return event
+
+    async def events(self) -> AsyncIterator[Event]:
+        while True:
+            event = await self.next()
+            assert event is not None
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+# ---------------------------------------------------------------------------------------------------
+# Live KV sessions
+
+
+@dataclass
+class LiveSession:
+    session: EngineSession
+    last_used: float = 0.0
+    requests: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.session.tokens
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class SessionPool:
+    """Up to `capacity` live KV states and the policy that picks one for a prompt.
+
+    - The session with the longest common token prefix wins (ties: the most recently used).
+    - A session the prompt merely extends is used as is.
+    - Otherwise truncating it in place throws away its divergent tail; that is done only when the session
+      holds the whole prompt (a retry) or when it keeps at least as much as it discards (an edit of the same
+      conversation). An unrelated prompt (say another agent sharing only the system prompt) takes a free
+      slot instead, so it never destroys another agent's session while a slot is free; with no slot free
+      it takes the least recently used one.
+    - A session that cannot roll back (`truncate` False) is replaced by a fresh one and fully re-prefilled.
+    """
+
+    def __init__(self, engine: GenerationEngine, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError("at least one live KV session is needed (--sessions >= 1)")
+        self.engine = engine
+        self.capacity = capacity
+        self.slots: list[LiveSession] = []
+        self.hits = 0  # requests that reused a cached prefix
+        self.misses = 0
+        self.resets = 0  # truncations that failed and fell back to a fresh prefill
+
+    def acquire(self, prompt: Sequence[int]) -> tuple[LiveSession, int]:
+        """The session to serve `prompt` from, truncated to the reused prefix; and that prefix's length."""
+        limit = max(len(prompt) - 1, 0)  # at least one token must be prefilled to get logits
+        scored = [(min(common_prefix(s.tokens, prompt), limit), s.last_used, s) for s in self.slots]
+        scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        free = len(self.slots) < self.capacity
+        chosen: tuple[int, LiveSession] | None = None
+        if scored:
+            common, _, best = scored[0]
+            discard = len(best.tokens) - common
+            # in place: a pure extension, a retry of a prompt the session already holds whole, or an edit
+            # that keeps at least as much as it throws away
+            if discard == 0 or (common > 0 and (common == limit or common >= discard)):
+                chosen = (common, best)
+            elif not free:
+                lru = min(self.slots, key=lambda s: s.last_used)
+                chosen = (min(common_prefix(lru.tokens, prompt), limit), lru)
+        if chosen is None:
+            live = LiveSession(self.engine.new_session())
+            self.slots.append(live)
+            chosen = (0, live)
+        common, live = chosen
+        if len(live.tokens) > common and not live.session.truncate(common):
+            self.resets += 1
+            live.session = None  # type: ignore[assignment]  # drop the old KV before allocating the new one
+            live.session = self.engine.new_session()
+            common = 0
+        if common > 0:
+            self.hits += 1
+        else:
+            self.misses += 1
+        live.last_used = time.monotonic()
+        live.requests += 1
+        return live, common
+
+    def drop(self, live: LiveSession) -> None:
+        """Forget a session whose state can no longer be trusted (the engine failed while extending it)."""
+        if live in self.slots:
+            self.slots.remove(live)
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Called from the HTTP thread while the worker runs: reads only, tolerates a slot being replaced."""
+        now = time.monotonic()
+        out = []
+        for s in list(self.slots):
+            session = s.session
+            if session is not None:
+                out.append({"tokens": len(session.tokens), "kv_bytes": int(session.kv_bytes()),
+                            "requests": s.requests, "idle_s": round(now - s.last_used, 3)})
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# The scheduler
+
+
+@dataclass
+class RequestRecord:
+    """What /status shows about a finished request."""
+
+    id: int
+    kind: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    prompt_per_second: float
+    predicted_per_second: float
+    ttft_ms: float
+    total_ms: float  # queued to finished
+    finished_at: float
+
+
+class Scheduler:
+    """Runs jobs one at a time on the engine in a dedicated thread; see the module docstring."""
+
+    def __init__(self, loader: Callable[[], GenerationEngine], *, sessions: int = 2, max_queue: int = 16,
+                 prefill_chunk: int = 256, ctx: int | None = None,
+                 detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
+                 on_finish: Callable[[Job, Finished], None] | None = None) -> None:
+        self._loader = loader
+        self.capacity = sessions
+        self.max_queue = max_queue
+        self.prefill_chunk = prefill_chunk
+        self.ctx = ctx
+        self._make_detok = detokenizer or _default_detokenizer
+        self.on_finish = on_finish
+        self.engine: GenerationEngine | None = None
+        self.pool: SessionPool | None = None
+        self.state = "loading"  # loading | ready | failed | stopped
+        self.error: str | None = None
+        self.ready = threading.Event()
+        self._queue: queue.Queue[tuple[Job, Handle] | None] = queue.Queue(maxsize=max_queue)
+        self._ids = itertools.count(1)
+        self._running: dict[str, Any] | None = None
+        self.recent: deque[RequestRecord] = deque(maxlen=32)
+        self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+                       "cancelled": 0, "errors": 0}
+        self._thread = threading.Thread(target=self._main, name="ds4-engine", daemon=True)
+        self._idle = threading.Event()  # set while the worker waits for work (nothing running or settling)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> Scheduler:
+        """Start the worker (it loads the engine first); starting twice is harmless."""
+        if not self._thread.is_alive() and self.state == "loading":
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel queued work and stop the worker after the running step."""
+        if self._running is not None:
+            self._running["job"].cancel.set()
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel.set()
+                self._finish_unstarted(*item, reason="cancelled")
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        if self.state != "failed":
+            self.state = "stopped"
+
+    # ---- submitting ------------------------------------------------------------------------------
+    def submit(self, job: Job) -> Handle:
+        """Queue a job; its events arrive on the returned handle. Raises NotReady or QueueFull."""
+        if self.state != "ready":
+            raise NotReady(self.error or f"the model is {self.state}")
+        handle = Handle(job, asyncio.get_running_loop())
+        job.id = next(self._ids)
+        job.queued_at = time.monotonic()
+        try:
+            self._queue.put_nowait((job, handle))
+        except queue.Full:
+            raise QueueFull(retry_after=self._retry_after()) from None
+        return handle
+
+    def _retry_after(self) -> int:
+        """Seconds a client should wait: the queue length times the recent mean request time (at least 1)."""
+        times = [r.total_ms / 1000.0 for r in self.recent] or [1.0]
+        return max(1, int(round(self.queue_length() * sum(times) / len(times))))
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until the worker has nothing to do (finished requests also settle their KV after replying)."""
+        return self._idle.wait(timeout)
+
+    def queue_length(self) -> int:
+        return self._queue.qsize()
+
+    # ---- the worker ------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            self.engine = self._loader()
+            self.pool = SessionPool(self.engine, self.capacity)
+        except Exception as e:  # a missing or damaged model file: /health says why
+            self.error = f"loading the model failed: {type(e).__name__}: {e}"
+            self.state = "failed"
+            self.ready.set()
+            return
+        self.state = "ready"
+        self.ready.set()
+        while True:
+            if self._queue.empty():
+                self._idle.set()
+            item = self._queue.get()
+            self._idle.clear()
+            if item is None:
+                return
+            job, handle = item
+            if job.cancel.is_set():
+                self._finish_unstarted(job, handle, reason="cancelled")
+                continue
+            try:
+                self._run(job, handle)
+            except Exception as e:
+                # The engine failed on this request; report it to the client and keep serving others.
+                traceback.print_exc()
+                self._running = None
+                fin = Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=f"{type(e).__name__}: {e}")
+                self._record(job, fin)
+                handle._post(fin)
+
+    def _finish_unstarted(self, job: Job, handle: Handle, reason: str) -> None:
+        fin = Finished(reason, len(job.prompt), 0, Timings(), (time.monotonic() - job.queued_at) * 1000, 0.0)
+        self._record(job, fin)
+        handle._post(fin)
+
+    def _run(self, job: Job, handle: Handle) -> None:
+        assert self.pool is not None and self.engine is not None
+        started = time.monotonic()
+        live, cached = self.pool.acquire(job.prompt)
+        try:
+            self._generate(job, handle, live, cached, started)
+        except Exception:
+            self.pool.drop(live)  # a half-extended KV must not serve a later prefix
+            raise
+
+    def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, started: float) -> None:
+        assert self.engine is not None
+        queue_ms = (started - job.queued_at) * 1000
+        session = live.session
+        todo = job.prompt[cached:]
+        timings = Timings(cache_n=cached, prompt_n=len(todo))
+        self._running = {"job": job, "phase": "prefill", "prompt_tokens": len(job.prompt), "cached": cached,
+                         "done": 0, "generated": 0}
+
+        def finish(reason: str, completion: int, ttft_ms: float, stop_string: str | None = None) -> Finished:
+            fin = Finished(reason, len(job.prompt), completion, timings, queue_ms, ttft_ms, stop_string=stop_string)
+            self._running = None
+            self._record(job, fin)
+            handle._post(fin)
+            return fin
+
+        # ---- chunked prefill: the cancel flag is checked between chunks
+        logits: torch.Tensor | None = None
+        for start in range(0, len(todo), self.prefill_chunk):
+            if job.cancel.is_set():
+                timings.prompt_ms = (time.monotonic() - started) * 1000
+                finish("cancelled", 0, 0.0)
+                return
+            logits = session.extend(todo[start:start + self.prefill_chunk])
+            self._running["done"] = start + len(todo[start:start + self.prefill_chunk])
+            handle._post(Prefill(self._running["done"], len(todo), cached))
+        assert logits is not None
+        t_prompt = time.monotonic()
+        timings.prompt_ms = (t_prompt - started) * 1000
+        self._running["phase"] = "decode"
+
+        # ---- decode
+        detok = self._make_detok(self.engine)
+        sampler = Sampler(job.sampling)
+        scanner = StopScanner(job.stop)
+        raw: list[str] = []  # all decoded text, to name the stop string that matched
+        bias: torch.Tensor | None = None  # banned tokens (-inf) and the client's logit_bias, built once
+        if job.banned_tokens or job.logit_bias:
+            bias = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
+            for token, value in job.logit_bias.items():
+                bias[token] = value
+            bias[job.banned_tokens] = float("-inf")
+        generated = 0
+        ttft_ms = 0.0
+        reason = "length"
+        tail: list[int] = []  # accepted tokens not yet fed into the KV
+        outputs: list[int] = []  # every generated token, in order
+        forced: deque[int] = deque()
+        directive: Forced | Allowed | None = None
+        matched: str | None = None
+
+        def take(token: int) -> str | None:
+            """Account for one generated token; the finish reason when it ends the generation."""
+            nonlocal generated, ttft_ms, matched
+            if job.guide is not None:
+                job.guide.accept(token)
+            generated += 1
+            if generated == 1:
+                ttft_ms = (time.monotonic() - job.queued_at) * 1000
+            outputs.append(token)
+            self._running["generated"] = generated
+            if token in job.stop_tokens:
+                return "stop"
+            piece = detok.push(token)
+            raw.append(piece)
+            shown = scanner.feed(piece)
+            if shown:
+                handle._post(Text(shown, 1))
+            if scanner.stopped:
+                text = "".join(raw)
+                matched = min((s for s in job.stop if s and s in text), key=text.find)
+                return "stop"
+            return None
+
+        while generated < job.max_tokens:
+            if job.cancel.is_set():
+                reason = "cancelled"
+                break
+            if tail:
+                # one forward for everything accepted since the last one (a run of forced tokens is a prefill)
+                logits = session.extend(tail, chunk=self.prefill_chunk)
+                tail = []
+            if not forced and job.guide is not None:
+                directive = job.guide.next()
+                if isinstance(directive, Forced):
+                    forced.extend(directive.tokens)
+            if forced:
+                batch = [forced.popleft() for _ in range(min(len(forced), job.max_tokens - generated))]
+            else:
+                step_logits = logits
+                if bias is not None or isinstance(directive, Allowed):
+                    step_logits = logits.float() + bias if bias is not None else logits.float().clone()
+                    if isinstance(directive, Allowed):
+                        step_logits[~directive.mask] = float("-inf")
+                batch = [sampler(step_logits)]
+            ended = None
+            for token in batch:
+                tail.append(token)
+                ended = take(token)
+                if ended:
+                    break
+            if ended:
+                reason = ended
+                break
+        if not scanner.stopped and reason != "cancelled":
+            rest = scanner.feed(detok.flush()) + scanner.flush()
+            if rest:
+                handle._post(Text(rest, 0))
+        timings.predicted_n = generated
+        timings.predicted_ms = (time.monotonic() - t_prompt) * 1000
+        finish(reason, generated, ttft_ms, matched)
+        if reason != "cancelled" and outputs:
+            try:
+                self._settle(session, len(job.prompt), outputs)
+            except Exception:  # the client has its answer already; only this live KV is lost
+                traceback.print_exc()
+                assert self.pool is not None
+                self.pool.drop(live)
+
+    def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int]) -> None:
+        """After the client has its answer: make the live KV hold this turn as the next prompt will spell it.
+
+        The next request re-renders this turn from text and tokenizes it; sampled tokens need not be the
+        tokenizer's canonical split of their own text (BPE could merge two sampled tokens into one), and the
+        last sampled token (usually EOS) is not in the KV yet. Feeding the canonical tokens of the generated
+        text keeps the whole turn inside the reusable prefix. The turn starts after a special token (the
+        assistant opening), so its canonical split is independent of the prompt before it.
+        """
+        assert self.engine is not None
+        tok = self.engine.tokenizer
+        canon = tok.encode(tok.decode(outputs))
+        same = common_prefix(canon, outputs)
+        keep = prompt_len + same
+        if self.ctx is not None and prompt_len + len(canon) > self.ctx:
+            return
+        if len(session.tokens) > keep and not session.truncate(keep):
+            return  # cannot roll back that far; the next turn re-prefills from the divergence
+        rest = canon[len(session.tokens) - prompt_len:]
+        if rest:
+            session.extend(rest, chunk=self.prefill_chunk)
+
+    def _record(self, job: Job, fin: Finished) -> None:
+        t = fin.timings
+        self.totals["requests"] += 1
+        self.totals["prompt_tokens"] += fin.prompt_tokens
+        self.totals["cached_tokens"] += t.cache_n
+        self.totals["completion_tokens"] += fin.completion_tokens
+        self.totals["cancelled"] += fin.reason == "cancelled"
+        self.totals["errors"] += fin.reason == "error"
+        d = t.as_dict()
+        self.recent.append(RequestRecord(job.id, job.kind, fin.reason, fin.prompt_tokens, t.cache_n,
+                                         fin.completion_tokens, float(d["prompt_per_second"]),
+                                         float(d["predicted_per_second"]), round(fin.ttft_ms, 3),
+                                         round((time.monotonic() - job.queued_at) * 1000, 3), time.time()))
+        if self.on_finish is not None:
+            try:
+                self.on_finish(job, fin)
+            except Exception:  # metrics must never take the worker down
+                traceback.print_exc()
+
+    # ---- introspection ---------------------------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        running = None
+        if self._running is not None:
+            r = self._running
+            running = {"id": r["job"].id, "kind": r["job"].kind, "phase": r["phase"],
+                       "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached"],
+                       "prefilled": r["done"], "generated": r["generated"]}
+        sessions = self.pool.describe() if self.pool is not None else []
+        return {
+            "state": self.state,
+            "error": self.error,
+            "queue": {"length": self.queue_length(), "capacity": self.max_queue},
+            "running": running,
+            "sessions": {"capacity": self.capacity, "live": sessions,
+                         "kv_bytes": sum(s["kv_bytes"] for s in sessions),
+                         "prefix_hits": self.pool.hits if self.pool else 0,
+                         "prefix_misses": self.pool.misses if self.pool else 0,
+                         "resets": self.pool.resets if self.pool else 0},
+            "recent": [r.__dict__ for r in self.recent],
+            "totals": dict(self.totals),
+        }
+
+
+def _default_detokenizer(engine: GenerationEngine) -> Detokenizer:
+    return engine.tokenizer.stream_decoder()

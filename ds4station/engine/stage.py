@@ -1,0 +1,452 @@
+"""One pipeline stage: its layer slice, the KV of every live session for those layers, its experts; and the
+worker loop that runs a stage in its own process (`ds4station worker`).
+
+Shared by both ends of the pipeline (pipeline.py is the coordinator, rank 0):
+- `StageRunner`: builds the `DS4Model` slice of a route stage from the memory-mapped GGUF (only that
+  stage's tensors are touched), resident or with streamed experts (experts.py), and keeps one `KVCache` per
+  session sized for the stage's layers only;
+- the wire protocol: every message is an int64 header [op, session, n, bits, flags, arg, payload bytes, 0]
+  followed, when payload bytes > 0, by one uint8 payload. Messages flow down the chain rank 0 -> 1 -> ... ->
+  n-1, each worker applying and forwarding them, so a worker only ever listens to its predecessor; the last
+  stage answers rank 0 directly (the logits when it holds the output head, else the last position's HC
+  state, which rank 0 turns into logits; or a status acknowledgement);
+- the rendezvous through the coordinator's TCPStore: `config` (JSON: model, route, ctx, ...), per rank
+  `ready/R` or `error/R` (the message a failed worker leaves), `hb/R` (a heartbeat counter) and `stats/R`
+  (JSON stage statistics for /status);
+- device pinning: `pin_env` turns a route device (cpu, cuda:N, PCI bus id, UUID) into the environment that
+  makes a child process see exactly that GPU, never an enumeration index another library might order
+  differently.
+
+A worker is fail-stop: any error is published under `error/R` and the process exits; the coordinator sees
+the exit (or the missing heartbeats of a remote worker) and fails the requests in flight naming the stage.
+A worker also exits by itself when its coordinator goes away (parent pid changes or the store stops
+answering), so an interrupted server never leaves workers behind.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ds4station.planner.route import Route, RouteError, Stage, parse_route
+
+from .experts import PARTS, ROLE_OF_PART, ExpertCache, ExpertCacheTooSmall, install, is_routed_expert
+from .gguf import GGUFFile
+from .kv import KVCache
+from .model import DS4Model, RoundTrips
+
+# ---- wire protocol -----------------------------------------------------------------------------------
+OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN = 1, 2, 3, 4, 5, 6
+FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
+HEADER_LEN = 8
+ACTIVATION_BITS = (16, 32)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The process group's own timeout must outlast any idle period (a worker waits in recv between requests);
+# liveness is judged by heartbeats and process exits instead.
+PG_TIMEOUT = datetime.timedelta(days=3650)
+
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_ORPHANED = 0, 1, 2, 3
+
+
+def header(op: int, sid: int = 0, n: int = 0, bits: int = 0, flags: int = 0, arg: int = 0,
+           payload: int = 0) -> torch.Tensor:
+    return torch.tensor([op, sid, n, bits, flags, arg, payload, 0], dtype=torch.int64)
+
+
+def pack(tokens: torch.Tensor, X: torch.Tensor, bits: int) -> torch.Tensor:
+    """tokens [T] int64 + HC state [T, C, dim] -> one uint8 payload.
+
+    32 bits: the state as float32 (bit-exact). 16 bits: float16 with one power-of-two scale per (token,
+    stream) row, chosen so the row's largest magnitude lands in [2^14, 2^15]: fp16's 11-bit significand
+    (8x finer than bf16's) without its overflow at 65504; scaling by a power of two adds no rounding."""
+    t = tokens.to(torch.int64).contiguous().view(torch.uint8)
+    X = X.float()
+    if bits == 32:
+        return torch.cat((t.to(X.device), X.contiguous().view(torch.uint8).flatten()))
+    if bits != 16:
+        raise ValueError(f"activation bits {bits}: use 16 or 32")
+    amax = X.abs().amax(-1, keepdim=True).clamp(min=2.0**-100)  # [T, C, 1]
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 2.0**15)))
+    q = (X / scale).to(torch.float16)
+    return torch.cat((t.to(X.device), scale.contiguous().view(torch.uint8).flatten(),
+                      q.contiguous().view(torch.uint8).flatten()))
+
+
+def unpack(buf: torch.Tensor, n: int, bits: int, hc: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `pack` -> (tokens [n] int64, HC state [n, hc, dim] float32)."""
+    tokens = buf[: 8 * n].view(torch.int64)
+    body = buf[8 * n:]
+    if bits == 32:
+        return tokens, body.view(torch.float32).view(n, hc, dim)
+    scale = body[: 4 * n * hc].view(torch.float32).view(n, hc, 1)
+    q = body[4 * n * hc:].view(torch.float16).view(n, hc, dim)
+    return tokens, q.float() * scale
+
+
+def payload_bytes(n: int, bits: int, hc: int, dim: int) -> int:
+    """Bytes `pack` produces for n tokens."""
+    return 8 * n + (n * hc * dim * 4 if bits == 32 else n * hc * 4 + n * hc * dim * 2)
+
+
+# ---- devices -----------------------------------------------------------------------------------------
+def _is_hip() -> bool:
+    return getattr(torch.version, "hip", None) is not None
+
+
+def resolve_device(spec: str) -> torch.device:
+    """A route device as a torch device of this process: cpu, cuda:N, or the GPU with that PCI bus id/UUID."""
+    if spec == "cpu" or spec.startswith("cuda:"):
+        return torch.device(spec)
+    if not torch.cuda.is_available():
+        raise RouteError(f"device {spec}: no GPU is visible to this process")
+    want = spec.lower().removeprefix("gpu-")
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        uuid = str(getattr(p, "uuid", "")).lower()
+        bus = (f"{getattr(p, 'pci_domain_id', 0):04x}:{getattr(p, 'pci_bus_id', -1):02x}:"
+               f"{getattr(p, 'pci_device_id', -1):02x}.0")
+        if uuid and want in (uuid, uuid.removeprefix("gpu-")) or want in (bus, bus[5:]):
+            return torch.device(f"cuda:{i}")
+    raise RouteError(f"device {spec}: no visible GPU has this PCI bus id or UUID")
+
+
+def pin_env(spec: str, parent_env: dict[str, str] | None = None) -> tuple[dict[str, str], str]:
+    """Environment updates that make a child process see exactly the route device `spec`, and the torch
+    device the child then uses. UUIDs go straight into CUDA_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES; a PCI
+    bus id is turned into the GPU's UUID through the hardware scan; cuda:N is the parent's N-th visible GPU."""
+    env = os.environ if parent_env is None else parent_env
+    if spec == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": ""} if not _is_hip() else {"ROCR_VISIBLE_DEVICES": ""}, "cpu"
+    var = "ROCR_VISIBLE_DEVICES" if _is_hip() else "CUDA_VISIBLE_DEVICES"
+    if spec.startswith("cuda:"):
+        n = int(spec.split(":")[1])
+        visible = [v for v in env.get(var, "").split(",") if v.strip()]
+        if visible:
+            if n >= len(visible):
+                raise RouteError(f"device {spec}: only {len(visible)} GPU(s) are visible ({var}={env[var]})")
+            return {var: visible[n].strip()}, "cuda:0"
+        return {var: str(n)}, "cuda:0"
+    if ":" in spec:  # PCI bus id
+        from ds4station.hardware import detect
+
+        bus = spec.lower() if spec.count(":") == 2 else "0000:" + spec.lower()
+        for gpu in detect():
+            if str(gpu.pci_bus_id).lower() == bus and isinstance(gpu.uuid, str):
+                var = "ROCR_VISIBLE_DEVICES" if gpu.vendor == "amd" else "CUDA_VISIBLE_DEVICES"
+                return {var: gpu.uuid}, "cuda:0"
+        raise RouteError(f"device {spec}: no GPU with this PCI bus id was found (see `ds4station detect`)")
+    return {var: spec}, "cuda:0"
+
+
+# ---- the stage ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageSettings:
+    """What every stage of one pipeline shares (published to workers as JSON)."""
+
+    model: str
+    route: str
+    ctx: int
+    chunk: int
+    rollback: int
+    kv_dtype: str = "float32"
+    backend: str = "gloo"
+    prefetch: bool = True
+    fp8_kv: bool = True  # model.RoundTrips: the quantisation round trips of the real model (on by default)
+    indexer_fp4: bool = True
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StageSettings:
+        return cls(**json.loads(text))
+
+
+def stage_label(rank: int, stage: Stage) -> str:
+    return f"stage {rank} ({stage.device}, layers {stage.first_layer}-{stage.last_layer})"
+
+
+class StageRunner:
+    """The compute of one stage: its DS4Model slice, its experts, one KVCache per session."""
+
+    def __init__(self, gguf: GGUFFile, stage: Stage, settings: StageSettings, device: torch.device, *,
+                 rank: int = 0) -> None:
+        self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
+        tensors = gguf.load(stage.layers, embed=stage.embed, output=stage.output)
+        self.experts: ExpertCache | None = None
+        if stage.streaming:
+            self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
+                                       prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
+        weights: dict[str, Any] = {}
+        for name, q in tensors.items():
+            if self.experts is not None and is_routed_expert(name):
+                layer, role = int(name.split(".")[1]), name.split(".")[2]
+                part = next(p for p in PARTS if ROLE_OF_PART[p] == role)
+                weights[name] = self.experts.view(layer, part)
+            else:  # as runtime.Engine.load does it, so a slice holds bit-for-bit the single-process weights
+                weights[name] = q.dequantize().to(device)
+        self.model = DS4Model(self.cfg, weights, stage.layers, embed=stage.embed, output=stage.output,
+                              round_trips=RoundTrips(settings.fp8_kv, settings.indexer_fp4))
+        if self.experts is not None:
+            install(self.model, self.experts)
+        self.kv: dict[int, KVCache] = {}
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def new_session(self, sid: int) -> None:
+        s = self.settings
+        self.kv[sid] = self.model.new_cache(s.ctx, chunk=s.chunk, rollback=s.rollback, dtype=KV_DTYPES[s.kv_dtype])
+
+    def free(self, sid: int) -> None:
+        self.kv.pop(sid, None)
+
+    def truncate(self, sid: int, n: int) -> bool:
+        return self.kv[sid].truncate(n)
+
+    # ---- compute -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(tokens.to(self.device))
+
+    @torch.inference_mode()
+    def run(self, sid: int, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.run_layers(X.to(self.device, torch.float32), tokens.to(self.device), self.kv[sid])
+
+    @torch.inference_mode()
+    def head(self, X: torch.Tensor) -> torch.Tensor:
+        return self.model.head(X.to(self.device, torch.float32))
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        sessions = dict(self.kv)  # a snapshot: /status may ask from another thread
+        s = self.stage
+        return {
+            "rank": self.rank, "device": s.device, "torch_device": str(self.device), "pid": os.getpid(),
+            "layers": [s.first_layer, s.last_layer + 1], "range": f"{s.first_layer}-{s.last_layer}",
+            "embed": s.embed, "output": s.output,
+            "sessions": {str(k): {"tokens": c.length, "kv_bytes": c.nbytes()} for k, c in sessions.items()},
+            "kv_bytes": sum(c.nbytes() for c in sessions.values()),
+            "expert_cache": None if self.experts is None else self.experts.report(),
+        }
+
+    def close(self) -> None:
+        if self.experts is not None:
+            self.experts.close()
+        self.kv.clear()
+
+
+# ---- transport ---------------------------------------------------------------------------------------
+def make_process_group(backend: str, store: Any, rank: int, world: int, device: torch.device) -> Any:
+    """A process group of our own (not torch.distributed's global default), so several pipelines can live
+    in one process (tests) and nothing global is left behind."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore("pg", store)
+    if backend == "nccl":
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = PG_TIMEOUT
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    return dist.ProcessGroupGloo(prefixed, rank, world, PG_TIMEOUT)
+
+
+class Link:
+    """Point-to-point sends/receives over one process group; gloo moves CPU tensors, NCCL device tensors."""
+
+    def __init__(self, pg: Any, backend: str, device: torch.device) -> None:
+        self.pg, self.backend = pg, backend
+        self.wire = device if backend == "nccl" else torch.device("cpu")
+
+    def isend(self, t: torch.Tensor, dst: int) -> tuple[Any, torch.Tensor]:
+        """-> (work, the tensor being sent: keep it alive until the work completes)."""
+        t = t.to(self.wire).contiguous()
+        return self.pg.send([t], dst, 0), t
+
+    def irecv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> tuple[Any, torch.Tensor]:
+        t = torch.empty(shape, dtype=dtype, device=self.wire)
+        return self.pg.recv([t], src, 0), t
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        work, _ = self.isend(t, dst)
+        _complete(work, dst)
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int) -> torch.Tensor:
+        work, t = self.irecv(shape, dtype, src)
+        _complete(work, src)
+        return t
+
+
+class PeerLost(ConnectionError):
+    """The connection to a neighbouring stage broke (it exited or its host went away)."""
+
+
+def _complete(work: Any, peer: int) -> None:
+    try:
+        work.wait()
+    except RuntimeError as e:  # gloo: "Connection closed by peer ..."
+        raise PeerLost(f"lost the connection to rank {peer} ({str(e).splitlines()[0][:160]})") from e
+
+
+# ---- the worker process ------------------------------------------------------------------------------
+def connect_store(address: str, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--coordinator {address!r}: expected HOST:PORT")
+    host = host.strip("[]")
+    # Wait for the port with a plain socket first: c10d logs a C++ stack trace for every failed attempt.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=max(0.1, min(2.0, deadline - time.monotonic()))).close()
+            break
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                raise ConnectionError(f"nothing answers at {host}:{port} ({e}); is the coordinator running?") from e
+            time.sleep(0.2)
+    return dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _watchdog(address: str, rank: int, parent_pid: int | None, timeout_s: float) -> None:
+    """Heartbeats for the coordinator; exits the process when the coordinator is gone."""
+    try:
+        store = connect_store(address, timeout_s)
+    except Exception:
+        os._exit(EXIT_ORPHANED)
+    key = f"hb/{rank}"
+    while True:
+        if parent_pid is not None and os.getppid() != parent_pid:
+            os._exit(EXIT_ORPHANED)
+        try:
+            store.add(key, 1)
+        except Exception:  # the store lives in the coordinator: it is gone
+            os._exit(EXIT_ORPHANED)
+        time.sleep(0.5)
+
+
+def _publish(store: Any, key: str, value: str) -> None:
+    try:
+        store.set(key, value)
+    except Exception:  # the coordinator is gone; the watchdog ends the process
+        pass
+
+
+def run_worker(coordinator: str, rank: int, *, model: str | None = None, device: str | None = None,
+               expert_cache: int | None = None, threads: int | None = None, parent_pid: int | None = None,
+               connect_timeout: float = 60.0) -> int:
+    """Join the coordinator's store as `rank`, load the stage, serve it until told to stop. -> exit code."""
+    def say(msg: str) -> None:
+        print(f"ds4station worker {rank}: {msg}", file=sys.stderr, flush=True)
+
+    try:
+        store = connect_store(coordinator, connect_timeout)
+        settings = StageSettings.from_json(store.get("config"))
+    except Exception as e:
+        say(f"cannot reach the coordinator at {coordinator}: {type(e).__name__}: {e}")
+        return EXIT_ERROR
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        gguf = GGUFFile.open(model or settings.model)
+        route = parse_route(settings.route, gguf.config.n_layers)
+        if not 0 < rank < len(route):
+            raise RouteError(f"rank {rank} is not a worker stage of the route ({len(route)} stages: ranks 1-"
+                             f"{len(route) - 1})")
+        stage = route.stages[rank]
+        if expert_cache is not None:
+            stage = Stage(stage.device, stage.first_layer, stage.last_layer, stage.embed, stage.output, expert_cache)
+        dev = torch.device(device) if device else resolve_device(stage.device)
+        runner = StageRunner(gguf, stage, settings, dev, rank=rank)
+    except (ExpertCacheTooSmall, RouteError) as e:
+        say(str(e))
+        _publish(store, f"error/{rank}", str(e))
+        return EXIT_CONFIG
+    except Exception as e:
+        msg = f"loading {stage_label(rank, stage) if 'stage' in locals() else 'the stage'} failed: " \
+              f"{type(e).__name__}: {e}"
+        say(msg)
+        _publish(store, f"error/{rank}", msg)
+        return EXIT_ERROR
+
+    threading.Thread(target=_watchdog, args=(coordinator, rank, parent_pid, connect_timeout), daemon=True,
+                     name="heartbeat").start()
+    store.set(f"stats/{rank}", json.dumps(runner.stats()))
+    store.set(f"ready/{rank}", str(os.getpid()))
+    say(f"{stage_label(rank, stage)} loaded on {dev}, joining the pipeline")
+    try:
+        pg = make_process_group(settings.backend, store, rank, len(route), dev)
+        return _serve(runner, Link(pg, settings.backend, dev), store, rank, len(route), route)
+    except PeerLost as e:  # a neighbour went first; its own exit is the news, not this worker's traceback
+        say(f"stopping: {e}")
+        _publish(store, f"error/{rank}", str(e))
+        return EXIT_ERROR
+    except Exception as e:
+        msg = f"{stage_label(rank, stage)} failed: {type(e).__name__}: {e}"
+        say(msg)
+        traceback.print_exc()
+        _publish(store, f"error/{rank}", msg)
+        return EXIT_ERROR
+    finally:
+        runner.close()
+
+
+def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, route: Route) -> int:
+    """The worker loop: receive from rank-1, apply, forward to rank+1 (or answer rank 0 from the last stage)."""
+    cfg = runner.cfg
+    last = rank == world - 1
+    nxt = rank + 1
+    published = 0.0
+
+    def publish() -> None:
+        nonlocal published
+        _publish(store, f"stats/{rank}", json.dumps(runner.stats()))
+        published = time.monotonic()
+
+    while True:
+        hdr = link.recv((HEADER_LEN,), torch.int64, rank - 1)
+        op, sid, n, bits, flags, arg, nbytes = (int(v) for v in hdr[:7].tolist())
+        payload = link.recv((nbytes,), torch.uint8, rank - 1) if nbytes else None
+        if op == OP_EXTEND:
+            assert payload is not None
+            tokens, X = unpack(payload, n, bits, cfg.hc_mult, cfg.dim)
+            X = runner.run(sid, X, tokens)
+            if not last:
+                link.send(hdr, nxt)
+                link.send(pack(tokens, X, bits), nxt)
+            elif flags & FLAG_RESULT:
+                if runner.stage.output:  # the head is here: only the logits travel back
+                    link.send(runner.head(X[-1:])[0].float(), 0)
+                else:  # the head is on rank 0: send the last position's state back
+                    link.send(pack(tokens[-1:], X[-1:], bits), 0)
+            if time.monotonic() - published > 1.0:
+                publish()
+            continue
+        if op == OP_NEW:
+            runner.new_session(sid)
+        elif op == OP_FREE:
+            runner.free(sid)
+        elif op == OP_TRUNCATE:
+            if not runner.truncate(sid, arg):
+                raise RuntimeError(f"session {sid}: cannot roll back to {arg} tokens (the coordinator could)")
+        if op in (OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS):
+            publish()
+        if not last:
+            link.send(hdr, nxt)
+        elif op == OP_STATUS:
+            link.send(hdr, 0)  # the acknowledgement: every stage has published its stats
+        if op == OP_SHUTDOWN:
+            return EXIT_OK
+
+
+__all__ = ["ACTIVATION_BITS", "KV_DTYPES", "Link", "PeerLost", "StageRunner", "StageSettings", "make_process_group",
+           "pack", "payload_bytes", "pin_env", "resolve_device", "run_worker", "stage_label", "unpack"]

@@ -1,0 +1,130 @@
+"""Activation quantisation for the integer-dot (dp4a) decode kernels, and the dp4a helper itself.
+
+The 2-bit expert kernels spend most of their time turning weights into floats (~7.7 instructions per
+weight in the fp32 path, see docs/PERFORMANCE-kernels.md). With the activation quantised to int8 per 32
+values (scale = amax / 127, as llama.cpp's q8_1), four weights x four activations become one `dp4a`
+(a 4-way int8 dot product with int32 accumulation, exact), and the weights stay packed bytes.
+
+`quantize_act` writes the int8 values packed four to an int32 word, TRANSPOSED so that lanes walking
+consecutive weight units read consecutive words, in the order each weight format needs:
+- layout "iq2_xxs": word c of 32-group g holds x[32 g + 4 c + b] in byte b (natural order), stored at
+  [c, g] of an int32 [8, K/32] array;
+- layout "q2_k": word i of 16-group w holds x[16 w + 4 b + i] in byte b (matching the repacked Q2_K word
+  whose byte b holds weights 16 w + 4 b + 0..3 at bits 2i), stored at [i, w] of an int32 [4, K/16] array.
+Both also write the fp32 scale per 32 values [K/32] and the exact fp32 sum per 16 values [K/16] (Q2_K's
+min term needs sum(x), which stays unquantised).
+
+`_dp4a` is NVIDIA PTX (sm_61+); the dispatcher only selects integer-dot kernels on CUDA. The fp32 kernels
+remain the portable path and the reference. Under the CPU interpreter, which cannot run inline assembly,
+`_dp4a` is the same sum in integer ops, so the tests still check the integer kernels end to end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+
+LAYOUTS = {"iq2_xxs": 0, "q2_k": 1}
+
+
+if dispatch.interpreting():
+    # The CPU interpreter cannot run inline assembly: the same sum in plain integer ops, so the CPU tests run
+    # every other part of the integer-dot kernels (layouts, sign masks, scales) bit for bit.
+    @triton.jit
+    def _dp4a(a, b, c):
+        """c + sum of the four signed byte products of int32 words a and b."""
+        acc = c
+        for i in tl.static_range(4):
+            acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
+        return acc
+else:
+    @triton.jit
+    def _dp4a(a, b, c):
+        """c + sum of the four signed byte products of int32 words a and b (NVIDIA dp4a)."""
+        return tl.inline_asm_elementwise("dp4a.s32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _quant_act_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K, stride_xm,
+                      LAYOUT: tl.constexpr, BLOCK_G: tl.constexpr):
+    row = tl.program_id(0)
+    pid = tl.program_id(1)
+    G = K // 32
+    gg = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = gg < G
+    offs = tl.arange(0, 32)
+    x = tl.load(x_ptr + row * stride_xm + gg[:, None] * 32 + offs[None, :], mask=g_mask[:, None],
+                other=0.0).to(tl.float32)  # [BLOCK_G, 32]
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = amax / 127.0
+    inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = x * inv[:, None]
+    q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)  # round half away from zero, |q| <= 127
+    tl.store(xs_ptr + row * G + gg, scale, mask=g_mask)
+    xsum = tl.sum(tl.reshape(x, (BLOCK_G, 2, 16)), axis=2)  # [BLOCK_G, 2]
+    tl.store(xsum_ptr + row * (2 * G) + gg[:, None] * 2 + tl.arange(0, 2)[None, :], xsum, mask=g_mask[:, None])
+    qb = q & 255
+    if LAYOUT == 0:
+        words = tl.sum(tl.reshape(qb, (BLOCK_G, 8, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+        tl.store(xq_ptr + row * (8 * G) + tl.arange(0, 8)[None, :] * G + gg[:, None], words, mask=g_mask[:, None])
+    else:
+        # [g, w_local, b, i] -> word (w = 2 g + w_local, i) holds byte b = x[16 w + 4 b + i]
+        q4 = tl.reshape(qb, (BLOCK_G, 2, 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :, None]
+        words = tl.reshape(tl.sum(q4, axis=2), (BLOCK_G * 2, 4))  # rows: w = 2 g + w_local
+        ww = pid * BLOCK_G * 2 + tl.arange(0, BLOCK_G * 2)
+        tl.store(xq_ptr + row * (8 * G) + tl.arange(0, 4)[None, :] * (2 * G) + ww[:, None], words,
+                 mask=(ww < 2 * G)[:, None])
+
+
+def quantize_act(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int32 [M, K/4] in `layout`'s transposed order, scales fp32 [M, K/32], sums fp32 [M, K/16])."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"activation width must be a multiple of 32, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    xq = torch.empty((m, k // 4), device=x.device, dtype=torch.int32)
+    xs = torch.empty((m, k // 32), device=x.device, dtype=torch.float32)
+    xsum = torch.empty((m, k // 16), device=x.device, dtype=torch.float32)
+    tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
+    block_g = min(tiles.block, 32)
+    _quant_act_kernel[(m, triton.cdiv(k // 32, block_g))](
+        x, xq, xs, xsum, k, x.stride(0), LAYOUT=LAYOUTS[layout], BLOCK_G=block_g, num_warps=tiles.num_warps)
+    return xq, xs, xsum
+
+
+def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Torch reference of `quantize_act` (same rounding rule)."""
+    m, k = x.shape
+    xf = x.float().reshape(m, k // 32, 32)
+    amax = xf.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    v = xf * inv.unsqueeze(-1)
+    q = (v + torch.where(v >= 0, 0.5, -0.5)).to(torch.int32).reshape(m, k)
+    qb = (q & 255).to(torch.int64)
+    shifts = torch.arange(4, device=x.device) * 8
+    if layout == "iq2_xxs":
+        words = (qb.reshape(m, k // 32, 8, 4) << shifts).sum(-1)  # [m, G, 8]
+        xq = words.transpose(1, 2).reshape(m, k // 4)
+    else:
+        words = (qb.reshape(m, k // 16, 4, 4) << shifts.reshape(4, 1)).sum(-2)  # [m, W, i]
+        xq = words.transpose(1, 2).reshape(m, k // 4)
+    xq = torch.where(xq >= 2**31, xq - 2**32, xq).to(torch.int32)
+    return xq, amax / 127.0, x.float().reshape(m, k // 16, 16).sum(-1)
+
+
+def dequantize_act(xq: torch.Tensor, xs: torch.Tensor, layout: str) -> torch.Tensor:
+    """fp32 [M, K] values the integer kernels see (for references and tests)."""
+    m = xq.shape[0]
+    k = xq.shape[1] * 4
+    b = ((xq.unsqueeze(-1).to(torch.int64) >> (torch.arange(4, device=xq.device) * 8)) & 255)
+    b = torch.where(b >= 128, b - 256, b).float()  # [m, K/4, 4] signed bytes
+    if layout == "iq2_xxs":
+        vals = b.reshape(m, 8, k // 32, 4).permute(0, 2, 1, 3).reshape(m, k)
+    else:
+        vals = b.reshape(m, 4, k // 16, 4).permute(0, 2, 3, 1).reshape(m, k)  # [m, w, byte b, i]
+    return vals * xs.repeat_interleave(32, dim=1)

@@ -1,0 +1,354 @@
+"""Kernel benchmarks at DeepSeek-V4-Flash's real decode and prefill shapes (GPU only).
+
+Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md's rules):
+- ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 torch matmul;
+- decode matvecs (Q8_0 projections, one IQ2_XXS / Q2_K expert) and the fused 6-expert MoE: each launch
+  replayed in a CUDA graph over rotating weight copies (>= 4x the L2 in total, so weights come from HBM),
+  time per launch, GB/s over the weight + activation bytes, and % of the copy bandwidth; the same shape as a
+  torch fp16 matvec on dequantised weights beside it;
+- prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s).
+Every case is also checked against its torch reference (relative error printed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+ROTATE_BYTES = 512 << 20  # rotating weight copies per case: >= 4x the H200's 60 MB L2 (and MI50's 4 MB)
+MAX_COPIES = 64
+GRAPH_LAUNCHES = 32  # launches captured per graph; time per launch = replay time / launches
+
+
+@dataclass
+class Result:
+    kernel: str
+    shape: str
+    rows: int
+    time_us: float
+    gbps: float | None = None
+    pct_copy: float | None = None
+    tflops: float | None = None
+    pct_bf16: float | None = None
+    baseline: str = ""
+    baseline_time_us: float | None = None
+    baseline_pct: float | None = None
+    rel_err: float | None = None
+
+
+# name, N (output rows), K, groups (DS4-MODEL.md: the Q8_0 projections of one layer, and the head)
+Q8_0_DECODE = [
+    ("attn_q_a", 1024, 4096, 1),
+    ("attn_q_b", 32768, 1024, 1),
+    ("attn_kv", 512, 4096, 1),
+    ("attn_output_a", 8192, 4096, 8),
+    ("attn_output_b", 4096, 8192, 1),
+    ("shexp_gate_up", 2048, 4096, 1),
+    ("shexp_down", 4096, 2048, 1),
+    ("output_head", 129280, 4096, 1),
+]
+Q8_0_PREFILL = [
+    ("attn_q_a", 1024, 4096),
+    ("attn_q_b", 32768, 1024),
+    ("attn_output_b", 4096, 8192),
+    ("shexp_gate_up", 2048, 4096),
+    ("shexp_down", 4096, 2048),
+]
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+
+def _graph_time_us(launch: Callable[[int], object], copies: int) -> float:
+    """Per-launch time of `launch(i)` for i cycling over copies, captured as one CUDA graph and replayed."""
+    n = max(GRAPH_LAUNCHES, copies)
+    for i in range(min(copies, 3)):  # compile / warm outside the capture
+        launch(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n):
+            launch(i % copies)
+    return _median_ms(graph.replay) * 1e3 / n
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    if not torch.isfinite(got).all():
+        return float("nan")
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _copies(nbytes: int) -> int:
+    return max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def ceilings(device: torch.device) -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matmul TFLOP/s on random 8192^3) measured now."""
+    src = torch.randn(1 << 28, device=device)  # 1 GiB
+    dst = torch.empty_like(src)
+    t = _median_ms(lambda src=src, dst=dst: dst.copy_(src))
+    copy_gbps = 2 * src.numel() * 4 / t / 1e6
+    src = dst = None  # free the 2 GiB before the matmul operands
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    t = _median_ms(lambda: a @ b)
+    return copy_gbps, 2 * 8192**3 / t / 1e9
+
+
+def _random_raw(qtype, lead: tuple[int, ...], k: int, gen: torch.Generator, scale: float) -> torch.Tensor:
+    from ds4station.engine.quants import random_blocks, row_bytes
+
+    return random_blocks(qtype, math.prod(lead) * k, gen, scale).view(*lead, row_bytes(qtype, k))
+
+
+def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, only: str = "") -> list[Result]:
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels.q8_0 import PackedQ8_0, dequantize_q8_0, repack_q8_0
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    out: list[Result] = []
+    for name, n, k, groups in Q8_0_DECODE:
+        if only and only not in name:
+            continue
+        wbytes = n * k + n * k // 32 * 2
+        copies = _copies(wbytes)
+        packed = repack_q8_0(_random_raw(Q.Q8_0, (copies, n), k, gen, 0.02), k)
+        ws = [PackedQ8_0(packed.qs[i], packed.d[i]) for i in range(copies)]
+        # torch fp16 baseline on the dequantised weights, rotated the same way (fewer copies if huge)
+        fp16_copies = max(2, min(copies, math.ceil(ROTATE_BYTES / (2 * n * k))))
+        w16 = [dequantize_q8_0(ws[i]).half() for i in range(fp16_copies)]
+        for m in rows:
+            out.append(_q8_0_decode_case(name, n, k, groups, m, ws, w16, copy_gbps))
+        del packed, ws, w16
+    return out
+
+
+def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, w16: list[torch.Tensor],
+                      copy_gbps: float) -> Result:
+    from ds4station.kernels.q8_0 import q8_0_matvec, q8_0_matvec_ref
+
+    device = w16[0].device
+    x = torch.randn(m, groups * k, device=device, dtype=torch.float16)
+    y = torch.empty(m, n, device=device, dtype=torch.float32)
+    err = _rel_err(q8_0_matvec(x, ws[0], groups=groups, out=y),
+                   q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
+    t = _graph_time_us(lambda i: q8_0_matvec(x, ws[i], groups=groups, out=y), len(ws))
+    nbytes = n * k + n * k // 32 * 2 + x.numel() * 2 + y.numel() * 4
+    xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K]
+    tb = _graph_time_us(lambda i: torch.bmm(xg, w16[i].view(groups, n // groups, k).transpose(1, 2)), len(w16))
+    gbps = nbytes / t / 1e3
+    shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
+    return Result("q8_0_matvec", shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
+                  baseline_time_us=tb, baseline_pct=100 * (2 * n * k) / tb / 1e3 / copy_gbps, rel_err=err)
+
+
+def bench_expert_matvecs(device: torch.device, copy_gbps: float, d_model: int = 4096, d_ff: int = 2048) -> list[Result]:
+    """One routed expert's gate (IQ2_XXS 2048x4096) and down (Q2_K 4096x2048) as plain matvecs."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels.iq2_xxs import (
+        PackedIQ2XXS,
+        iq2_xxs_matvec,
+        iq2_xxs_matvec_ref,
+        repack_iq2_xxs,
+    )
+    from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+
+    gen = torch.Generator(device=device).manual_seed(1)
+    res = []
+    cases = [("iq2_xxs_matvec", Q.IQ2_XXS, d_ff, d_model, repack_iq2_xxs, iq2_xxs_matvec, iq2_xxs_matvec_ref,
+              PackedIQ2XXS),
+             ("q2_k_matvec", Q.Q2_K, d_model, d_ff, repack_q2_k, q2_k_matvec, q2_k_matvec_ref, PackedQ2K)]
+    for kname, qtype, n, k, repack, fn, ref, cls in cases:
+        probe = repack(_random_raw(qtype, (1, n), k, gen, 0.02), k)
+        copies = _copies(probe.nbytes)
+        packed = repack(_random_raw(qtype, (copies, n), k, gen, 0.02), k)
+        ws = [cls(*(getattr(packed, f)[i] for f in cls.__dataclass_fields__)) for i in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.float16)
+        y = torch.empty(1, n, device=device, dtype=torch.float32)
+        err = _rel_err(fn(x, ws[0], out=y), ref(x, ws[0], out_dtype=torch.float32))
+        t = _graph_time_us(lambda i, x=x, y=y, fn=fn, ws=ws: fn(x, ws[i], out=y), copies)
+        nbytes = ws[0].nbytes + k * 2 + n * 4
+        gbps = nbytes / t / 1e3
+        res.append(Result(kname, f"expert {n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err))
+        del packed, ws
+    return res
+
+
+def bench_moe(device: torch.device, copy_gbps: float, n_experts: int = 256, d_model: int = 4096, d_ff: int = 2048,
+              slots: int = 6) -> list[Result]:
+    """The fused routed MoE of one token: 6 of 256 experts (IQ2_XXS gate/up, Q2_K down), each launch of the
+    graph on a disjoint expert set so nothing is re-read from L2."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels import dispatch
+    from ds4station.kernels.iq2_xxs import repack_iq2_xxs
+    from ds4station.kernels.moe import moe_decode, moe_decode_ref
+    from ds4station.kernels.q2_k import repack_q2_k
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    gate = repack_iq2_xxs(_random_raw(Q.IQ2_XXS, (n_experts, d_ff), d_model, gen, 0.02), d_model)
+    up = repack_iq2_xxs(_random_raw(Q.IQ2_XXS, (n_experts, d_ff), d_model, gen, 0.02), d_model)
+    down = repack_q2_k(_random_raw(Q.Q2_K, (n_experts, d_model), d_ff, gen, 0.02), d_ff)
+    copies = n_experts // slots
+    perm = torch.randperm(n_experts, device=device, generator=gen)
+    ids = [perm[i * slots:(i + 1) * slots].view(1, slots).to(torch.int32).contiguous() for i in range(copies)]
+    weights = torch.rand(1, slots, device=device, generator=gen) + 0.1
+    x = torch.randn(1, d_model, device=device, dtype=torch.float16)
+    y = torch.empty(1, d_model, device=device, dtype=torch.float32)
+    per_expert = (gate.nbytes + up.nbytes + down.nbytes) / n_experts
+    nbytes = slots * per_expert + d_model * 2 + d_model * 4 + slots * d_ff * 4 * 2
+    exact = moe_decode_ref(x, gate, up, down, ids[0], weights)
+    base = dispatch.moe_tiles(gate.qtype, down.qtype, d_model, d_ff, slots, dispatch.launch_backend(x))
+    variants = [("fp32 math", False, base)]
+    if dispatch.use_int_dot(dispatch.launch_backend(x)):
+        variants += [("int8 dot, computed signs", True, dataclasses.replace(base, sign_lut=False)),
+                     ("int8 dot, sign table", True, dataclasses.replace(base, sign_lut=True))]
+    res = []
+    for label, int_dot, tiles in variants:
+        err = _rel_err(moe_decode(x, gate, up, down, ids[0], weights, out=y, tiles=tiles, int_dot=int_dot), exact)
+        t = _graph_time_us(lambda i, tiles=tiles, int_dot=int_dot: moe_decode(
+            x, gate, up, down, ids[i], weights, out=y, tiles=tiles, int_dot=int_dot), copies)
+        gbps = nbytes / t / 1e3
+        res.append(Result("moe_decode", f"{label}: {slots} of {n_experts} experts {d_ff}x{d_model} iq2_xxs/q2_k", 1,
+                          t, gbps, 100 * gbps / copy_gbps, rel_err=err))
+    return res
+
+
+def bench_q8_0_prefill(device: torch.device, tokens: int, only: str = "", sweep: bool = False) -> list[Result]:
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels import dispatch
+    from ds4station.kernels.q8_0 import dequantize_q8_0, q8_0_matmul, q8_0_matmul_ref, repack_q8_0
+
+    gen = torch.Generator(device=device).manual_seed(3)
+    res = []
+    for name, n, k in Q8_0_PREFILL:
+        if only and only not in name:
+            continue
+        w = repack_q8_0(_random_raw(Q.Q8_0, (n,), k, gen, 0.02), k)
+        x = torch.randn(tokens, k, device=device, dtype=torch.float16)
+        y = torch.empty(tokens, n, device=device, dtype=torch.float16)
+        want = q8_0_matmul_ref(x, w, out_dtype=torch.float32)
+        wb = dequantize_q8_0(w).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)
+        tb = _median_ms(lambda xb=xb, wb=wb: xb @ wb.T) * 1e3
+        flop = 2 * tokens * n * k
+        base = dispatch.matmul_tiles("q8_0", tokens, n, k, dispatch.launch_backend(x))
+        variants = [base]
+        if sweep and name in ("attn_output_b", "attn_q_b"):
+            variants += [dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns,
+                                             w_as_a=wa)
+                         for wa in (False, True)
+                         for bm, bn, bk, nw, ns in ((128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
+                                                    (128, 128, 128, 8, 3), (64, 256, 64, 8, 3))]
+        for tiles in dict.fromkeys(variants):
+            try:
+                err = _rel_err(q8_0_matmul(x, w, out=y, tiles=tiles), want)
+                t = _median_ms(lambda x=x, w=w, y=y, tiles=tiles: q8_0_matmul(x, w, out=y, tiles=tiles)) * 1e3
+            except Exception as exc:  # a tile the compiler rejects (shared memory) is reported, not fatal
+                print(f"matmul {name} {tiles}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            label = (f"{name} {n}x{k}" if tiles == base else
+                     f"{name} {n}x{k} bm{tiles.block_m} bn{tiles.block_n} bk{tiles.block_k} w{tiles.num_warps} "
+                     f"s{tiles.num_stages}{' WA' if tiles.w_as_a else ''}")
+            res.append(Result("q8_0_matmul", label, tokens, t, tflops=flop / t / 1e6, pct_bf16=100 * tb / t,
+                              baseline="torch bf16", baseline_time_us=tb, rel_err=err))
+        del w, wb
+    return res
+
+
+def sweep_tiles(device: torch.device, copy_gbps: float) -> list[Result]:
+    """Decode tile variants at a few real shapes (1 row), to choose dispatch's tables from measurements."""
+    import itertools
+
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels.dispatch import MatvecTiles
+    from ds4station.kernels.iq2_xxs import PackedIQ2XXS, iq2_xxs_matvec, repack_iq2_xxs
+    from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec, repack_q2_k
+
+    gen = torch.Generator(device=device).manual_seed(4)
+    cases = [
+        ("iq2_xxs", "expert gate", 2048, 4096, Q.IQ2_XXS, repack_iq2_xxs, iq2_xxs_matvec, PackedIQ2XXS, (4096,)),
+        ("q2_k", "expert down", 4096, 2048, Q.Q2_K, repack_q2_k, q2_k_matvec, PackedQ2K, (2048,)),
+    ]
+    res = []
+    for qname, name, n, k, qtype, repack, fn, cls, block_ks in cases:
+        probe = repack(_random_raw(qtype, (1, n), k, gen, 0.02), k)
+        copies = _copies(probe.nbytes)
+        packed = repack(_random_raw(qtype, (copies, n), k, gen, 0.02), k)
+        ws = [cls(*(getattr(packed, f)[i] for f in cls.__dataclass_fields__)) for i in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.float16)
+        y = torch.empty(1, n, device=device, dtype=torch.float32)
+        nbytes = ws[0].nbytes + k * 2 + n * 4
+        for bn, bk, nw in itertools.product((2, 4, 8, 16), block_ks, (1, 2, 4)):
+            tiles = MatvecTiles(block_n=bn, block_k=bk, num_warps=nw)
+            try:
+                t = _graph_time_us(lambda i, tiles=tiles, fn=fn, ws=ws, x=x, y=y: fn(x, ws[i], out=y, tiles=tiles),
+                                   copies)
+            except Exception as exc:  # a variant the compiler rejects (e.g. out of registers) is reported
+                print(f"sweep {qname} {name} {tiles}: {type(exc).__name__}: {exc}"[:300])
+                continue
+            gbps = nbytes / t / 1e3
+            res.append(Result(f"{qname} sweep", f"{name} {n}x{k} bn{bn} bk{bk} w{nw}", 1, t, gbps,
+                              100 * gbps / copy_gbps))
+        del packed, ws
+    return res
+
+
+def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = False) -> tuple[dict, list[Result]]:
+    """Every benchmark on the current CUDA/ROCm device; returns (ceilings and device info, results)."""
+    import triton
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("kernel benchmarks need a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
+    device = torch.device("cuda")
+    copy_gbps, bf16_tflops = ceilings(device)
+    info = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
+            "copy_gbps": copy_gbps, "bf16_tflops": bf16_tflops}
+    results = bench_q8_0_decode(device, rows, copy_gbps, only)
+    if not only or only in "expert":
+        results += bench_expert_matvecs(device, copy_gbps)
+    if not only or only in "moe":
+        results += bench_moe(device, copy_gbps)
+    results += bench_q8_0_prefill(device, prefill_tokens, only, sweep)
+    if sweep:
+        results += sweep_tiles(device, copy_gbps)
+    return info, results
+
+
+def format_table(info: dict, results: list[Result]) -> str:
+    """Markdown table of results with the ceilings in the header line."""
+    lines = [f"device: {info['device']}, torch {info['torch']}, triton {info['triton']}; "
+             f"copy {info['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {info['bf16_tflops']:.0f} TFLOP/s",
+             "",
+             "| kernel | shape | rows | time us | GB/s | % copy | TFLOP/s | baseline | baseline us | baseline % | "
+             "rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v: float | None, fmt: str) -> str:
+        return "" if v is None else format(v, fmt)
+
+    for r in results:
+        pct = f(r.pct_copy, ".0f") if r.pct_copy is not None else ""
+        base_pct = f(r.baseline_pct, ".0f") if r.baseline_pct is not None else ""
+        if r.pct_bf16 is not None:
+            pct = f"{r.pct_bf16:.0f}% of bf16"
+        lines.append(f"| {r.kernel} | {r.shape} | {r.rows} | {r.time_us:.1f} | {f(r.gbps, '.0f')} | {pct} | "
+                     f"{f(r.tflops, '.0f')} | {r.baseline} | {f(r.baseline_time_us, '.1f')} | {base_pct} | "
+                     f"{f(r.rel_err, '.1e')} |")
+    return "\n".join(lines)
+
+
+def as_dicts(results: list[Result]) -> list[dict]:
+    return [asdict(r) for r in results]

@@ -1,0 +1,325 @@
+"""Ahead-of-time compile of every Triton kernel for the GPUs ds4station targets, without those GPUs.
+
+`triton.compile(ASTSource(...), target=GPUTarget(...))` runs the whole compiler on a CPU-only machine: PTX
+and a cubin (via the ptxas that ships with Triton) for NVIDIA, AMDGCN assembly and an hsaco for AMD. For
+each kernel and target this builds exactly the tiles the dispatcher would pick for that target at DS4's real
+decode / prefill shapes (dispatch.py is the one place those live) and reports:
+- registers (NVIDIA regs; AMD VGPR / SGPR), spills (NVIDIA local memory; AMD scratch), shared memory / LDS;
+- for gfx906, whether a kernel that should use packed fp16 dots (`v_dot2_f32_f16`) does, and whether any
+  bf16 instruction slipped in (Vega20 has no bf16).
+`problems()` lists what must fail CI: compile errors, bf16 in a gfx906 build, spills in decode matvecs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from ds4station.kernels import dispatch
+from ds4station.kernels.dispatch import COMPILE_TARGETS, CompileTarget
+
+
+@dataclass
+class KernelSpec:
+    """One kernel instance to compile: its JIT function, argument types and constexpr values."""
+
+    name: str
+    fn: object  # triton JITFunction
+    signature: dict[str, str]  # every parameter: "*fp16", "i32", "fp32", ... or "constexpr"
+    constexprs: dict[str, object]
+    aligned: tuple[str, ...]  # parameters known divisible by 16 (pointers, K, strides at real shapes)
+    num_warps: int
+    num_stages: int
+    decode: bool = False  # decode matvec: spills are a failure
+    wants_dot: bool = False  # inner loop is a tl.dot (gfx906: expect v_dot2_f32_f16)
+
+
+@dataclass
+class Report:
+    kernel: str
+    target: str
+    ok: bool
+    error: str = ""
+    regs: int | None = None  # NVIDIA registers per thread, AMD VGPRs
+    sgprs: int | None = None
+    spill_bytes: int | None = None  # NVIDIA local memory per thread; AMD scratch bytes
+    shared_bytes: int | None = None  # shared memory / LDS per program
+    dot2: bool | None = None  # gfx906: v_dot2_f32_f16 present
+    bf16_instr: int | None = None  # instructions naming bf16 in AMD assembly
+    decode: bool = False
+    wants_dot: bool = False
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _specs(target: CompileTarget) -> list[KernelSpec]:
+    """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
+    from ds4station.kernels import act_quant, iq2_xxs, moe, norm, q2_k, q8_0
+
+    backend = target.kernel_backend
+    specs: list[KernelSpec] = []
+    i32, ptr16, ptr32 = "i32", "*fp16", "*fp32"
+    # Q8_0 decode matvec: attn_output_a (grouped, 8 x 1024 x 4096) and the head, 1 and 4 rows
+    for label, n, k, groups in (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1)):
+        for m in (1, 4):
+            t = dispatch.matvec_tiles("q8_0", n, k, m, backend, n // groups)
+            specs.append(KernelSpec(
+                f"q8_0_matvec {label} m{m}", q8_0._q8_0_matvec_kernel,
+                {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr32, "N": i32, "K": i32,
+                 "rows_per_group": i32, "stride_xm": i32, "stride_xg": i32, "stride_ym": i32,
+                 "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+                ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_xg", "stride_ym"),
+                t.num_warps, t.num_stages, decode=True))
+    mt = dispatch.matmul_tiles("q8_0", 2048, 4096, 8192, backend)
+    specs.append(KernelSpec(
+        "q8_0_matmul prefill 2048x4096x8192", q8_0._q8_0_matmul_kernel,
+        {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr16, "M": i32, "N": i32, "K": i32,
+         "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+         "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "W_AS_A": "constexpr"},
+        {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "GROUP_M": mt.group_m,
+         "W_AS_A": mt.w_as_a},
+        ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym"),
+        mt.num_warps, mt.num_stages, wants_dot=True))
+    t = dispatch.matvec_tiles("iq2_xxs", 2048, 4096, 1, backend)
+    specs.append(KernelSpec(
+        "iq2_xxs_matvec expert 2048x4096", iq2_xxs._iq2_xxs_matvec_kernel,
+        {"xt_ptr": ptr16, "qs_ptr": "*i64", "d_ptr": ptr16, "grid_ptr": "*i32", "y_ptr": ptr32, "N": i32,
+         "K": i32, "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"},
+        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_G": t.block_k // 32},
+        ("xt_ptr", "qs_ptr", "d_ptr", "grid_ptr", "y_ptr", "N", "K", "stride_ym"),
+        t.num_warps, t.num_stages, decode=True))
+    t = dispatch.matvec_tiles("q2_k", 4096, 2048, 1, backend)
+    specs.append(KernelSpec(
+        "q2_k_matvec expert 4096x2048", q2_k._q2_k_matvec_kernel,
+        {"xt_ptr": ptr16, "qs_ptr": "*i32", "sc_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": ptr32, "N": i32, "K": i32,
+         "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"},
+        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_W": t.block_k // 16},
+        ("xt_ptr", "qs_ptr", "sc_ptr", "dm_ptr", "y_ptr", "N", "K", "stride_ym"),
+        t.num_warps, t.num_stages, decode=True))
+    mo = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
+    specs.append(KernelSpec(
+        "moe_gate_up iq2_xxs 6x2048x4096", moe._moe_gate_up_kernel,
+        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i32",
+         "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
+         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
+         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"S": 6, "QT": 0, "H_SUB": 16, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n,
+         "BLOCK_U": mo.gate_up.block_k // 32},
+        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2", "F", "D"),
+        mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
+    specs.append(KernelSpec(
+        "moe_down q2_k 6x4096x2048", moe._moe_down_kernel,
+        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8",
+         "d2": "*i32", "F": i32, "D": i32, "stride_yt": i32,
+         "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16},
+        ("ht_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D", "stride_yt"),
+        mo.down.num_warps, mo.down.num_stages, decode=True))
+    rt = dispatch.row_tiles(4096 // 32, backend)
+    specs.append(KernelSpec(
+        "act_quant q2_k 4096", act_quant._quant_act_kernel,
+        {"x_ptr": ptr32, "xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "K": i32, "stride_xm": i32,
+         "LAYOUT": "constexpr", "BLOCK_G": "constexpr"},
+        {"LAYOUT": 1, "BLOCK_G": min(rt.block, 32)},
+        ("x_ptr", "xq_ptr", "xs_ptr", "xsum_ptr", "K", "stride_xm"), rt.num_warps, 1))
+    rt = dispatch.row_tiles(4096, backend)
+    specs.append(KernelSpec(
+        "rms_norm 4096", norm._rms_norm_kernel,
+        {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "N": i32, "stride_x": i32, "stride_y": i32, "eps": "fp32",
+         "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr"},
+        {"HAS_WEIGHT": True, "BLOCK": rt.block}, ("x_ptr", "w_ptr", "y_ptr", "N", "stride_x", "stride_y"),
+        rt.num_warps, 1))
+    specs.append(KernelSpec(
+        "rope 64 heads x 512 (last 64)", norm._rope_kernel,
+        {"x_ptr": ptr32, "pos_ptr": "*i64", "f_ptr": ptr32, "D": i32, "stride_x": i32, "heads": i32, "sign": "fp32",
+         "HALF": "constexpr", "BLOCK_H": "constexpr"},
+        {"HALF": 32, "BLOCK_H": 32}, ("x_ptr", "pos_ptr", "f_ptr", "D", "stride_x", "heads"), 1, 1))
+    if dispatch.use_int_dot(backend):
+        specs.append(KernelSpec(
+            "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
+            {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,
+             "h_ptr": ptr32, "grid_ptr": "*i32", "signs_ptr": "*i32",
+             "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
+             "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr",
+             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "SIGN_LUT": "constexpr"},
+            {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n, "BLOCK_U": mo.gate_up.block_k // 32,
+             "SIGN_LUT": mo.sign_lut},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "signs_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
+             "F", "D"),
+            mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
+        specs.append(KernelSpec(
+            "moe_down_i8 q2_k 6x4096x2048", moe._moe_down_i8_kernel,
+            {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32,
+             "grid_ptr": "*i32", "signs_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32",
+             "F": i32, "D": i32, "stride_yt": i32,
+             "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
+             "SIGN_LUT": "constexpr"},
+            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16, "SIGN_LUT": mo.sign_lut},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "signs_ptr", "d0", "d1", "d2", "F", "D",
+             "stride_yt"),
+            mo.down.num_warps, mo.down.num_stages, decode=True))
+    return specs
+
+
+def _pow2(v: int) -> int:
+    return 1 << (v - 1).bit_length()
+
+
+def _cuda_resources(cubin: bytes) -> dict[str, int]:
+    """REG / SHARED / LOCAL from `cuobjdump --dump-resource-usage` (shipped with Triton's NVIDIA backend)."""
+    import triton
+
+    exe = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(exe):
+        exe = shutil.which("cuobjdump") or ""
+    if not exe:
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
+        fh.write(cubin)
+        fh.flush()
+        text = subprocess.run([exe, "--dump-resource-usage", fh.name], capture_output=True, text=True,
+                              timeout=60).stdout
+    found = {k: int(v) for k, v in re.findall(r"\b(REG|SHARED|LOCAL|STACK):(\d+)", text)}
+    return found
+
+
+def _amd_resources(asm: str) -> dict[str, int]:
+    """VGPR / SGPR / scratch / LDS from the AMDGCN assembly's metadata."""
+    out: dict[str, int] = {}
+    for key, pat in (("vgpr", r"\.vgpr_count:\s+(\d+)"), ("sgpr", r"\.sgpr_count:\s+(\d+)"),
+                     ("scratch", r"\.private_segment_fixed_size:\s+(\d+)"),
+                     ("lds", r"\.group_segment_fixed_size:\s+(\d+)")):
+        m = re.search(pat, asm)
+        if m:
+            out[key] = int(m.group(1))
+    return out
+
+
+_BF16_RE = re.compile(r"^\s*v_\w*bf16\w*", re.MULTILINE)
+
+
+def compile_one(spec: KernelSpec, target: CompileTarget) -> Report:
+    """Compile one kernel for one target and read its resources; never raises on compiler errors."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    rep = Report(spec.name, target.name, ok=False, decode=spec.decode, wants_dot=spec.wants_dot)
+    names = list(spec.signature)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
+    try:
+        src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget(target.backend, target.arch, target.warp_size),
+                                options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
+    except Exception as exc:  # the compiler's message is the report
+        rep.error = f"{type(exc).__name__}: {exc}".strip()[:2000]
+        return rep
+    rep.ok = True
+    rep.shared_bytes = int(getattr(kernel.metadata, "shared", 0) or 0)
+    if target.backend == "cuda":
+        res = _cuda_resources(kernel.asm["cubin"])
+        rep.regs = res.get("REG")
+        rep.spill_bytes = res.get("LOCAL")
+        if "SHARED" in res:
+            rep.shared_bytes = max(rep.shared_bytes, res["SHARED"])
+    else:
+        asm = kernel.asm["amdgcn"]
+        res = _amd_resources(asm)
+        rep.regs, rep.sgprs = res.get("vgpr"), res.get("sgpr")
+        rep.spill_bytes = res.get("scratch")
+        rep.shared_bytes = max(rep.shared_bytes, res.get("lds", 0))  # Triton's LDS is dynamic: metadata.shared
+        rep.bf16_instr = len(_BF16_RE.findall(asm))
+        if target.arch == "gfx906":
+            rep.dot2 = "v_dot2_f32_f16" in asm
+    return rep
+
+
+def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = "",
+                progress: Callable[[Report], None] | None = None) -> list[Report]:
+    """Compile every kernel for every (or the named) target; one report per (kernel, target).
+
+    only: keep kernels whose name contains this text (or any of these texts)."""
+    if dispatch.interpreting():
+        raise RuntimeError("TRITON_INTERPRET is set: kernels are interpreter functions and cannot be compiled; "
+                           "run the compile check in a process without it (see main())")
+    wanted = (only,) if isinstance(only, str) else only
+    chosen = [t for t in COMPILE_TARGETS if targets is None or t.name in targets]
+    unknown = set(targets or ()) - {t.name for t in COMPILE_TARGETS}
+    if unknown:
+        raise ValueError(f"unknown targets {sorted(unknown)}; have {[t.name for t in COMPILE_TARGETS]}")
+    reports = []
+    for target in chosen:
+        seen: set[tuple] = set()
+        for spec in _specs(target):
+            if any(wanted) and not any(w in spec.name for w in wanted):
+                continue
+            key = (spec.fn, tuple(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
+            if key in seen:  # same binary as a spec already compiled (shapes differ only in runtime ints)
+                continue
+            seen.add(key)
+            rep = compile_one(spec, target)
+            reports.append(rep)
+            if progress:
+                progress(rep)
+    return reports
+
+
+def problems(reports: list[Report]) -> list[str]:
+    """What CI rejects: a compile error, bf16 in a gfx906 build, spills in a decode matvec."""
+    out = []
+    for r in reports:
+        if not r.ok:
+            out.append(f"{r.kernel} on {r.target}: compile failed: {r.error.splitlines()[0] if r.error else ''}")
+            continue
+        if r.target == "gfx906" and r.bf16_instr:
+            out.append(f"{r.kernel} on gfx906: {r.bf16_instr} bf16 instructions (Vega20 has no bf16)")
+        if r.decode and r.spill_bytes:
+            out.append(f"{r.kernel} on {r.target}: {r.spill_bytes} bytes of register spills / scratch")
+    return out
+
+
+def format_table(reports: list[Report]) -> str:
+    lines = ["| kernel | target | compiled | regs (VGPR) | SGPR | spills / scratch B | shared / LDS B | "
+             "gfx906 v_dot2_f32_f16 | bf16 instr |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v: object) -> str:
+        return "" if v is None else str(v)
+
+    for r in reports:
+        status = "yes" if r.ok else "ERROR: " + (r.error.splitlines()[0][:80] if r.error else "")
+        dot = "" if r.dot2 is None else ("yes" if r.dot2 else ("NO" if r.wants_dot else "no (no dot)"))
+        lines.append(f"| {r.kernel} | {r.target} | {status} | {f(r.regs)} | {f(r.sgprs)} | {f(r.spill_bytes)} | "
+                     f"{f(r.shared_bytes)} | {dot} | {f(r.bf16_instr)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m ds4station.kernels.compile_check [--only NAME ...] [--targets a,b] [--json PATH]`: the same
+    as `ds4station bench compile`, usable from tests that must leave their own process interpreted."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=[])
+    parser.add_argument("--targets", default="")
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    reports = compile_all(targets=[t for t in args.targets.split(",") if t] or None, only=tuple(args.only))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([r.as_dict() for r in reports], fh, indent=1)
+    print(format_table(reports))
+    return 1 if problems(reports) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

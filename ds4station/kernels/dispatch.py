@@ -1,0 +1,224 @@
+"""Which backend runs a kernel, and every tile / warp choice per backend, in one place.
+
+Owns: the backend of a device (`cuda`, `hip64` = wave64 gfx9 such as gfx906, `hip32` = wave32 RDNA such as
+gfx1100 / gfx1151, `cpu`), the compile targets the portability check builds for, and the block sizes,
+num_warps and num_stages every Triton launcher uses. Launchers ask here and nowhere else, and
+`ds4station bench compile` compiles exactly these choices, so what is checked is what would run.
+
+Rules that shape the numbers (see docs/PERFORMANCE-kernels.md):
+- decode matvecs are bandwidth-bound: a few output rows per program, the whole K row in one or two chunks,
+  >= 256 programs, and one warp's worth of work that does not depend on the warp size (we never assume 32);
+- wave64 (gfx906) has twice the lanes per warp, so the same tile needs half the warps to keep the per-thread
+  vector width; Vega20 has neither bf16 nor matrix cores, so its prefill tiles are smaller;
+- prefill matmuls feed fp16 into tl.dot (never bf16: Vega20 lacks it) and accumulate in fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+Backend = Literal["cuda", "hip64", "hip32", "cpu"]
+BACKENDS: tuple[Backend, ...] = ("cuda", "hip64", "hip32", "cpu")
+
+
+@dataclass(frozen=True)
+class CompileTarget:
+    """A GPU the portability check compiles for, ahead of time, without the card."""
+
+    name: str
+    backend: str  # triton's backend name: "cuda" or "hip"
+    arch: int | str  # 90 / 86 for NVIDIA, "gfx906" etc. for AMD
+    warp_size: int
+
+    @property
+    def kernel_backend(self) -> Backend:
+        if self.backend == "cuda":
+            return "cuda"
+        return "hip64" if self.warp_size == 64 else "hip32"
+
+
+COMPILE_TARGETS: tuple[CompileTarget, ...] = (
+    CompileTarget("sm90", "cuda", 90, 32),
+    CompileTarget("sm86", "cuda", 86, 32),
+    CompileTarget("gfx906", "hip", "gfx906", 64),
+    CompileTarget("gfx1100", "hip", "gfx1100", 32),
+    CompileTarget("gfx1151", "hip", "gfx1151", 32),
+)
+
+
+def device_backend(device: torch.device | str) -> Backend:
+    """The kernel backend for a torch device (ROCm devices report type 'cuda' too)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    if torch.version.hip is None:
+        return "cuda"
+    props = torch.cuda.get_device_properties(device)
+    warp = getattr(props, "warp_size", None)
+    if warp is None:  # older torch: gfx9 (GCN/CDNA) is wave64, gfx10+ (RDNA) runs wave32 kernels
+        warp = 64 if str(getattr(props, "gcnArchName", "gfx9")).startswith("gfx9") else 32
+    return "hip64" if warp == 64 else "hip32"
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (tests without a GPU)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The public ops run Triton on a GPU tensor and the torch reference on a CPU tensor."""
+    return t.is_cuda
+
+
+def launch_backend(t: torch.Tensor) -> Backend:
+    """Tile table for a launch on this tensor's device; "cpu" means the Triton interpreter, which runs
+    programs one after another, so its tiles are few and wide."""
+    return device_backend(t.device)
+
+
+def use_int_dot(backend: Backend) -> bool:
+    """Integer-dot (dp4a) decode kernels: NVIDIA only for now (PTX inline assembly). AMD has its own dot4
+    instructions (gfx906 v_dot4_i32_i8, RDNA3 v_dot4_i32_iu8) but they are not wired yet; the interpreter
+    cannot run inline assembly at all."""
+    return backend == "cuda"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Decode matvec tiles (1-8 activation rows, quantised weights [N, K]).
+
+
+@dataclass(frozen=True)
+class MatvecTiles:
+    block_n: int  # output rows per program
+    block_k: int  # K elements per loop step (a multiple of the quant block)
+    num_warps: int
+    num_stages: int = 1
+
+
+# Largest K chunk per step, per quant type (the whole row of DS4's matrices where registers allow).
+_MAX_BLOCK_K = {"q8_0": 2048, "iq2_xxs": 4096, "q2_k": 2048}
+# Weights per lane-owned unit in the 2-bit kernels (one int64 word of IQ2_XXS, one int32 word of Q2_K).
+_LANE_PER_UNIT = {"iq2_xxs": 32, "q2_k": 16}
+_QUANT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256}
+# Target programs per launch: enough to cover 132 SMs / 60 CUs twice over.
+_MIN_PROGRAMS = 256
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, v).bit_length() - 1)
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
+
+
+def matvec_tiles(
+    qtype: str, n: int, k: int, m: int, backend: Backend, rows_per_group: int | None = None
+) -> MatvecTiles:
+    """Tiles for y[m, n] = x[m, :] . W[n, :] with W in `qtype`.
+
+    `rows_per_group` (grouped matvec): a program's rows must lie in one group, so block_n divides it.
+    """
+    if qtype not in _MAX_BLOCK_K:
+        raise ValueError(f"no matvec kernel for quant type {qtype!r}; have {sorted(_MAX_BLOCK_K)}")
+    block_k = max(_QUANT_BLOCK[qtype], min(_MAX_BLOCK_K[qtype], _pow2_ceil(k)))
+    lanes = 64 if backend == "hip64" else 32
+    if backend == "cpu":
+        block_n, num_warps = min(256, _pow2_ceil(n)), 1
+    elif qtype in _LANE_PER_UNIT:
+        # 2-bit kernels: 2-D [rows, units] tiles, one lane per packed unit (32 weights IQ2_XXS, 16 Q2_K) of
+        # the chunk, each lane looping over the program's rows (x is loaded once per lane, reused per row).
+        block_n = min(8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
+        units = block_k // _LANE_PER_UNIT[qtype]
+        num_warps = max(1, min(8, units // lanes))
+    else:
+        # Q8_0, from the H200 runs of 2026-11-29 (docs/PERFORMANCE-kernels.md): tall matrices (>= 4096 rows)
+        # with K > 1024 were fastest at 4 rows x 1024 K per step; the rest (q_b's K = 1024, and the short
+        # q_a / kv / shared-expert gate+up) at up to 8 rows and up to 2048 K per step. num_warps keeps
+        # <= 64 weight bytes per lane (wave64 needs half the warps of wave32 for that).
+        tall = n >= 4096
+        block_k = min(1024 if tall else 2048, max(32, _pow2_ceil(k)))
+        block_n = min(4 if tall and k > 1024 else 8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
+        if m > 4:  # more activation rows: more registers per weight; fewer rows per program
+            block_n = max(1, block_n // 2)
+        num_warps = (4 if block_n * block_k <= 8192 else 8) * 32 // lanes
+    if rows_per_group is not None:
+        while rows_per_group % block_n:
+            block_n //= 2
+    return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fused MoE decode (selected experts of 1..few tokens).
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    gate_up: MatvecTiles  # IQ2_XXS-style gate+up rows [F, D]
+    down: MatvecTiles  # Q2_K-style down rows [D, F]
+    sign_lut: bool = False  # integer-dot IQ2_XXS: signs from a 128-entry table (True) or computed (False)
+
+
+def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:
+    """Tiles for the two fused MoE launches; n_slots = tokens x experts per token (the gate+up grid)."""
+    # The gate+up grid is (slots, row blocks): count all slots' rows when sizing the row blocks.
+    gu = matvec_tiles(gate_qtype, d_ff * n_slots, d_model, 1, backend)
+    down = matvec_tiles(down_qtype, d_model, d_ff, 1, backend)
+    return MoeTiles(gate_up=gu, down=down)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prefill matmul tiles (dequantise a weight tile, fp16 tl.dot, fp32 accumulate).
+
+
+@dataclass(frozen=True)
+class MatmulTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    w_as_a: bool = False  # compute Y^T = W X^T (dequantised weights as the register operand of the dot)
+
+
+_MATMUL_TILES: dict[Backend, MatmulTiles] = {
+    # Hopper/Ampere: big tiles for the tensor cores, 3-stage software pipeline.
+    "cuda": MatmulTiles(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3),
+    # gfx906: no matrix cores; the dot lowers to packed fp16 dots (v_dot2_f32_f16), 256 lanes per program.
+    "hip64": MatmulTiles(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=1),
+    # RDNA3 (WMMA), wave32.
+    "hip32": MatmulTiles(block_m=64, block_n=64, block_k=32, group_m=8, num_warps=4, num_stages=2),
+    "cpu": MatmulTiles(block_m=16, block_n=16, block_k=32, group_m=4, num_warps=1, num_stages=1),
+}
+
+
+def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend) -> MatmulTiles:
+    """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block)."""
+    base = _MATMUL_TILES[backend]
+    block_m = min(base.block_m, max(16, _pow2_ceil(m)))
+    block_k = max(base.block_k, _QUANT_BLOCK.get(qtype, 32)) if qtype != "q8_0" else base.block_k
+    return MatmulTiles(block_m=block_m, block_n=base.block_n, block_k=block_k, group_m=base.group_m,
+                       num_warps=base.num_warps, num_stages=base.num_stages, w_as_a=base.w_as_a)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small fused ops.
+
+
+@dataclass(frozen=True)
+class RowTiles:
+    block: int
+    num_warps: int
+
+
+def row_tiles(width: int, backend: Backend) -> RowTiles:
+    """One program per row for RMSNorm-like ops over a row of `width` elements."""
+    block = _pow2_ceil(width)
+    per_warp = 64 if backend == "hip64" else 32
+    num_warps = max(1, min(8, block // (per_warp * 8)))
+    return RowTiles(block=block, num_warps=num_warps)

@@ -1,0 +1,274 @@
+"""IQ2_XXS weights (DS4's routed gate/up experts): repack, decode matvec, torch reference.
+
+GGUF block (256 weights, 66 bytes): fp16 d, then 8 groups of 32 weights, each two little-endian uint32:
+  w0 = four 8-bit indices into a 256-entry grid of 8 magnitudes (each 0x08, 0x19 or 0x2b),
+  w1 = four 7-bit sign indices (bits 0-27; the 8th sign bit is the parity of the 7) + a 4-bit scale s.
+Weight = d * (0.5 + s) / 4 * grid[idx][e] * (-1 if sign bit e).
+
+`repack_iq2_xxs` stores what the kernel wants: the 64 quant bytes of each block as 16 int32 words, so rows
+are 16-byte aligned (int32 [.., N, K/16]), and d as fp16 [.., N, K/256]. The kernel reads a grid entry as
+ONE 64-bit word (8 magnitudes as bytes) and the signs as a 7-bit field with computed parity, instead of
+per-byte table gathers (a naive per-byte version measured ~10% of bandwidth).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import _dp4a
+
+QK_K = 256
+BLOCK_BYTES_IQ2_XXS = 66
+
+
+@dataclass(frozen=True)
+class PackedIQ2XXS:
+    """Repacked IQ2_XXS weight: qs int32 [*lead, N, K/16] (2 words per 32 weights), d fp16 [*lead, N, K/256]."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+
+    qtype = "iq2_xxs"
+
+    @property
+    def n(self) -> int:
+        return self.qs.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.qs.shape[-1] * 16
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() * 4 + self.d.numel() * 2
+
+
+@lru_cache(maxsize=1)
+def _grid_np() -> np.ndarray:
+    """[256, 8] float32 grid magnitudes, from gguf-py's decoding of ggml's iq2xxs_grid."""
+    from gguf.quants import IQ2_XXS
+
+    IQ2_XXS.init_grid()
+    return np.asarray(IQ2_XXS.grid, dtype=np.float32).reshape(256, 8)
+
+
+@lru_cache(maxsize=8)
+def grid_words(device: torch.device) -> torch.Tensor:
+    """int64 [256]: grid entry i as one word, magnitude e in byte e (so one load fetches all 8)."""
+    g = _grid_np().astype(np.int64)
+    words = np.zeros(256, dtype=np.int64)
+    for e in range(8):
+        words |= g[:, e] << (8 * e)
+    return torch.from_numpy(words).to(device)
+
+
+@lru_cache(maxsize=8)
+def sign_masks(device: torch.device) -> torch.Tensor:
+    """int32 [128, 2]: for a 7-bit sign field, byte e of the 8-byte mask is 0xFF where weight e is negative
+    (the 8th sign is the parity of the 7), as two little-endian words (weights 0-3, 4-7)."""
+    words = np.zeros(128, dtype=np.uint64)
+    for s7 in range(128):
+        sign8 = s7 | ((bin(s7).count("1") & 1) << 7)
+        for e in range(8):
+            if sign8 >> e & 1:
+                words[s7] |= np.uint64(0xFF) << np.uint64(8 * e)
+    return torch.from_numpy(words.view(np.int64)).to(device).view(torch.int32).reshape(128, 2)
+
+
+@lru_cache(maxsize=8)
+def _grid_f32(device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(_grid_np()).to(device)
+
+
+def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
+    """Split raw GGUF IQ2_XXS bytes (uint8 [..., N, K/256*66] or flat) of rows of length `k`."""
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw IQ2_XXS data must be uint8 bytes, got {raw.dtype}")
+    if k % QK_K:
+        raise ValueError(f"IQ2_XXS row length must be a multiple of {QK_K}, got {k}")
+    nb = k // QK_K
+    row_bytes = nb * BLOCK_BYTES_IQ2_XXS
+    if raw.shape[-1] != row_bytes:
+        if raw.dim() != 1 or raw.numel() % row_bytes:
+            raise ValueError(f"IQ2_XXS data of shape {tuple(raw.shape)} does not hold rows of {k} values")
+        raw = raw.view(-1, row_bytes)
+    lead = raw.shape[:-1]
+    blocks = raw.reshape(*lead, nb, BLOCK_BYTES_IQ2_XXS)
+    d = blocks[..., :2].contiguous().view(torch.float16).reshape(*lead, nb)
+    qs = blocks[..., 2:].contiguous().view(torch.int32).reshape(*lead, k // 16)
+    return PackedIQ2XXS(qs=qs, d=d)
+
+
+def dequantize_iq2_xxs(w: PackedIQ2XXS) -> torch.Tensor:
+    """fp32 [*lead, N, K] values of a repacked IQ2_XXS weight (torch, any device)."""
+    words = w.qs.to(torch.int64) & 0xFFFFFFFF
+    words = words.unflatten(-1, (-1, 2))  # [..., K/32, 2]
+    w0, w1 = words[..., 0], words[..., 1]
+    shifts8 = torch.tensor([0, 8, 16, 24], device=w.qs.device)
+    idx = (w0.unsqueeze(-1) >> shifts8) & 255  # [..., K/32, 4]
+    mags = _grid_f32(w.qs.device)[idx]  # [..., K/32, 4, 8]
+    s7 = (w1.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=w.qs.device)) & 127
+    parity = s7.clone()
+    for sh in (4, 2, 1):
+        parity = parity ^ (parity >> sh)
+    sign8 = s7 | ((parity & 1) << 7)
+    bits = (sign8.unsqueeze(-1) >> torch.arange(8, device=w.qs.device)) & 1  # [..., K/32, 4, 8]
+    signed = torch.where(bits.bool(), -mags, mags)
+    scale = w.d.float().repeat_interleave(8, dim=-1) * (0.5 + ((w1 >> 28) & 15).float()) * 0.25  # [..., K/32]
+    return (signed * scale[..., None, None]).flatten(-3)
+
+
+def iq2_xxs_matvec_ref(x: torch.Tensor, w: PackedIQ2XXS, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `iq2_xxs_matvec` (fp32 math)."""
+    return (x.float() @ dequantize_iq2_xxs(w).T).to(out_dtype or x.dtype)
+
+
+@triton.jit
+def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """[BLOCK_N] fp32 dot products of weight rows `rows` (int64) with one activation row.
+
+    qs_ptr: the packed words viewed as int64, one per 32-weight group (low word: 4 grid indices, high word:
+    4 x 7 sign bits + 4-bit scale). grid_ptr: int32 [256, 2], 8 magnitude bytes per entry. xt_ptr: the
+    activation row TRANSPOSED as [32, K/32] (xt[c, g] = x[32 g + c]), so that the lanes of a warp, which walk
+    consecutive groups g, read consecutive x values (one memory transaction) at every weight position c.
+    Tiles are 2-D [rows, groups] throughout; each lane owns whole groups, so nothing crosses lanes until the
+    final row sum (a 3-D [rows, groups, 8] tile cost ~190 shuffles and 28 layout conversions per chunk).
+    """
+    G = K // 32
+    offs_g = tl.arange(0, BLOCK_G)
+    acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        gg = g0 + offs_g
+        g_mask = gg < G
+        wmask = n_mask[:, None] & g_mask[None, :]
+        q = tl.load(qs_ptr + rows[:, None] * G + gg[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+        w0 = q.to(tl.int32)  # low word (truncation)
+        w1 = (q >> 32).to(tl.int32)
+        db = tl.load(d_ptr + rows[:, None] * (K // 256) + (gg // 8)[None, :], mask=wmask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25
+        part = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+        for j in tl.static_range(4):
+            idx = (w0 >> (8 * j)) & 255
+            lo = tl.load(grid_ptr + idx * 2)  # magnitudes 0-3 of the grid entry, one byte each
+            hi = tl.load(grid_ptr + idx * 2 + 1)  # magnitudes 4-7
+            s7 = (w1 >> (7 * j)) & 127
+            p = s7 ^ (s7 >> 4)
+            p = p ^ (p >> 2)
+            p = p ^ (p >> 1)
+            sign8 = s7 | ((p & 1) << 7)  # the 8th sign is the parity of the 7 stored ones
+            for e in tl.static_range(8):
+                if e < 4:
+                    mag = (lo >> (8 * e)) & 255
+                else:
+                    mag = (hi >> (8 * (e - 4))) & 255
+                # int -> float without a conversion instruction: 2^23 + mag has mag in its low mantissa bits
+                f = (mag | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                neg = ((sign8 >> e) & 1) << 31  # sign applied by flipping the float's sign bit
+                f = (f.to(tl.int32, bitcast=True) ^ neg).to(tl.float32, bitcast=True)
+                xv = tl.load(xt_ptr + (j * 8 + e) * G + gg, mask=g_mask, other=0.0).to(tl.float32)
+                part += f * xv[None, :]
+        acc += part * scale
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SIGN_LUT: tl.constexpr):
+    """Integer-dot form of _iq2_xxs_dot: activation quantised by act_quant ("iq2_xxs" layout: int32 [8, K/32]
+    words + fp32 scale per 32). Per 8 weights: two grid words, two byte-mask words of the signs (SIGN_LUT: from
+    a 128-entry table with the parity folded in; else computed: parity, then each 4 sign bits spread to 4
+    bytes by one multiply), byte-wise negation ((g ^ m) + (m & 1s): magnitudes are 8..43, so no byte carries)
+    and two dp4a. A table lookup is one load but a divergent one (lanes hit different cache lines)."""
+    G = K // 32
+    offs_g = tl.arange(0, BLOCK_G)
+    acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        gg = g0 + offs_g
+        g_mask = gg < G
+        wmask = n_mask[:, None] & g_mask[None, :]
+        q = tl.load(qs_ptr + rows[:, None] * G + gg[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+        w0 = q.to(tl.int32)
+        w1 = (q >> 32).to(tl.int32)
+        db = tl.load(d_ptr + rows[:, None] * (K // 256) + (gg // 8)[None, :], mask=wmask, other=0.0,
+                     eviction_policy="evict_first").to(tl.float32)
+        xs = tl.load(xs_ptr + gg, mask=g_mask, other=0.0)
+        scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25 * xs[None, :]
+        isum = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+        for j in tl.static_range(4):
+            idx = (w0 >> (8 * j)) & 255
+            s7 = (w1 >> (7 * j)) & 127
+            lo = tl.load(grid_ptr + idx * 2)
+            hi = tl.load(grid_ptr + idx * 2 + 1)
+            if SIGN_LUT:
+                mlo = tl.load(signs_ptr + s7 * 2)
+                mhi = tl.load(signs_ptr + s7 * 2 + 1)
+            else:
+                p = s7 ^ (s7 >> 4)
+                p = p ^ (p >> 2)
+                p = p ^ (p >> 1)
+                sign8 = s7 | ((p & 1) << 7)
+                # 4 bits -> bit 0 of 4 bytes (copies at offsets 0, 7, 14, 21 never overlap), then 0x01 -> 0xFF
+                mlo = (((sign8 & 15) * 0x00204081) & 0x01010101) * 255
+                mhi = ((((sign8 >> 4) & 15) * 0x00204081) & 0x01010101) * 255
+            lo = (lo ^ mlo) + (mlo & 0x01010101)
+            hi = (hi ^ mhi) + (mhi & 0x01010101)
+            xa = tl.broadcast_to(tl.load(xq_ptr + (2 * j) * G + gg, mask=g_mask, other=0)[None, :],
+                                 (BLOCK_N, BLOCK_G))
+            xb = tl.broadcast_to(tl.load(xq_ptr + (2 * j + 1) * G + gg, mask=g_mask, other=0)[None, :],
+                                 (BLOCK_N, BLOCK_G))
+            isum = _dp4a(lo, xa, isum)
+            isum = _dp4a(hi, xb, isum)
+        acc += isum.to(tl.float32) * scale
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _iq2_xxs_matvec_kernel(xt_ptr, qs_ptr, d_ptr, grid_ptr, y_ptr, N, K, stride_ym,
+                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
+        acc = _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_G)
+        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def transpose_groups(x: torch.Tensor, sub: int) -> torch.Tensor:
+    """[M, K] -> [M, sub, K/sub] contiguous: the activation layout the 2-bit kernels read (see _iq2_xxs_dot)."""
+    m, k = x.shape
+    return x.reshape(m, k // sub, sub).transpose(1, 2).contiguous()
+
+
+def iq2_xxs_matvec(
+    x: torch.Tensor,
+    w: PackedIQ2XXS,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    tiles: dispatch.MatvecTiles | None = None,
+) -> torch.Tensor:
+    """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
+    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
+    m = x.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"iq2_xxs_matvec takes 1-8 activation rows, got {m}")
+    tiles = tiles or dispatch.matvec_tiles("iq2_xxs", w.n, w.k, m, dispatch.launch_backend(x))
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
+    grid = (triton.cdiv(w.n, tiles.block_n),)
+    _iq2_xxs_matvec_kernel[grid](
+        transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device).view(torch.int32), out,
+        w.n, w.k, out.stride(0),
+        M=m, BLOCK_N=tiles.block_n, BLOCK_G=tiles.block_k // 32,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out

@@ -1,0 +1,117 @@
+"""Small fused ops: RMSNorm (optionally weighted) and interleaved partial RoPE, with torch references.
+
+- `rms_norm(x, weight, eps)`: y = x / sqrt(mean(x^2) + eps) (* weight) per row, fp32 math, one program per
+  row (DS4: rows of 4096 for attn/ffn norms, 1024 / 512 for the q / kv low-rank norms, 512 per query head).
+- `rope_(x, pos, inv_freq, heads, inverse)`: in place on the LAST 2 * len(inv_freq) dims of each row, pairs
+  (x[2i], x[2i+1]) rotated by pos * inv_freq[i] (negated when inverse); x is [T * heads, D] with one
+  position per token. The frequencies (plain or YaRN) come from the model; the kernel only rotates.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return (y if weight is None else y * weight.float()).to(x.dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps,
+                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < N
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / N + eps)
+    y = x * r
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., N]: Triton on a GPU tensor, the torch reference on CPU."""
+    return rms_norm_triton(x, weight, eps) if dispatch.use_triton(x) else rms_norm_ref(x, weight, eps)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton launcher of rms_norm (any device the Triton backend or interpreter runs on)."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = torch.empty_like(x2) if out is None else out.view(-1, n)
+    tiles = dispatch.row_tiles(n, dispatch.launch_backend(x))
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2, weight if weight is not None else x2, y, n, x2.stride(0), y.stride(0), float(eps),
+        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, num_warps=tiles.num_warps)
+    return y.view(x.shape)
+
+
+def rope_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int,
+             inverse: bool = False) -> torch.Tensor:
+    """Torch reference of `rope_` (returns a new tensor)."""
+    rd = 2 * inv_freq.numel()
+    ang = pos.float()[:, None] * inv_freq.float()  # [T, rd/2]
+    ang = ang.repeat_interleave(heads, dim=0)  # [T * heads, rd/2]
+    cos, sin = ang.cos(), ang.sin()
+    if inverse:
+        sin = -sin
+    tail = x[:, -rd:].float().unflatten(-1, (-1, 2))
+    a, b = tail[..., 0], tail[..., 1]
+    rot = torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)
+    return torch.cat((x[:, :-rd], rot.to(x.dtype)), dim=-1)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, f_ptr, D, stride_x, heads, sign,
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + row // heads).to(tl.float32)
+    offs = tl.arange(0, BLOCK_H)
+    mask = offs < HALF
+    ang = p * tl.load(f_ptr + offs, mask=mask, other=0.0)
+    c = tl.cos(ang)
+    s = tl.sin(ang) * sign
+    base = x_ptr + row * stride_x + (D - 2 * HALF) + 2 * offs
+    a = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(base + 1, mask=mask, other=0.0).to(tl.float32)
+    tl.store(base, (a * c - b * s).to(x_ptr.dtype.element_ty), mask=mask)
+    tl.store(base + 1, (a * s + b * c).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int,
+          inverse: bool = False) -> torch.Tensor:
+    """Rotate the last 2 * len(inv_freq) dims of x [T * heads, D] in place; pos [T]. Triton on a GPU tensor,
+    the torch reference on CPU."""
+    if dispatch.use_triton(x):
+        return rope_triton_(x, pos, inv_freq, heads, inverse)
+    _check_rope(x, pos, heads)
+    x.copy_(rope_ref(x, pos, inv_freq, heads, inverse))
+    return x
+
+
+def _check_rope(x: torch.Tensor, pos: torch.Tensor, heads: int) -> None:
+    if x.dim() != 2 or x.shape[0] != pos.numel() * heads:
+        raise ValueError(f"x must be [T * heads, D] = [{pos.numel()} * {heads}, D], got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("rope_ works in place and needs unit stride on the last dim")
+
+
+def rope_triton_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int,
+                 inverse: bool = False) -> torch.Tensor:
+    """The Triton launcher of rope_."""
+    _check_rope(x, pos, heads)
+    half = inv_freq.numel()
+    _rope_kernel[(x.shape[0],)](
+        x, pos, inv_freq.float().contiguous(), x.shape[1], x.stride(0), heads, -1.0 if inverse else 1.0,
+        HALF=half, BLOCK_H=triton.next_power_of_2(half), num_warps=1)
+    return x

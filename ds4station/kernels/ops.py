@@ -1,0 +1,103 @@
+"""The kernels' public entry points: repack GGUF weights, quantised linear layers and the fused MoE.
+
+Each op runs the Triton kernel for a GPU tensor and the family's torch reference for a CPU tensor
+(dispatch.use_triton), so the engine calls one function on every device. Tile choices come from dispatch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4station.kernels import dispatch
+from ds4station.kernels.iq2_xxs import (
+    PackedIQ2XXS,
+    dequantize_iq2_xxs,
+    iq2_xxs_matvec,
+    iq2_xxs_matvec_ref,
+    repack_iq2_xxs,
+)
+from ds4station.kernels.moe import moe_decode, moe_decode_ref
+from ds4station.kernels.norm import rms_norm, rope_
+from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+from ds4station.kernels.q8_0 import (
+    PackedQ8_0,
+    dequantize_q8_0,
+    q8_0_matmul,
+    q8_0_matvec,
+    q8_0_matvec_ref,
+    repack_q8_0,
+)
+
+Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K
+__all__ = ["Packed", "dequantize", "linear", "moe", "repack", "rms_norm", "rope_"]
+
+_REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k}
+# Largest activation row count the decode matvecs take; more rows go to the prefill path.
+MAX_MATVEC_ROWS = 8
+
+
+def repack(raw: torch.Tensor, qtype: str, k: int) -> Packed:
+    """Repack raw GGUF bytes of `qtype` ("q8_0", "iq2_xxs", "q2_k") with rows of `k` values."""
+    try:
+        return _REPACK[qtype.lower()](raw, k)
+    except KeyError:
+        raise ValueError(f"no repack for quant type {qtype!r}; have {sorted(_REPACK)}") from None
+
+
+def dequantize(w: Packed) -> torch.Tensor:
+    """fp32 values of a repacked weight, [*lead, N, K]."""
+    if isinstance(w, PackedQ8_0):
+        return dequantize_q8_0(w)
+    if isinstance(w, PackedIQ2XXS):
+        return dequantize_iq2_xxs(w)
+    return dequantize_q2_k(w)
+
+
+def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W^T for x [M, groups*K] -> [M, N] (groups > 1: Q8_0 grouped projection, rows split evenly).
+
+    GPU: M <= 8 runs the fused dequant matvec; more rows run the Q8_0 tl.dot matmul (other types are
+    dequantised to fp16 and multiplied by torch until their tiled kernels exist). CPU: torch reference.
+    """
+    m = x.shape[0]
+    if groups != 1 and not isinstance(w, PackedQ8_0):
+        raise ValueError("grouped linear is implemented for Q8_0 weights only")
+    if not dispatch.use_triton(x):
+        if isinstance(w, PackedQ8_0):
+            return q8_0_matvec_ref(x, w, groups=groups, out_dtype=out_dtype)
+        if isinstance(w, PackedIQ2XXS):
+            return iq2_xxs_matvec_ref(x, w, out_dtype=out_dtype)
+        return q2_k_matvec_ref(x, w, out_dtype=out_dtype)
+    if m <= MAX_MATVEC_ROWS:
+        if isinstance(w, PackedQ8_0):
+            return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
+        if isinstance(w, PackedIQ2XXS):
+            return iq2_xxs_matvec(x, w, out_dtype=out_dtype)
+        return q2_k_matvec(x, w, out_dtype=out_dtype)
+    if isinstance(w, PackedQ8_0):
+        if groups == 1:
+            return q8_0_matmul(x, w, out_dtype=out_dtype)
+        xg = x.reshape(m, groups, w.k)
+        rows = w.n // groups
+        parts = [
+            q8_0_matmul(xg[:, g], PackedQ8_0(w.qs[g * rows:(g + 1) * rows], w.d[g * rows:(g + 1) * rows]),
+                        out_dtype=out_dtype)
+            for g in range(groups)
+        ]
+        return torch.cat(parts, dim=1)
+    return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)
+
+
+def moe(
+    x: torch.Tensor,
+    gate: PackedIQ2XXS | PackedQ2K,
+    up: PackedIQ2XXS | PackedQ2K,
+    down: PackedIQ2XXS | PackedQ2K,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    clamp: float | None = 10.0,
+) -> torch.Tensor:
+    """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32."""
+    if dispatch.use_triton(x):
+        return moe_decode(x, gate, up, down, ids, weights, clamp=clamp)
+    return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)

@@ -1,0 +1,200 @@
+"""Q2_K weights (DS4's routed down experts): repack, decode matvec, torch reference.
+
+GGUF block (256 weights, 84 bytes): scales[16] (low nibble = scale, high nibble = min of each 16 weights),
+qs[64] (2-bit quants), fp16 d, fp16 dmin. Weight e of the block, with e = h*128 + s*32 + l (h half, s shift
+slot, l in 0..31): q = (qs[h*32 + l] >> 2s) & 3, and value = d * (sc & 15) * q - dmin * (sc >> 4) with
+sc = scales[e // 16].
+
+`repack_q2_k` stores what the kernel wants: the 2-bit codes re-packed so that each byte holds FOUR
+CONSECUTIVE weights (weight 4j + i at bits 2i of byte j), so one int32 word is 16 consecutive weights that
+share one scale/min byte; qs uint8 [.., N, K/4] (read as int32 words), scales uint8 [.., N, K/16] (byte w
+belongs to word w), dm fp16 [.., N, K/256, 2] (d, dmin). The bytes per weight are unchanged (2.625 bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import _dp4a
+from ds4station.kernels.iq2_xxs import transpose_groups
+
+QK_K = 256
+BLOCK_BYTES_Q2_K = 84
+
+
+@dataclass(frozen=True)
+class PackedQ2K:
+    """Repacked Q2_K weight: qs uint8 [*lead, N, K/4] (4 consecutive weights per byte), sc uint8 [*lead, N, K/16],
+    dm fp16 [*lead, N, K/128] ((d, dmin) per 256 weights)."""
+
+    qs: torch.Tensor
+    sc: torch.Tensor
+    dm: torch.Tensor
+
+    qtype = "q2_k"
+
+    @property
+    def n(self) -> int:
+        return self.qs.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.qs.shape[-1] * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.sc.numel() + self.dm.numel() * 2
+
+
+def _codes_ggml_order(qs: torch.Tensor) -> torch.Tensor:
+    """2-bit codes of GGUF Q2_K quant bytes [..., nb, 64] in weight order: [..., nb, 256] uint8."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).reshape(4, 1)
+    lead = qs.shape[:-1]
+    # byte h*32 + l holds weights h*128 + 32 s + l at bits 2s
+    return ((qs.reshape(*lead, 2, 1, 32) >> shifts) & 3).reshape(*lead, 256)
+
+
+def repack_q2_k(raw: torch.Tensor, k: int) -> PackedQ2K:
+    """Repack raw GGUF Q2_K bytes (uint8 [..., N, K/256*84] or flat) of rows of length `k`."""
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw Q2_K data must be uint8 bytes, got {raw.dtype}")
+    if k % QK_K:
+        raise ValueError(f"Q2_K row length must be a multiple of {QK_K}, got {k}")
+    nb = k // QK_K
+    row_bytes = nb * BLOCK_BYTES_Q2_K
+    if raw.shape[-1] != row_bytes:
+        if raw.dim() != 1 or raw.numel() % row_bytes:
+            raise ValueError(f"Q2_K data of shape {tuple(raw.shape)} does not hold rows of {k} values")
+        raw = raw.view(-1, row_bytes)
+    lead = raw.shape[:-1]
+    blocks = raw.reshape(*lead, nb, BLOCK_BYTES_Q2_K)
+    sc = blocks[..., :16].reshape(*lead, k // 16).contiguous()
+    codes = _codes_ggml_order(blocks[..., 16:80]).reshape(*lead, k // 4, 4)
+    qs = codes[..., 0] | (codes[..., 1] << 2) | (codes[..., 2] << 4) | (codes[..., 3] << 6)
+    dm = blocks[..., 80:84].contiguous().view(torch.float16).reshape(*lead, nb * 2)
+    return PackedQ2K(qs=qs.contiguous(), sc=sc, dm=dm)
+
+
+def dequantize_q2_k(w: PackedQ2K) -> torch.Tensor:
+    """fp32 [*lead, N, K] values of a repacked Q2_K weight (torch, any device)."""
+    lead = w.qs.shape[:-1]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w.qs.device)
+    q = ((w.qs.unsqueeze(-1) >> shifts) & 3).reshape(*lead, w.k // 16, 16).float()
+    sub = (w.k // 16) // (w.k // QK_K)  # 16 sub-blocks per block
+    dm = w.dm.float().reshape(*lead, w.k // QK_K, 2).repeat_interleave(sub, dim=-2)  # [.., K/16, 2]
+    dl = dm[..., 0] * (w.sc & 15).float()
+    ml = dm[..., 1] * (w.sc >> 4).float()
+    return (dl.unsqueeze(-1) * q - ml.unsqueeze(-1)).reshape(*lead, w.k)
+
+
+def q2_k_matvec_ref(x: torch.Tensor, w: PackedQ2K, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Torch reference of `q2_k_matvec` (fp32 math)."""
+    return (x.float() @ dequantize_q2_k(w).T).to(out_dtype or x.dtype)
+
+
+@triton.jit
+def _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """[BLOCK_N] fp32 dot products of weight rows `rows` (int64) with one activation row.
+
+    qs_ptr: int32 words of 16 consecutive 2-bit weights; sc_ptr: one scale/min byte per word; dm_ptr: int32
+    (d, dmin) fp16 pairs per 256 weights. xt_ptr: the activation row TRANSPOSED as [16, K/16]
+    (xt[i, w] = x[16 w + i]) so lanes walking consecutive words read consecutive x values. 2-D tiles
+    [rows, words], one lane per word, as in _iq2_xxs_dot.
+    """
+    W = K // 16
+    offs_w = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        ww = w0 + offs_w
+        w_mask = ww < W
+        wmask = n_mask[:, None] & w_mask[None, :]
+        word = tl.load(qs_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+        sc = tl.load(sc_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0,
+                     eviction_policy="evict_first").to(tl.int32)
+        dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
+                      eviction_policy="evict_first")
+        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        sx = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for i in tl.static_range(16):
+            # int -> float without a conversion instruction: 2^23 + q has q in its low mantissa bits
+            q = (((word >> (2 * i)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            xv = tl.load(xt_ptr + i * W + ww, mask=w_mask, other=0.0).to(tl.float32)
+            qx += q * xv[None, :]
+            sx += xv
+        acc += (d * (sc & 15).to(tl.float32)) * qx - (dmin * (sc >> 4).to(tl.float32)) * sx[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
+                 BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Integer-dot form of _q2_k_dot: activation quantised by act_quant ("q2_k" layout: int32 [4, K/16], word i
+    of 16-group w holds x[16 w + 4 b + i] in byte b, matching (word >> 2i) & 0x03030303 of the weights);
+    the min term uses the exact fp32 sums of 16 activations."""
+    W = K // 16
+    offs_w = tl.arange(0, BLOCK_W)
+    acc = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+    for w0 in range(0, W, BLOCK_W):
+        ww = w0 + offs_w
+        w_mask = ww < W
+        wmask = n_mask[:, None] & w_mask[None, :]
+        word = tl.load(qs_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+        sc = tl.load(sc_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0,
+                     eviction_policy="evict_first").to(tl.int32)
+        dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
+                      eviction_policy="evict_first")
+        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        isum = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
+        for i in tl.static_range(4):
+            xv = tl.broadcast_to(tl.load(xq_ptr + i * W + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
+            isum = _dp4a((word >> (2 * i)) & 0x03030303, xv, isum)
+        xs = tl.load(xs_ptr + ww // 2, mask=w_mask, other=0.0)
+        xsum = tl.load(xsum_ptr + ww, mask=w_mask, other=0.0)
+        acc += (d * (sc & 15).to(tl.float32)) * (isum.to(tl.float32) * xs[None, :]) \
+            - (dmin * (sc >> 4).to(tl.float32)) * xsum[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q2_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, dm_ptr, y_ptr, N, K, stride_ym,
+                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
+        acc = _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_W)
+        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def q2_k_matvec(
+    x: torch.Tensor,
+    w: PackedQ2K,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    tiles: dispatch.MatvecTiles | None = None,
+) -> torch.Tensor:
+    """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
+    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
+    m = x.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"q2_k_matvec takes 1-8 activation rows, got {m}")
+    tiles = tiles or dispatch.matvec_tiles("q2_k", w.n, w.k, m, dispatch.launch_backend(x))
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
+    grid = (triton.cdiv(w.n, tiles.block_n),)
+    _q2_k_matvec_kernel[grid](
+        transpose_groups(x, 16), w.qs.view(torch.int32), w.sc, w.dm.view(torch.int32), out, w.n, w.k, out.stride(0),
+        M=m, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 16,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out

@@ -1,0 +1,245 @@
+"""Footprint: the bytes one pipeline stage needs on its device, from the tensor table and the context.
+
+    predicted = weights + kv(ctx) + scratch(ctx, chunk) + runtime overhead (+ expert cache when streaming)
+
+- weights: the sum of `TensorSpec.n_bytes` over the stage's tensors (from a GGUF file's table or from a
+  named shape such as `flash-q2`, the layout of config.FLASH with the "q2" recipe). A streaming stage keeps
+  everything but the routed experts resident and holds `expert_cache_bytes` of expert slots instead.
+- kv (DS4-MODEL.md "KV cache per layer"): per layer the raw window ring (window + chunk rows x head_dim), the
+  compressed rows ceil(ctx/r) x head_dim on compressed layers, the indexer keys ceil(ctx/4) x index_dim on
+  ratio-4 layers, and each compressor's frontier ring (projections + scores, fp32, the unfinished block +
+  chunk rows). At f32 the per-token part is 13,760 bytes over Flash's 43 layers. This is engine/kv.py's
+  allocation, byte for byte (a test compares them), written without torch so the planner stays light.
+- scratch: the prefill chunk's activations (`activation_bytes_per_token` x chunk, fp32) and the indexer's
+  score scratch, 2 x ceil(ctx/4) x chunk x 4 bytes on a
+  stage with any ratio-4 layer (ds4's figure; it grows with ctx x chunk, which is why the context preset uses
+  a small chunk), plus the logits row on the stage holding the output head.
+- runtime overhead: a per-process constant for the CUDA/ROCm context, kernel images and allocator slack
+  (DEFAULT_RUNTIME_OVERHEAD; presets may change it). It is not in torch's allocator statistics but it is in
+  the device's used memory, which is what must fit.
+
+Decode cost per stage (for balancing) is the bytes read per token: every non-expert weight of its layers, the
+routed experts' share n_used / n_experts, and the output head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ds4station.engine.config import FLASH, TINY, ModelConfig
+from ds4station.engine.layout import TensorSpec, model_tensors
+
+from .sizes import MiB
+
+KV_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
+FRONTIER_BYTES = 4  # the compressors accumulate in fp32 whatever the cache dtype
+# Measured on an H200 (torch 2.11, CUDA 13, 2026-11-29): the CUDA context alone 529 MiB, with cuBLAS and one
+# Triton kernel loaded 685 MiB. ROCm contexts on gfx906 are of the same order; keep a little above both.
+DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, layers: Iterable[int], dtype: str = "f32") -> float:
+    """The part of the KV cache that grows with context, in bytes per token, over `layers`."""
+    b = KV_DTYPE_BYTES[dtype]
+    total = 0.0
+    for i in layers:
+        r = cfg.ratio(i)
+        if r:
+            total += cfg.head_dim * b / r
+        if cfg.has_indexer(i):
+            total += cfg.index_dim * b / 4
+    return total
+
+
+def layer_kv_bytes(cfg: ModelConfig, layer: int, ctx: int, dtype: str = "f32", *, chunk: int = 256,
+                   rollback: int = 0) -> int:
+    """Persistent KV state of one layer for `ctx` tokens, as engine/kv.py allocates it: rings carry
+    `slack = max(chunk, rollback)` extra positions (a prefill chunk is written before it is attended to)."""
+    b = KV_DTYPE_BYTES[dtype]
+    slack = max(chunk, rollback)
+    r = cfg.ratio(layer)
+    n = (cfg.window + slack) * cfg.head_dim * b  # raw ring
+    if r:
+        n += _cdiv(ctx, r) * cfg.head_dim * b  # compressed rows
+        # frontier: projections + scores of the unfinished block (ratio 4 overlaps two blocks) + slack, fp32
+        rows = (2 * r if r == 4 else r) + slack
+        n += 2 * rows * cfg.compressor_width(layer) * FRONTIER_BYTES
+    if cfg.has_indexer(layer):
+        n += _cdiv(ctx, 4) * cfg.index_dim * b  # indexer keys
+        n += 2 * (8 + slack) * 2 * cfg.index_dim * FRONTIER_BYTES
+    return n
+
+
+def kv_bytes(cfg: ModelConfig, layers: Iterable[int], ctx: int, dtype: str = "f32", *, chunk: int = 256,
+             rollback: int = 0) -> int:
+    return sum(layer_kv_bytes(cfg, i, ctx, dtype, chunk=chunk, rollback=rollback) for i in layers)
+
+
+def activation_bytes_per_token(cfg: ModelConfig) -> int:
+    """fp32 activations live at once per prefill-chunk token (the widest moment of one layer)."""
+    elems = (
+        3 * cfg.hc_dim  # hyper-connection state in, out, and the flattened copy for hc_pre
+        + 2 * cfg.n_heads * cfg.head_dim  # q and the attention output
+        + cfg.q_lora_rank + cfg.head_dim + 4 * cfg.head_dim  # q low-rank, kv, compressor kv + gate (2 x 2 wide)
+        + cfg.index_heads * cfg.index_dim  # indexer queries
+        + cfg.n_heads * (cfg.window + cfg.index_topk)  # attention probabilities over window + selected rows
+        + 3 * cfg.n_experts_used * cfg.expert_ffn  # routed gate, up, h
+        + 3 * cfg.expert_ffn * cfg.n_shared_experts + cfg.n_experts  # shared expert, router logits
+    )
+    return 4 * elems
+
+
+def indexer_scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
+    """ds4's score scratch for one prefill chunk: 2 x ctx/4 x chunk x fp32."""
+    return 2 * _cdiv(ctx, 4) * chunk * 4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's config plus its tensor table, summarised per layer for the planner."""
+
+    name: str
+    cfg: ModelConfig
+    specs: tuple[TensorSpec, ...] = field(repr=False)
+
+    @cached_property
+    def _tables(self) -> tuple[list[int], list[int], int, int, list[int]]:
+        L = self.cfg.n_layers
+        non_expert = [0] * L
+        experts = [0] * L
+        embed = output = 0
+        for s in self.specs:
+            if s.layer is None:
+                if s.role == "token_embd":
+                    embed += s.n_bytes
+                else:
+                    output += s.n_bytes
+            elif s.is_routed_expert:
+                experts[s.layer] += s.n_bytes
+            else:
+                non_expert[s.layer] += s.n_bytes
+        used, n = self.cfg.n_experts_used, max(self.cfg.n_experts, 1)
+        read = [ne + e * used // n for ne, e in zip(non_expert, experts, strict=True)]
+        return non_expert, experts, embed, output, read
+
+    @property
+    def non_expert_bytes(self) -> list[int]:
+        return self._tables[0]
+
+    @property
+    def expert_bytes(self) -> list[int]:
+        """Routed-expert bytes per layer: the whole expert table a streaming cache must be able to hold."""
+        return self._tables[1]
+
+    @property
+    def embed_bytes(self) -> int:
+        return self._tables[2]
+
+    @property
+    def output_bytes(self) -> int:
+        return self._tables[3]
+
+    @property
+    def decode_read_bytes(self) -> list[int]:
+        """Weight bytes read per decoded token, per layer."""
+        return self._tables[4]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.n_bytes for s in self.specs)
+
+    def layer_weight_bytes(self, layer: int, streaming: bool = False) -> int:
+        return self.non_expert_bytes[layer] + (0 if streaming else self.expert_bytes[layer])
+
+    def min_expert_cache(self, layers: Iterable[int]) -> int:
+        """The smallest streaming cache that still holds one full layer's expert table."""
+        return max((self.expert_bytes[i] for i in layers), default=0)
+
+
+SHAPES: dict[str, tuple[ModelConfig, str]] = {
+    "flash-q2": (FLASH, "q2"),
+    "flash-f16": (FLASH, "f16"),
+    "tiny-q2": (TINY, "q2"),
+    "tiny-f16": (TINY, "f16"),
+}
+
+
+def named_shape(name: str) -> ModelShape:
+    """`flash-q2` (the ~81 GiB q2 file), `tiny-q2` (the demo), ... without needing the file."""
+    try:
+        cfg, recipe = SHAPES[name]
+    except KeyError:
+        raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}") from None
+    return ModelShape(name, cfg, tuple(model_tensors(cfg, recipe)))
+
+
+def shape_from_specs(name: str, cfg: ModelConfig, specs: Sequence[TensorSpec]) -> ModelShape:
+    """From a GGUF file's tensor table (engine.gguf.GGUFFile.tensor_specs())."""
+    return ModelShape(name, cfg, tuple(specs))
+
+
+@dataclass(frozen=True)
+class FootprintSettings:
+    prefill_chunk: int = 512
+    kv_dtype: str = "f32"
+    runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD
+    # Measured peak temporaries of a prefill chunk over `activation_bytes_per_token` x chunk. 1.0 is the budget
+    # the shapes need; engine/gpu.py measured 2.8 (H200, layers 0-3 + head, chunk 256, 2026-11-29).
+    activation_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPE_BYTES:
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
+        if self.prefill_chunk <= 0:
+            raise ValueError("prefill_chunk must be > 0")
+        if self.activation_factor <= 0:
+            raise ValueError("activation_factor must be > 0")
+
+
+@dataclass(frozen=True)
+class StageFootprint:
+    weights_bytes: int  # resident weights (routed experts excluded when streaming)
+    kv_bytes: int
+    scratch_bytes: int
+    overhead_bytes: int
+    expert_cache_bytes: int = 0
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.weights_bytes + self.kv_bytes + self.scratch_bytes + self.overhead_bytes + self.expert_cache_bytes
+
+
+def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: FootprintSettings, *,
+                    embed: bool = False, output: bool = False, expert_cache_bytes: int = 0) -> StageFootprint:
+    """Predicted bytes for a stage holding `layers` (and optionally the embedding / output head)."""
+    cfg = model.cfg
+    streaming = expert_cache_bytes > 0
+    weights = sum(model.layer_weight_bytes(i, streaming) for i in layers)
+    weights += (model.embed_bytes if embed else 0) + (model.output_bytes if output else 0)
+    kv = kv_bytes(cfg, layers, ctx, settings.kv_dtype, chunk=settings.prefill_chunk)
+    return StageFootprint(weights, kv, scratch_bytes(cfg, layers, ctx, settings, output=output),
+                          settings.runtime_overhead, expert_cache_bytes)
+
+
+def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: FootprintSettings, *,
+                  output: bool = False) -> int:
+    chunk = settings.prefill_chunk
+    n = int(activation_bytes_per_token(cfg) * chunk * settings.activation_factor)
+    if any(cfg.has_indexer(i) for i in layers):
+        n += indexer_scratch_bytes(cfg, ctx, chunk)
+    if output:
+        n += 2 * cfg.vocab_size * 4  # logits row + sampler copy
+    return n
+
+
+__all__ = [
+    "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "KV_DTYPE_BYTES", "ModelShape", "SHAPES", "StageFootprint",
+    "activation_bytes_per_token", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token", "layer_kv_bytes",
+    "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
+]

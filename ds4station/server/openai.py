@@ -1,0 +1,477 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models and /v1/responses.
+
+Chat Completions is what opencode, Continue and Cline speak; the Responses API is the only one Codex CLI
+speaks. Both stream `reasoning`, `content` and tool calls as the chat StreamParser recognises them: each tool
+call gets its own index, its id and name come first and its arguments follow in fragments; no DSML markup
+ever reaches the client. Every response carries usage with `prompt_tokens_details.cached_tokens` and
+llama.cpp's `timings`, the final stream chunk too.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from ds4station.engine import chat
+from ds4station.engine.sampler import SamplingParams
+from ds4station.engine.scheduler import Job, Text
+
+from . import schemas as S
+from .errors import ApiError, from_validation
+from .generation import (
+    KEEPALIVE,
+    ChatTurn,
+    Run,
+    ServerState,
+    check_context,
+    logit_bias,
+    read_json,
+    sse,
+    start,
+    submit,
+    thinking_from,
+)
+
+router = APIRouter()
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def validate(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise from_validation(e) from e
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ds4
+
+
+def _sampling(req: Any) -> SamplingParams:
+    return SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                    top_p=1.0 if req.top_p is None else req.top_p,
+                    top_k=getattr(req, "top_k", None) or 0, min_p=getattr(req, "min_p", None) or 0.0,
+                    seed=getattr(req, "seed", None))
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+
+
+def _max_tokens(*values: int | None) -> int | None:
+    # Non-positive means "the server default", as llama.cpp and lucebox treat it.
+    for v in values:
+        if v is not None:
+            return v if v > 0 else None
+    return None
+
+
+def stream_response(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+# ---- /v1/models ---------------------------------------------------------------------------------------------
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    st = _state(request)
+    return {"object": "list", "data": [{"id": st.model_name, "object": "model", "created": int(st.started_at),
+                                        "owned_by": "ds4station", "context_length": st.ctx}]}
+
+
+@router.get("/v1/models/{model_id}")
+async def model(model_id: str, request: Request) -> dict[str, Any]:
+    st = _state(request)
+    if model_id != st.model_name:
+        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {st.model_name!r}",
+                       code="model_not_found")
+    return {"id": st.model_name, "object": "model", "created": int(st.started_at), "owned_by": "ds4station"}
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------------------
+def chat_turn(req: S.ChatRequest) -> ChatTurn:
+    messages: list[dict[str, Any]] = []
+    for m in req.messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            msg["tool_calls"] = [tc.model_dump() for tc in m.tool_calls]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
+        messages.append(msg)
+    tools = [t.model_dump(exclude_none=True) for t in req.tools or []]
+    choice, forced = "auto", None
+    if isinstance(req.tool_choice, S.NamedToolChoice):
+        choice, forced = "function", req.tool_choice.function.name
+    elif req.tool_choice is not None:
+        choice = req.tool_choice
+    return ChatTurn(messages=messages, tools=tools,
+                    thinking=thinking_from(req.reasoning_effort, req.thinking, req.chat_template_kwargs),
+                    tool_choice=choice, forced_tool=forced,
+                    max_tokens=_max_tokens(req.max_completion_tokens, req.max_tokens),
+                    sampling=_sampling(req), stop=_stops(req.stop), kind="chat", logit_bias=req.logit_bias)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Any:
+    st = _state(request)
+    req = validate(S.ChatRequest, await read_json(request, st.max_body_bytes))
+    run = await start(st, chat_turn(req))
+    cid = "chatcmpl-" + secrets.token_hex(12)
+    model_name = req.model or st.model_name
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return stream_response(_chat_stream(run, cid, model_name, include_usage))
+    res = await run.collect(request)
+    message: dict[str, Any] = {"role": "assistant", "content": res.content if res.content or not res.tool_calls
+                               else None}
+    if res.reasoning:
+        message["reasoning_content"] = res.reasoning
+    if res.tool_calls:
+        message["tool_calls"] = res.tool_calls
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
+            "choices": [{"index": 0, "message": message, "finish_reason": res.finish_reason, "logprobs": None}],
+            "usage": res.usage.openai(), "timings": res.usage.timings}
+
+
+async def _chat_stream(run: Run, cid: str, model_name: str, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def body(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+    def chunk(delta: dict[str, Any]) -> bytes:
+        return sse(body(delta))
+
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        async for ev in run.events():
+            if ev is None:
+                yield KEEPALIVE
+            elif isinstance(ev, chat.ReasoningDelta):
+                yield chunk({"reasoning_content": ev.text})
+            elif isinstance(ev, chat.ContentDelta):
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, chat.ToolCallStart):
+                yield chunk({"tool_calls": [{"index": ev.index, "id": ev.id, "type": "function",
+                                             "function": {"name": ev.name, "arguments": ""}}]})
+            elif isinstance(ev, chat.ToolCallArgsDelta):
+                yield chunk({"tool_calls": [{"index": ev.index, "function": {"arguments": ev.fragment}}]})
+        assert run.usage is not None
+        final = body({}, run.finish_reason)
+        final["timings"] = run.usage.timings
+        if not include_usage:  # llama.cpp puts the numbers on the last chunk; so do we
+            final["usage"] = run.usage.openai()
+        yield sse(final)
+        if include_usage:
+            yield sse({"id": cid, "object": "chat.completion.chunk", "created": created, "model": model_name,
+                       "choices": [], "usage": run.usage.openai(), "timings": run.usage.timings})
+        yield sse("[DONE]")
+    except ApiError as e:
+        yield sse(e.openai_body())
+        yield sse("[DONE]")
+    finally:
+        run.cancel()  # the client went away (or we are done): stop the engine within one step
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------------------
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    st = _state(request)
+    req = validate(S.CompletionRequest, await read_json(request, st.max_body_bytes))
+    tok = st.tokenizer
+    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
+        ids = list(req.prompt)
+        bad = [i for i in ids if not 0 <= i < tok.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{tok.vocab_size - 1})",
+                           param="prompt")
+        text = tok.decode(ids)
+    else:
+        text = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
+        ids = tok.encode(text)
+    if not ids or ids[0] != tok.bos_id:
+        ids = [tok.bos_id, *ids]
+    check_context(st, len(ids))
+    max_tokens = _max_tokens(req.max_tokens) or 16  # OpenAI's default for this endpoint
+    job = Job(prompt=ids, max_tokens=min(max_tokens, st.ctx - len(ids)), sampling=_sampling(req),
+              stop=_stops(req.stop), stop_tokens={tok.eos_id}, logit_bias=logit_bias(tok, req.logit_bias),
+              kind="completion")
+    run = Run(st, submit(st, job), parser=None)
+    cid = "cmpl-" + secrets.token_hex(12)
+    model_name = req.model or st.model_name
+    echo = text if req.echo else ""
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return stream_response(_completion_stream(run, cid, model_name, echo, include_usage))
+    res = await run.collect(request)
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model_name,
+            "choices": [{"index": 0, "text": echo + res.content, "logprobs": None,
+                         "finish_reason": res.finish_reason}],
+            "usage": res.usage.openai(), "timings": res.usage.timings}
+
+
+async def _completion_stream(run: Run, cid: str, model_name: str, echo: str,
+                             include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+
+    def chunk(text: str, finish: str | None = None, **extra: Any) -> bytes:
+        return sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], **extra})
+
+    try:
+        if echo:
+            yield chunk(echo)
+        async for ev in run.events():
+            if ev is None:
+                yield KEEPALIVE
+            elif isinstance(ev, Text):
+                yield chunk(ev.text)
+        assert run.usage is not None
+        extra = {"timings": run.usage.timings}
+        if not include_usage:
+            extra["usage"] = run.usage.openai()
+        yield chunk("", run.finish_reason, **extra)
+        if include_usage:
+            yield sse({"id": cid, "object": "text_completion", "created": created, "model": model_name,
+                       "choices": [], "usage": run.usage.openai(), "timings": run.usage.timings})
+        yield sse("[DONE]")
+    except ApiError as e:
+        yield sse(e.openai_body())
+        yield sse("[DONE]")
+    finally:
+        run.cancel()
+
+
+# ---- /v1/responses (Codex) ----------------------------------------------------------------------------------
+def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
+    """Responses input items -> chat messages. Consecutive assistant output (reasoning, message, function
+    calls) forms one assistant turn, as the model produced it; function_call_output items are tool results."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    assistant: dict[str, Any] | None = None
+
+    def open_assistant() -> dict[str, Any]:
+        nonlocal assistant
+        if assistant is None:
+            assistant = {"role": "assistant", "content": ""}
+            messages.append(assistant)
+        return assistant
+
+    for i, raw in enumerate(items):
+        if not isinstance(raw, dict):
+            raise ApiError(400, f"input[{i}] must be an object", param=f"input.{i}")
+        kind = raw.get("type", "message" if "role" in raw else None)
+        try:
+            if kind == "message":
+                msg = S.RespMessage.model_validate(raw)
+                if msg.role == "assistant":
+                    a = open_assistant()
+                    a["content"] += msg.text()
+                else:
+                    assistant = None
+                    messages.append({"role": msg.role, "content": msg.text()})
+            elif kind == "reasoning":
+                item = S.RespReasoningItem.model_validate(raw)
+                parts = item.content if item.content else item.summary  # the full text when we sent it
+                a = open_assistant()
+                a["reasoning_content"] = a.get("reasoning_content", "") + "".join(p.text or "" for p in parts)
+            elif kind == "function_call":
+                call = S.RespFunctionCall.model_validate(raw)
+                a = open_assistant()
+                a.setdefault("tool_calls", []).append(
+                    {"id": call.call_id, "type": "function",
+                     "function": {"name": call.name, "arguments": call.arguments}})
+            elif kind == "function_call_output":
+                out = S.RespFunctionOutput.model_validate(raw)
+                assistant = None
+                messages.append({"role": "tool", "tool_call_id": out.call_id, "content": out.text()})
+            else:
+                raise ApiError(400, f"input[{i}]: item type {kind!r} is not supported by this server",
+                               param=f"input.{i}.type")
+        except ValidationError as e:
+            err = from_validation(e)
+            raise ApiError(400, f"input[{i}].{err.message}", param=f"input.{i}") from e
+    tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+             for t in req.function_tools()]
+    choice, forced = "auto", None
+    if isinstance(req.tool_choice, S.RespNamedTool):
+        choice, forced = "function", req.tool_choice.name
+    elif req.tool_choice is not None:
+        choice = req.tool_choice
+    effort = req.reasoning.effort if req.reasoning else None
+    return ChatTurn(messages=messages, tools=tools, thinking=thinking_from(effort, None, None),
+                    tool_choice=choice, forced_tool=forced, max_tokens=_max_tokens(req.max_output_tokens),
+                    sampling=_sampling(req), kind="responses")
+
+
+def _resp_usage(run: Run) -> dict[str, Any]:
+    u = run.usage
+    assert u is not None
+    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u.prompt_tokens + u.completion_tokens, "timings": u.timings}
+
+
+class _ResponseBuilder:
+    """Turns parser events into Responses output items and, for streaming, the API's event sequence."""
+
+    def __init__(self, req: S.ResponsesRequest, model_name: str) -> None:
+        self.req = req
+        self.id = "resp_" + secrets.token_hex(12)
+        self.model = model_name
+        self.created = int(time.time())
+        self.output: list[dict[str, Any]] = []
+        self.seq = 0
+        self.open: dict[str, Any] | None = None  # the item being streamed
+        self.calls: dict[int, dict[str, Any]] = {}  # parser call index -> function_call item
+
+    def response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        tools = [t.model_dump(exclude_none=True) for t in self.req.function_tools()]
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
+                "model": self.model, "output": self.output, "usage": usage, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "instructions": self.req.instructions, "metadata": self.req.metadata or {},
+                "parallel_tool_calls": self.req.parallel_tool_calls if self.req.parallel_tool_calls is not None
+                else True, "temperature": self.req.temperature, "top_p": self.req.top_p,
+                "tool_choice": (self.req.tool_choice.model_dump() if isinstance(self.req.tool_choice, BaseModel)
+                                else self.req.tool_choice or "auto"),
+                "tools": tools, "max_output_tokens": self.req.max_output_tokens,
+                "reasoning": {"effort": self.req.reasoning.effort if self.req.reasoning else None,
+                              "summary": None},
+                "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled"}
+
+    def event(self, kind: str, **data: Any) -> bytes:
+        self.seq += 1
+        return sse({"type": kind, "sequence_number": self.seq, **data}, event=kind)
+
+    # Each method returns the stream events it implies (the non-streaming path ignores them).
+    def _close_open(self) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None or item["type"] == "function_call":
+            return []
+        idx = self.output.index(item)
+        out = []
+        if item["type"] == "message":
+            part = item["content"][0]
+            out += [self.event("response.output_text.done", item_id=item["id"], output_index=idx, content_index=0,
+                               text=part["text"], logprobs=[]),
+                    self.event("response.content_part.done", item_id=item["id"], output_index=idx,
+                               content_index=0, part=part)]
+        else:
+            text = item["content"][0]["text"]
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                  content_index=0, text=text))
+        item["status"] = "completed"
+        out.append(self.event("response.output_item.done", output_index=idx, item=item))
+        return out
+
+    def _text_item(self, kind: str) -> list[bytes]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self._close_open()
+        if kind == "message":
+            item = {"type": "message", "id": "msg_" + secrets.token_hex(12), "status": "in_progress",
+                    "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]}
+        else:
+            item = {"type": "reasoning", "id": "rs_" + secrets.token_hex(12), "status": "in_progress",
+                    "summary": [], "content": [{"type": "reasoning_text", "text": ""}]}
+        self.output.append(item)
+        self.open = item
+        idx = len(self.output) - 1
+        shown = {**item, "content": []}
+        out.append(self.event("response.output_item.added", output_index=idx, item=shown))
+        if kind == "message":
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=idx,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        return out
+
+    def feed(self, ev: Any) -> list[bytes]:
+        if isinstance(ev, (chat.ReasoningDelta, chat.ContentDelta)):
+            kind = "reasoning" if isinstance(ev, chat.ReasoningDelta) else "message"
+            out = self._text_item(kind)
+            item = self.open
+            assert item is not None
+            item["content"][0]["text"] += ev.text
+            idx = self.output.index(item)
+            name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            return out + [self.event(name, item_id=item["id"], output_index=idx, content_index=0, delta=ev.text,
+                                     **extra)]
+        if isinstance(ev, chat.ToolCallStart):
+            out = self._close_open()
+            item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": ev.id,
+                    "name": ev.name, "arguments": "", "status": "in_progress"}
+            self.output.append(item)
+            self.calls[ev.index] = item
+            self.open = item
+            return out + [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
+        if isinstance(ev, chat.ToolCallArgsDelta):
+            item = self.calls[ev.index]
+            item["arguments"] += ev.fragment
+            return [self.event("response.function_call_arguments.delta", item_id=item["id"],
+                               output_index=self.output.index(item), delta=ev.fragment)]
+        if isinstance(ev, chat.ToolCallEnd):
+            item = self.calls[ev.index]
+            item["status"] = "completed"
+            idx = self.output.index(item)
+            if self.open is item:
+                self.open = None
+            return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
+                               name=item["name"], arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=idx, item=item)]
+        return []
+
+    def finish(self) -> list[bytes]:
+        out = self._close_open()
+        for item in self.output:
+            item["status"] = "completed"
+        return out
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Any:
+    st = _state(request)
+    req = validate(S.ResponsesRequest, await read_json(request, st.max_body_bytes))
+    run = await start(st, responses_turn(req))
+    build = _ResponseBuilder(req, req.model or st.model_name)
+    if req.stream:
+        return stream_response(_responses_stream(run, build))
+    async for ev in run.watched(request):
+        build.feed(ev)
+    build.finish()
+    status = "incomplete" if run.finish_reason == "length" else "completed"
+    body = build.response(status, _resp_usage(run))
+    body["timings"] = run.usage.timings if run.usage else None
+    return JSONResponse(body)
+
+
+async def _responses_stream(run: Run, build: _ResponseBuilder) -> AsyncIterator[bytes]:
+    try:
+        yield build.event("response.created", response=build.response("in_progress"))
+        yield build.event("response.in_progress", response=build.response("in_progress"))
+        async for ev in run.events():
+            if ev is None:
+                yield KEEPALIVE
+                continue
+            for chunk in build.feed(ev):
+                yield chunk
+        for chunk in build.finish():
+            yield chunk
+        status = "incomplete" if run.finish_reason == "length" else "completed"
+        body = build.response(status, _resp_usage(run))
+        body["timings"] = run.usage.timings if run.usage else None
+        yield build.event(f"response.{status}", response=body)
+    except ApiError as e:
+        yield build.event("error", code=e.code, message=e.message, param=e.param)
+    finally:
+        run.cancel()

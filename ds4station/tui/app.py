@@ -1,0 +1,292 @@
+"""The control panel App: detection, the refresh loop, launch/stop, and the keys.
+
+Refresh loop (collect -> render -> re-arm): a timer starts one thread worker that reads every GPU and asks the
+server for /health and /status; the worker posts `Collected`; its handler renders and only then arms the
+next timer, so polls never overlap and a slow read delays the next refresh instead of piling up. Input is
+handled on the UI thread, which never does I/O except starting a child process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.timer import Timer
+from textual.widgets import RichLog
+
+from ds4station.hardware import Device, detect_devices
+from ds4station.planner import DeviceBudget, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
+
+from .launcher import ServerProcess, free_port, serve_command, serve_options, stop_all
+from .messages import Collected, Detected, ServerStopped, ServerView
+from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, serve_args
+from .screens import DashboardScreen, HelpScreen, PlanScreen
+from .telemetry import GpuHistory, GpuReading, collect_gpus
+from .widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
+
+THEMES = ("textual-dark", "nord", "gruvbox", "tokyo-night", "textual-light")
+
+
+def plan_budgets(gpus: list[Any], host_ram: int, preset: str) -> list[DeviceBudget]:
+    """Detected cards in stage order (discrete, roomiest first, as `ds4station plan` orders them), or the
+    CPU when there is none."""
+    if not gpus:
+        return parse_gpu_spec("cpu", host_ram)
+    settings = load_preset(preset)
+    budgets = budgets_from_gpus(gpus, host_ram)
+    budgets.sort(key=lambda b: (b.kind != "gpu", -b.available(settings.desktop_headroom, settings.reserve)))
+    return budgets
+
+
+def _is_own_poll(line: str) -> bool:
+    """uvicorn's access-log line for the panel's own /health and /status polls (one pair a second: noise)."""
+    return '"GET /health HTTP' in line or '"GET /status HTTP' in line
+
+
+class Ds4StationApp(App[None]):
+    CSS_PATH = "app.tcss"
+    TITLE = "ds4station"
+    SUB_TITLE = "DeepSeek-V4-Flash control panel"
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
+    BINDINGS = [
+        Binding("p", "plan", "plan"),
+        Binding("l", "launch", "launch"),
+        Binding("s", "stop", "stop"),
+        Binding("t", "theme", "theme"),
+        Binding("q", "quit", "quit"),
+        Binding("question_mark", "help", "help", key_display="?"),
+    ]
+
+    def __init__(self, *, sysfs_root: str = "/", use_nvml: bool = True, nvml: Any = None, host_ram: int | None = None,
+                 model_path: str | None = None, preset: str = "speed", poll_interval: float = 1.0,
+                 host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        super().__init__()
+        self.sysfs_root, self.use_nvml, self.nvml = sysfs_root, use_nvml, nvml
+        self.host_ram, self.model_path, self.preset = host_ram, model_path, preset
+        self.poll_interval, self.host, self.port, self.api_key, self.clock = poll_interval, host, port, api_key, clock
+        self.devices: list[Device] = []
+        self.editor: PlanEditor | None = None
+        self.detected = False
+        self.history = GpuHistory()
+        self.server: ServerProcess | None = None
+        self.last_view: ServerView | None = None
+        self.requests: dict[int, dict[str, Any]] = {}  # finished requests seen, by id, for the live plots
+        self.polls = 0
+        self._polling = False
+        self._timer: Timer | None = None
+        self._log_seen = 0
+        self.dashboard = DashboardScreen()
+
+    # ---- start-up ----------------------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        self.push_screen(self.dashboard)
+        self._detect()
+
+    @work(thread=True, exclusive=True, group="detect")
+    def _detect(self) -> None:
+        devices = detect_devices(self.sysfs_root, self.nvml, use_nvml=self.use_nvml)
+        host_ram = self.host_ram
+        if host_ram is None:
+            import psutil
+
+            host_ram = int(psutil.virtual_memory().total)
+        budgets = plan_budgets([d.info() for d in devices], host_ram, self.preset)
+        model: ModelChoice = model_from_file(self.model_path) if self.model_path else demo_model()
+        editor = PlanEditor(model, budgets, host_ram, self.preset)
+        self.post_message(Detected(devices, editor))
+
+    def on_detected(self, message: Detected) -> None:
+        self.devices, self.editor, self.detected = message.devices, message.editor, True
+        if not self.devices:
+            where = ("NVML and " if self.use_nvml else "") + f"amdgpu sysfs under {self.sysfs_root}"
+            self.dashboard.query_one(GpuPanel).show_none(where)
+        self.plan_changed()
+        self._start_poll()
+
+    # ---- refresh loop ------------------------------------------------------------------------------------
+    def _start_poll(self) -> None:
+        if self._polling:
+            return
+        self._polling = True
+        self._collect()
+
+    def poll_now(self) -> None:
+        """Refresh at once instead of at the next tick (after launch/stop), unless a poll is under way."""
+        if self._timer is not None:
+            self._timer.stop()
+        self._start_poll()
+
+    @work(thread=True, group="poll")
+    def _collect(self) -> None:
+        readings: list[GpuReading] = []
+        view: ServerView | None = None
+        error = None
+        try:
+            if self.devices:
+                readings = self.history.add(*collect_gpus(self.devices))
+            view = self._server_view()
+        except Exception as e:  # always answer, so the loop is re-armed; the next refresh tries again
+            error = f"refresh failed: {type(e).__name__}: {e}"
+        self.post_message(Collected(readings, view, error))
+
+    def _server_view(self) -> ServerView | None:
+        import httpx
+
+        srv = self.server
+        if srv is None:
+            return None
+        new, self._log_seen = srv.log_since(self._log_seen)
+        view = ServerView("starting", srv.base_url, srv.api_key, srv.pid, new_log=new, log_tail=srv.log_tail(12),
+                          log_total=self._log_seen, uptime_s=self.clock() - srv.started_at)
+        rc = srv.returncode()
+        if rc is not None:
+            view.state = "crashed" if srv.crashed else "stopped"
+            view.reason = f"ds4station serve exited with code {rc}"
+            return view
+        headers = {"Authorization": f"Bearer {srv.api_key}"} if srv.api_key else {}
+        try:
+            with httpx.Client(base_url=srv.base_url, timeout=2.0, headers=headers) as http:
+                health = http.get("/health")
+                body = health.json()
+                if health.status_code == 200:
+                    view.state = "ready"
+                else:
+                    view.state = "loading" if body.get("status") == "loading" else "error"
+                    view.reason = body.get("reason")
+                status = http.get("/status")
+                if status.status_code == 200:
+                    view.status = status.json()
+        except httpx.TransportError:
+            view.reason = f"waiting for {srv.base_url} (the engine is starting)"
+        except ValueError as e:  # a body that is not JSON: not our server on that port
+            view.state, view.reason = "error", f"unexpected answer from {srv.base_url}: {e}"
+        return view
+
+    def on_collected(self, message: Collected) -> None:
+        self._polling = False
+        if not self.dashboard.is_attached:  # the app is shutting down
+            return
+        self.polls += 1
+        if message.error:
+            self.notify(message.error, severity="warning")
+        self.render_collected(message)
+        self._timer = self.set_timer(self.poll_interval, self._start_poll)
+
+    def render_collected(self, message: Collected) -> None:
+        dash = self.dashboard
+        if message.readings:
+            dash.query_one(GpuPanel).show(message.readings)
+        view = message.server
+        if view is not None and view.state == "stopped" and self.server is None:
+            view = self.last_view  # a stop finished while this poll ran: ServerStopped already rendered
+        self.last_view = view if view is not None else self.last_view
+        if view is None:
+            return
+        dash.query_one(ServerPanel).show(view)
+        log = dash.query_one("#server-log", RichLog)
+        for line in view.new_log:
+            if not _is_own_poll(line):
+                log.write(line)
+        status = view.status
+        requests = dash.query_one("#request-log", RichLog)
+        for r in sorted((status or {}).get("throughput", {}).get("recent", []), key=lambda r: r["id"]):
+            if r["id"] not in self.requests:
+                self.requests[r["id"]] = r
+                requests.write(f"#{r['id']} {r['kind']} {r['reason']}: {r['prompt_tokens']} in "
+                               f"({r['cached_tokens']} cached), {r['completion_tokens']} out, "
+                               f"{r['prompt_per_second']:.1f}/{r['predicted_per_second']:.1f} tok/s, "
+                               f"TTFT {r['ttft_ms']:.0f} ms")
+        dash.query_one(LivePanel).show(status, list(self.requests.values()))
+
+    # ---- plan --------------------------------------------------------------------------------------------
+    def plan_changed(self) -> None:
+        """Re-render every view of the plan after an edit."""
+        self.dashboard.query_one(PlanSummary).show(self.editor)
+        if isinstance(self.screen, PlanScreen):
+            self.screen.refresh_plan()
+            self.screen.sync_fields()
+
+    def action_plan(self) -> None:
+        if isinstance(self.screen, PlanScreen):
+            self.pop_screen()
+        elif self.editor is None:
+            self.notify("still detecting devices", severity="warning")
+        else:
+            self.push_screen(PlanScreen())
+
+    # ---- launch / stop -----------------------------------------------------------------------------------
+    def action_launch(self) -> None:
+        if self.server is not None and self.server.running:
+            self.notify(f"a server is already running at {self.server.base_url}: s stops it", severity="warning")
+            return
+        ed = self.editor
+        if ed is None or ed.plan is None or not ed.fits:
+            why = "still detecting devices" if ed is None else ed.refusal or "there is no plan"
+            self.notify(f"cannot launch: {why}", severity="error", timeout=8)
+            return
+        port = self.port or free_port(self.host)
+        try:
+            args = serve_args(ed.plan, ed.model, port, self.host, serve_options())
+        except PlanError as e:
+            self.notify(str(e), severity="error", timeout=8)
+            return
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        server = ServerProcess(serve_command(args), self.host, port, self.api_key)
+        server.start()
+        self.server, self._log_seen, self.requests = server, 0, {}
+        self.dashboard.query_one("#server-log", RichLog).clear()
+        self.dashboard.query_one("#request-log", RichLog).clear()
+        self.notify(f"launching ds4station serve on {server.base_url}")
+        if isinstance(self.screen, PlanScreen):
+            self.pop_screen()
+        self.poll_now()
+
+    def action_stop(self) -> None:
+        if self.server is None:
+            self.notify("no server to stop")
+            return
+        self._stop(self.server)
+
+    @work(thread=True, exclusive=True, group="stop")
+    def _stop(self, server: ServerProcess) -> None:
+        self.post_message(ServerStopped(server.stop()))
+
+    def on_server_stopped(self, message: ServerStopped) -> None:
+        server = self.server
+        self.server = None
+        if server is not None:
+            view = ServerView("stopped", server.base_url, server.api_key, None,
+                              reason=f"exit code {message.returncode}")
+            self.last_view = view
+            self.dashboard.query_one(ServerPanel).show(view)
+            self.dashboard.query_one(LivePanel).show(None, [])
+        self.notify("server stopped")
+
+    # ---- the rest ----------------------------------------------------------------------------------------
+    def action_theme(self) -> None:
+        i = THEMES.index(self.theme) if self.theme in THEMES else -1
+        self.theme = THEMES[(i + 1) % len(THEMES)]
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    async def action_quit(self) -> None:
+        self.stop_servers()
+        self.exit()
+
+    def stop_servers(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+        stop_all()
+
+    def on_unmount(self) -> None:
+        self.stop_servers()
+

@@ -1,0 +1,176 @@
+"""Starting and stopping `ds4station serve` child processes for the control panel, with no orphans.
+
+Each server runs in its own session (process group), so the workers it spawns share that group and one
+`killpg` reaches them all: SIGTERM first (uvicorn shuts down gracefully), SIGKILL after a grace period.
+Every live server is also stopped from an `atexit` hook, so leaving the TUI by any normal path (q, Ctrl+C,
+an exception) never leaves a model loaded in memory. The child's stdout and stderr are merged and kept as
+the last lines of the server log, which the panel shows, and which explain a crash.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+LOG_LINES = 400
+STOP_GRACE_S = 5.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(serve_args: Sequence[str]) -> list[str]:
+    """argv for `ds4station serve ARGS` with this interpreter (so the child runs in the same environment).
+
+    `python -m ds4station.cli serve` once cli.py registers the command; until then this module's own entry
+    point runs the same serve command module, so the panel works either way."""
+    from ds4station.cli import COMMANDS
+
+    if "serve" in COMMANDS:
+        return [sys.executable, "-m", "ds4station.cli", "serve", *serve_args]
+    return [sys.executable, "-m", "ds4station.tui.launcher", "serve", *serve_args]
+
+
+def serve_options() -> set[str]:
+    """The option strings `ds4station serve` accepts (so a plan passes --route only to a server that has it)."""
+    import argparse
+
+    from ds4station.commands import serve
+
+    parser = argparse.ArgumentParser(add_help=False)
+    serve.add_arguments(parser)
+    return {opt for action in parser._actions for opt in action.option_strings}
+
+
+@dataclass(eq=False)  # identity semantics: kept in a set of live servers
+class ServerProcess:
+    """One `ds4station serve` child: its argv, endpoint, API key, log tail and exit status."""
+
+    argv: list[str]
+    host: str
+    port: int
+    api_key: str | None = None
+    started_at: float = field(default_factory=time.time)
+    log: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=LOG_LINES))
+    log_total: int = 0  # lines read so far (the deque keeps the last LOG_LINES of them)
+    _proc: subprocess.Popen[bytes] | None = None
+    _stopping: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # start_new_session: the child leads its own process group, so stop() reaches its workers too and a
+        # Ctrl+C typed into the TUI is not delivered to the server behind our back.
+        self._proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        _LIVE.add(self)
+        threading.Thread(target=self._read_log, name=f"serve-log-{self.port}", daemon=True).start()
+
+    def _read_log(self) -> None:
+        assert self._proc is not None and self._proc.stdout is not None
+        for raw in self._proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            with self._lock:
+                self.log.append(line)
+                self.log_total += 1
+
+    def log_tail(self, n: int = 20) -> list[str]:
+        with self._lock:
+            return list(self.log)[-n:]
+
+    def log_since(self, seen: int) -> tuple[list[str], int]:
+        """Lines after the first `seen` ones (as many as are still kept) and the new total."""
+        with self._lock:
+            new = min(self.log_total - seen, len(self.log))
+            return (list(self.log)[len(self.log) - new:] if new > 0 else []), self.log_total
+
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def crashed(self) -> bool:
+        """Exited on its own (not through stop())."""
+        return self._proc is not None and not self._stopping and self._proc.poll() is not None
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the whole process group, SIGKILL it after `grace_s`; returns the exit code."""
+        proc = self._proc
+        if proc is None:
+            return None
+        self._stopping = True
+        _LIVE.discard(self)
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:
+            pgid = None
+        if proc.poll() is None and pgid is not None:
+            _signal_group(pgid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(pgid, signal.SIGKILL)
+                proc.wait()
+        if pgid is not None:
+            # The server is gone; any worker that outlived it (same group) goes now.
+            _signal_group(pgid, signal.SIGKILL)
+        return proc.returncode
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+_LIVE: set[ServerProcess] = set()
+
+
+def stop_all() -> None:
+    """Stop every server this process started and has not stopped yet."""
+    for server in list(_LIVE):
+        server.stop()
+
+
+atexit.register(stop_all)
+
+
+def _serve_main(argv: list[str]) -> int:
+    import argparse
+
+    from ds4station.commands import serve
+
+    parser = argparse.ArgumentParser(prog="ds4station serve")
+    serve.add_arguments(parser)
+    return int(serve.run(parser.parse_args(argv)) or 0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["serve"]:
+        sys.exit("usage: python -m ds4station.tui.launcher serve [serve options]")
+    sys.exit(_serve_main(sys.argv[2:]))

@@ -1,0 +1,205 @@
+"""The plan the control panel edits: propose one with the planner, then move layer boundaries, change the
+context or the expert cache, with the fit recomputed on every change and any refusal explained.
+
+No Textual here (the screens call it, tests drive it directly) and no torch: the demo model's shape comes
+from the planner's named shape `tiny-q2`, which is exactly what `ds4station serve` creates on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ds4station.planner import (
+    DeviceBudget,
+    ModelShape,
+    Plan,
+    PlanError,
+    PlanSettings,
+    PresetError,
+    Route,
+    RouteError,
+    evaluate,
+    load_preset,
+    named_shape,
+    propose,
+)
+from ds4station.planner.sizes import format_size, gib
+
+DEMO_SHAPE = "tiny-q2"  # the shape of ds4station.engine.demo's built-in model (tiny preset, q2 recipe)
+PRESETS = ("speed", "context")
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """What to serve: the built-in demo model (path None) or a GGUF file, with its planner shape."""
+
+    label: str
+    shape: ModelShape
+    path: str | None = None
+
+
+def demo_model() -> ModelChoice:
+    return ModelChoice("demo model (tiny, q2)", named_shape(DEMO_SHAPE))
+
+
+def model_from_file(path: str) -> ModelChoice:
+    """Read a GGUF's header and tensor table (imports torch through the GGUF reader: call from a worker)."""
+    from ds4station.engine.gguf import GGUFFile
+    from ds4station.planner import shape_from_specs
+
+    f = GGUFFile.open(path)
+    return ModelChoice(f.path.name, shape_from_specs(f.path.name, f.config, f.tensor_specs()), str(f.path))
+
+
+class PlanEditor:
+    """A proposed plan and the user's edits to it. After every change `plan` holds the per-stage accounting
+    of the current route (None only if nothing could be proposed) and `refusal` says why it cannot run
+    (None when every stage fits)."""
+
+    def __init__(self, model: ModelChoice, budgets: Sequence[DeviceBudget], host_ram: int | None = None,
+                 preset: str = "speed") -> None:
+        self.model = model
+        self.budgets = list(budgets)
+        self.host_ram = host_ram
+        self.settings: PlanSettings = load_preset(preset)
+        self.ctx: int | None = None  # None: the preset decides
+        self.expert_cache: int | None = None  # None: the preset decides
+        self.plan: Plan | None = None
+        self.refusal: str | None = None
+        self.edited = False  # the route was changed by hand since the last proposal
+        self.propose()
+
+    @property
+    def preset(self) -> str:
+        return self.settings.name
+
+    @property
+    def fits(self) -> bool:
+        return self.plan is not None and self.refusal is None
+
+    # ---- whole proposals ---------------------------------------------------------------------------------
+    def propose(self) -> None:
+        """A fresh proposal for the current model, preset, context and cache (drops hand edits)."""
+        self.edited = False
+        try:
+            self.plan = propose(self.model.shape, self.budgets, self.settings, ctx=self.ctx,
+                                expert_cache=self.expert_cache, host_ram=self.host_ram)
+            self.refusal = None
+        except PlanError as e:
+            self.plan = None
+            self.refusal = str(e)
+
+    def set_model(self, model: ModelChoice) -> None:
+        self.model, self.ctx, self.expert_cache = model, None, None
+        self.propose()
+
+    def set_preset(self, name: str) -> None:
+        try:
+            self.settings = load_preset(name)
+        except PresetError as e:
+            self.refusal = str(e)
+            return
+        self.ctx = self.expert_cache = None
+        self.propose()
+
+    # ---- edits -------------------------------------------------------------------------------------------
+    def set_ctx(self, ctx: int) -> None:
+        """A new context length: the hand-edited route is kept and re-checked; otherwise a new proposal."""
+        limit = self.model.shape.cfg.context_length
+        low = min(self.settings.min_ctx, limit)
+        if not low <= ctx <= limit:
+            self.refusal = f"context {ctx} is outside {low}-{limit} tokens (the model's limit is {limit})"
+            return
+        self.ctx = ctx
+        self._recheck()
+
+    def set_expert_cache(self, size: int) -> None:
+        """Stream routed experts through a cache of `size` bytes per GPU stage (0: keep them resident)."""
+        if size:
+            need = self.model.shape.min_expert_cache(range(self.model.shape.cfg.n_layers))
+            if size < need:
+                self.refusal = (f"an expert cache of {format_size(size)} cannot hold one layer's routed experts: "
+                                f"the minimum is {format_size(need)}")
+                return
+        self.expert_cache = size
+        self._recheck()
+
+    def move_boundary(self, boundary: int, delta: int) -> None:
+        """Move the boundary after stage `boundary` by `delta` layers (+1: that stage takes the next stage's
+        first layer; -1: it gives its last layer away)."""
+        if self.plan is None:
+            self.refusal = self.refusal or "there is no route to edit: change the context or the preset first"
+            return
+        stages = list(self.plan.route.stages)
+        if len(stages) < 2:
+            self.refusal = (f"the route has a single stage on {stages[0].device}: there is no layer boundary to "
+                            f"move")
+            return
+        if not 0 <= boundary < len(stages) - 1:
+            self.refusal = f"there is no boundary {boundary}: the route has {len(stages) - 1}"
+            return
+        left, right = stages[boundary], stages[boundary + 1]
+        cut = left.last_layer + delta
+        if cut < left.first_layer or cut >= right.last_layer:
+            empty = boundary if cut < left.first_layer else boundary + 1
+            self.refusal = (f"stage {empty} ({stages[empty].device}) would hold no layers; every stage keeps at "
+                            f"least one (drop a device by re-proposing with fewer cards)")
+            return
+        stages[boundary] = dataclasses.replace(left, last_layer=cut)
+        stages[boundary + 1] = dataclasses.replace(right, first_layer=cut + 1)
+        try:
+            route = Route(tuple(stages), self.plan.route.n_layers)
+        except RouteError as e:
+            self.refusal = str(e)
+            return
+        self.edited = True
+        self._evaluate(route, self.plan.ctx)
+
+    # ---- accounting --------------------------------------------------------------------------------------
+    def _recheck(self) -> None:
+        if self.plan is None or not self.edited:
+            self.propose()
+            return
+        cache = self.expert_cache or 0
+        stages = tuple(dataclasses.replace(s, expert_cache_bytes=0 if s.device == "cpu" else cache)
+                       for s in self.plan.route.stages)
+        ctx = self.ctx if self.ctx is not None else self.plan.ctx
+        self._evaluate(Route(stages, self.plan.route.n_layers), ctx)
+
+    def _evaluate(self, route: Route, ctx: int) -> None:
+        by_device = {b.device: b for b in self.budgets}
+        try:
+            plan = evaluate(self.model.shape, route, [by_device[s.device] for s in route.stages], self.settings, ctx,
+                            host_ram=self.host_ram)
+        except PlanError as e:
+            self.refusal = str(e)
+            return
+        self.plan = dataclasses.replace(plan, preset=self.settings.name, notes=("route edited by hand",))
+        short = [(i, s) for i, s in enumerate(plan.stages) if not s.fits]
+        if not short:
+            self.refusal = None
+            return
+        i, s = short[0]
+        self.refusal = (f"stage {i} on {s.budget.label} needs {gib(s.footprint.predicted_bytes)} but "
+                        f"{gib(s.available_bytes)} is available: short by {gib(-s.spare_bytes)}. Move a boundary "
+                        f"to give it fewer layers, shorten the context, or press r to re-propose.")
+
+
+def serve_args(plan: Plan, model: ModelChoice, port: int, host: str = "127.0.0.1",
+               serve_options: Sequence[str] = ()) -> list[str]:
+    """`ds4station serve` arguments for this plan. `serve_options` are the option strings the serve command
+    accepts (a route is passed as --route when it does; a single-stage plan otherwise runs on --device)."""
+    args = ["--host", host, "--port", str(port), "--ctx", str(plan.ctx)]
+    if model.path:
+        args += ["--model", model.path]
+    route = plan.route
+    if "--route" in serve_options:
+        args += ["--route", str(route)]
+    elif len(route.stages) == 1 and (route.stages[0].device == "cpu" or route.stages[0].device.startswith("cuda:")):
+        args += ["--device", route.stages[0].device]
+    else:
+        raise PlanError(f"this ds4station serve takes no --route, so it cannot run the {len(route.stages)}-stage "
+                        f"route {route}; plan for one device or update the server")
+    return args

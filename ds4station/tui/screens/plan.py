@@ -1,0 +1,161 @@
+"""The plan editor (p): model file or the demo model, preset, context and expert cache, and the route with
+its layer boundaries movable by key; every change re-computes the fit and explains a refusal."""
+
+from __future__ import annotations
+
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import Footer, Header, Input, Label, Select, Static
+
+from ds4station.planner.sizes import format_size, parse_size
+
+from ..messages import ModelLoaded
+from ..planning import PRESETS, PlanEditor, demo_model, model_from_file
+from ..widgets.plan_view import plan_body
+
+
+class RouteEditor(Static, can_focus=True):
+    """The route table; holds the selected boundary and moves it with [ and ]."""
+
+    BINDINGS = [
+        Binding("left_square_bracket", "move(-1)", "boundary up", key_display="["),
+        Binding("right_square_bracket", "move(1)", "boundary down", key_display="]"),
+        Binding("up", "select(-1)", "prev boundary", show=False),
+        Binding("down", "select(1)", "next boundary", show=False),
+        Binding("r", "repropose", "re-propose"),
+    ]
+
+    boundary = 0
+
+    @property
+    def editor(self) -> PlanEditor | None:
+        return self.app.editor  # type: ignore[attr-defined, no-any-return]
+
+    def refresh_plan(self) -> None:
+        ed = self.editor
+        if ed is None:
+            self.update("detecting devices…")
+            return
+        n = len(ed.plan.stages) if ed.plan is not None else 0
+        self.boundary = min(self.boundary, max(n - 2, 0))
+        self.update(plan_body(ed, self.boundary if n > 1 else None, wide=self.app.size.width >= 100))
+
+    def action_select(self, step: int) -> None:
+        self.boundary = max(self.boundary + step, 0)
+        self.refresh_plan()
+
+    def action_move(self, delta: int) -> None:
+        if self.editor is not None:
+            self.editor.move_boundary(self.boundary, delta)
+            self.app.plan_changed()  # type: ignore[attr-defined]
+
+    def action_repropose(self) -> None:
+        if self.editor is not None:
+            self.editor.propose()
+            self.app.plan_changed()  # type: ignore[attr-defined]
+
+
+class PlanScreen(Screen[None]):
+    BINDINGS = [Binding("escape", "app.pop_screen", "back")]
+
+    def compose(self) -> ComposeResult:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        yield Header(show_clock=False, icon="◆")
+        with Vertical(id="plan-form"):
+            with Horizontal(classes="form-row"):
+                yield Label("model", classes="form-label")
+                yield Input(value=(ed.model.path or "") if ed else "", placeholder="demo (built-in) or a .gguf path",
+                            id="model-path", compact=True)
+                yield Label("preset", classes="form-label")
+                yield Select([(p, p) for p in PRESETS], value=ed.preset if ed else "speed", allow_blank=False,
+                             id="preset", compact=True)
+            with Horizontal(classes="form-row"):
+                yield Label("context", classes="form-label")
+                yield Input(value=str(ed.plan.ctx) if ed and ed.plan else "", placeholder="tokens, e.g. 32K",
+                            id="ctx", compact=True)
+                yield Label("expert cache", classes="form-label")
+                yield Input(placeholder="0 = resident; e.g. 2GiB", id="cache", compact=True)
+        yield RouteEditor(id="route", classes="panel")
+        yield Static("[ ] move boundary ┐┘ · ↑↓ pick it · tab fields, enter applies", id="plan-hint")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.query_one("#route").border_title = "Route"
+        self.refresh_plan()
+        self.query_one(RouteEditor).focus()
+
+    def refresh_plan(self) -> None:
+        self.query_one(RouteEditor).refresh_plan()
+
+    @on(Select.Changed, "#preset")
+    def _preset(self, event: Select.Changed) -> None:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is not None and event.value != ed.preset:
+            ed.set_preset(str(event.value))
+            self.app.plan_changed()  # type: ignore[attr-defined]
+
+    @on(Input.Submitted, "#ctx")
+    def _ctx(self, event: Input.Submitted) -> None:
+        from ds4station.commands.plan import parse_tokens
+
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is None:
+            return
+        try:
+            ed.set_ctx(parse_tokens(event.value))
+        except ValueError as e:
+            ed.refusal = str(e).replace("--ctx ", "context ")
+        self.app.plan_changed()  # type: ignore[attr-defined]
+
+    @on(Input.Submitted, "#cache")
+    def _cache(self, event: Input.Submitted) -> None:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is None:
+            return
+        try:
+            ed.set_expert_cache(parse_size(event.value or "0"))
+        except ValueError as e:
+            ed.refusal = str(e)
+        self.app.plan_changed()  # type: ignore[attr-defined]
+
+    @on(Input.Submitted, "#model-path")
+    def _model(self, event: Input.Submitted) -> None:
+        path = event.value.strip()
+        if path in ("", "demo"):
+            self.post_message(ModelLoaded(demo_model()))
+        else:
+            self._load_model(path)
+
+    @work(thread=True, exclusive=True, group="model")
+    def _load_model(self, path: str) -> None:
+        # Reading a GGUF imports torch (seconds, the first time): never on the UI thread.
+        try:
+            self.post_message(ModelLoaded(model_from_file(path)))
+        except Exception as e:  # GGUFError, OSError: shown as the refusal, the previous model stays
+            self.post_message(ModelLoaded(None, f"cannot use {path}: {e}"))
+
+    def on_model_loaded(self, message: ModelLoaded) -> None:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is None:
+            return
+        if message.model is None:
+            ed.refusal = message.error
+        else:
+            ed.set_model(message.model)
+        self.app.plan_changed()  # type: ignore[attr-defined]
+
+    def sync_fields(self) -> None:
+        """After a change made elsewhere (re-proposal), show the plan's context and cache in the fields."""
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is None or ed.plan is None:
+            return
+        ctx = self.query_one("#ctx", Input)
+        if not ctx.has_focus:
+            ctx.value = str(ed.plan.ctx)
+        cache = max((s.expert_cache_bytes for s in ed.plan.route.stages), default=0)
+        field = self.query_one("#cache", Input)
+        if not field.has_focus:
+            field.value = format_size(cache) if cache else ""

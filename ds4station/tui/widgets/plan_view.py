@@ -1,0 +1,94 @@
+"""The proposed route as a table (stage, device, layers, weights, KV, expert cache, predicted vs available,
+a fit bar), with the refusal or notes under it. Used by the dashboard summary and the plan screen."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.widgets import Static
+
+from ds4station.planner import Plan
+
+from ..planning import PlanEditor
+from ..telemetry import bar
+
+GiB = 1 << 30
+
+
+def _g(n: int) -> str:
+    return f"{n / GiB:.2f}"
+
+
+def route_table(plan: Plan, selected_boundary: int | None = None, wide: bool = True) -> Table:
+    """One row per stage; the rows either side of `selected_boundary` are marked (the boundary the plan
+    screen's [ and ] keys move)."""
+    t = Table(box=None, padding=(0, 1), expand=True, header_style="bold")
+    t.add_column("stage", justify="right", no_wrap=True)
+    t.add_column("device", no_wrap=True, ratio=1)
+    t.add_column("layers", justify="right", no_wrap=True)
+    if wide:
+        t.add_column("weights", justify="right")
+        t.add_column("KV", justify="right")
+        t.add_column("cache", justify="right")
+    t.add_column("need/have GiB", justify="right", no_wrap=True)
+    t.add_column("fit", no_wrap=True, width=12 if wide else 8)
+    for i, s in enumerate(plan.stages):
+        st, f = s.stage, s.footprint
+        span = ("E " if st.embed else "") + f"{st.first_layer}-{st.last_layer}" + (" O" if st.output else "")
+        mark = ""
+        if selected_boundary is not None and i in (selected_boundary, selected_boundary + 1):
+            mark = "┐" if i == selected_boundary else "┘"
+        frac = f.predicted_bytes / s.available_bytes if s.available_bytes else 1.0
+        fit_style = "red" if not s.fits else "yellow" if frac > 0.95 else "green"
+        fit = Text(bar(frac, 12 if wide else 8), style=fit_style)
+        # a PCI bus id says little to a person: the card's name first, the short bus id after it
+        device = s.budget.label if st.device in ("cpu", s.budget.label) else f"{s.budget.label} {st.device[-7:]}"
+        stage = Text.assemble((mark, "bold cyan"), f" {i}")
+        row: list[str | Text] = [stage, device, span]
+        if wide:
+            row += [_g(f.weights_bytes), _g(f.kv_bytes), _g(f.expert_cache_bytes)]
+        need = Text(f"{_g(f.predicted_bytes)}/{_g(s.available_bytes)}", style="" if s.fits else "bold red")
+        row += [need, fit]
+        t.add_row(*row)
+    return t
+
+
+def plan_header(editor: PlanEditor) -> Text:
+    plan = editor.plan
+    head = Text.assemble(("preset ", "dim"), (editor.preset, "bold"), ("  model ", "dim"), editor.model.label)
+    if plan is not None:
+        mode = "experts streamed" if plan.streaming else "resident"
+        head.append_text(Text.assemble(("  ctx ", "dim"), (str(plan.ctx), "bold"), ("  ", ""), (mode, "dim")))
+        if editor.edited:
+            head.append("  (edited)", style="italic yellow")
+    return head
+
+
+def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bool = True) -> RenderableType:
+    parts: list[RenderableType] = [plan_header(editor)]
+    if editor.plan is not None:
+        parts.append(route_table(editor.plan, selected_boundary, wide))
+    if editor.refusal:
+        parts.append(Text("✗ " + editor.refusal, style="bold red"))
+    elif editor.plan is not None:
+        parts.append(Text("✓ fits", style="green"))
+        parts += [Text("note: " + n, style="dim") for n in editor.plan.notes]
+    return Group(*parts)
+
+
+class PlanSummary(Static):
+    """The dashboard's view of the current plan (the plan screen edits it)."""
+
+    _editor: PlanEditor | None = None
+
+    def on_resize(self) -> None:
+        if self._editor is not None:
+            self.show(self._editor)
+
+    def show(self, editor: PlanEditor | None) -> None:
+        self._editor = editor
+        if editor is None:
+            self.update(Text("detecting devices…", style="dim"))
+            return
+        self.update(plan_body(editor, wide=self.size.width >= 90))

@@ -1,0 +1,69 @@
+"""The server panel: state (starting, loading with per-stage progress, ready, crashed with its last log
+lines), the API endpoint and key, and ready-to-copy client settings for opencode, Claude Code and Codex."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.text import Text
+from textual.widgets import Static
+
+from ..messages import ServerView
+
+_STATE_STYLE = {"ready": "bold green", "loading": "bold yellow", "starting": "yellow", "crashed": "bold red",
+                "error": "bold red", "stopped": "dim"}
+
+
+def client_settings(base_url: str, model: str, api_key: str | None) -> list[str]:
+    """Lines to paste: opencode (OpenAI-compatible provider), Claude Code (Anthropic), Codex (Responses)."""
+    key = api_key or "none"
+    return [
+        f'opencode: "provider": {{"ds4": {{"npm": "@ai-sdk/openai-compatible", "options": {{"baseURL": '
+        f'"{base_url}/v1"}}, "models": {{"{model}": {{}}}}}}}}',
+        f"Claude Code: ANTHROPIC_BASE_URL={base_url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} claude",
+        f'Codex: [model_providers.ds4] base_url = "{base_url}/v1"  wire_api = "responses"  '
+        f'(model = "{model}", model_provider = "ds4")',
+    ]
+
+
+def _loading(status: dict | None) -> list[Text]:  # type: ignore[type-arg]
+    """Per-stage bytes loaded, when the server reports them (stages[i].loaded_bytes / weights_bytes)."""
+    out = []
+    for i, st in enumerate((status or {}).get("stages") or []):
+        done, total = st.get("loaded_bytes"), st.get("weights_bytes") or st.get("total_bytes")
+        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total:
+            out.append(Text(f"  stage {i} {st.get('device', '?')}: {done / 2**30:.2f}/{total / 2**30:.2f} GiB "
+                            f"({100 * done / total:.0f}%)"))
+    return out
+
+
+class ServerPanel(Static):
+    def show(self, view: ServerView | None) -> None:
+        self.update(self.render_view(view))
+
+    @staticmethod
+    def render_view(view: ServerView | None) -> RenderableType:
+        if view is None:
+            return Text.assemble(("no server running", "dim"), " — press ", ("l", "bold"),
+                                 " to launch the current plan")
+        head = Text.assemble(("● ", _STATE_STYLE.get(view.state, "")), (view.state, _STATE_STYLE.get(view.state, "")),
+                             f"  pid {view.pid}" if view.pid else "",
+                             f"  up {view.uptime_s:.0f}s" if view.state != "stopped" else "")
+        parts: list[RenderableType] = [head]
+        if view.state in ("crashed", "error"):
+            parts.append(Text(view.reason or "", style="red"))
+            parts.append(Text("last log lines:", style="bold"))
+            parts += [Text("  " + line, style="dim") for line in view.log_tail[-8:]]
+            return Group(*parts)
+        if view.state in ("starting", "loading"):
+            parts.append(Text(view.reason or "", style="dim"))
+            parts += _loading(view.status)
+            return Group(*parts)
+        if view.state == "stopped":
+            parts.append(Text((view.reason or "") + "; every process of it has exited. l launches again.", style="dim"))
+            return Group(*parts)
+        model = ((view.status or {}).get("model") or {}).get("name") or "ds4"
+        parts.append(Text.assemble(("API ", "bold"), f"{view.base_url}/v1", ("  (OpenAI, Responses)  ", "dim"),
+                                   view.base_url, ("  (Anthropic)", "dim")))
+        parts.append(Text.assemble(("key ", "bold"), view.api_key or "none (listening on this machine only)"))
+        parts += [Text(line, overflow="fold") for line in client_settings(view.base_url, model, view.api_key)]
+        return Group(*parts)

@@ -1,0 +1,74 @@
+"""IQ2_XXS kernels (ds4station/kernels/iq2_xxs.py): the repack and torch dequantisation bit for bit against
+gguf-py's numpy oracle, and the Triton decode matvec against torch on odd shapes, 1-8 rows, fp16/fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from ds4station.engine.quants import random_blocks, row_bytes
+from ds4station.kernels import dispatch
+from ds4station.kernels.iq2_xxs import dequantize_iq2_xxs, iq2_xxs_matvec, iq2_xxs_matvec_ref, repack_iq2_xxs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def raw_iq2(lead: tuple[int, ...], k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return random_blocks(Q.IQ2_XXS, int(np.prod(lead)) * k, g, 0.05).view(*lead, row_bytes(Q.IQ2_XXS, k))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert not got.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("lead", [(5,), (2, 3)])
+def test_repack_and_dequantize_match_gguf(lead: tuple[int, ...]) -> None:
+    k = 512
+    raw = raw_iq2(lead, k, seed=7)
+    # every sign / scale / grid pattern is valid: make the payload fully random, keep d finite
+    raw.view(-1, 66)[:, 2:] = torch.randint(0, 256, (raw.numel() // 66, 64), dtype=torch.uint8,
+                                            generator=torch.Generator().manual_seed(1))
+    w = repack_iq2_xxs(raw, k)
+    assert w.qs.shape == (*lead, k // 16) and w.qs.dtype == torch.int32 and w.d.shape == (*lead, k // 256)
+    want = np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), Q.IQ2_XXS))
+    assert torch.equal(dequantize_iq2_xxs(w), torch.from_numpy(want))
+
+
+def test_repack_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        repack_iq2_xxs(torch.zeros(66, dtype=torch.uint8), 128)
+    with pytest.raises(ValueError, match="does not hold rows"):
+        repack_iq2_xxs(torch.zeros(67, dtype=torch.uint8), 256)
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "m", "dtype", "tiles"),
+    [
+        (13, 512, 1, torch.float32, None),
+        (9, 256, 3, torch.float16, None),
+        (11, 768, 2, torch.float32, dispatch.MatvecTiles(block_n=4, block_k=512, num_warps=4)),  # K loop + tail
+    ],
+)
+def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, tiles) -> None:
+    raw = raw_iq2((n,), k, seed=n * k + m)
+    w = repack_iq2_xxs(raw.to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    iq2_xxs_matvec(x, w, out=out, tiles=tiles)
+    assert rel_err(out, iq2_xxs_matvec_ref(x, w, out_dtype=torch.float32)) < 1e-5
+    oracle = torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), Q.IQ2_XXS))).double()
+    assert rel_err(out, x.double().cpu() @ oracle.T) < 1e-5
+
+
+def test_matvec_rejects_bad_shapes() -> None:
+    w = repack_iq2_xxs(raw_iq2((4,), 256, seed=0).to(DEVICE), 256)
+    with pytest.raises(ValueError, match="does not match"):
+        iq2_xxs_matvec(torch.zeros(1, 512, device=DEVICE), w)
+    with pytest.raises(ValueError, match="1-8 activation rows"):
+        iq2_xxs_matvec(torch.zeros(9, 256, device=DEVICE), w)

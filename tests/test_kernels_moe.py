@@ -1,0 +1,123 @@
+"""Fused MoE decode (ds4station/kernels/moe.py): the Triton gate+up / down launches and the torch reference
+against an independent float64 computation from gguf-py's dequantisation of the raw expert blocks, with
+the routed clamp, SiLU and routing weight applied before down; also the ops-level CPU dispatch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from ds4station.engine.quants import random_blocks, row_bytes
+from ds4station.kernels import dispatch, ops
+from ds4station.kernels.iq2_xxs import repack_iq2_xxs
+from ds4station.kernels.moe import moe_decode, moe_decode_ref
+from ds4station.kernels.q2_k import repack_q2_k
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def raw_experts(qtype: Q, e: int, n: int, k: int, seed: int, scale: float) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return random_blocks(qtype, e * n * k, g, scale).view(e, n, row_bytes(qtype, k))
+
+
+def oracle(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), qtype))).double()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert not got.isnan().any()
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize(("tokens", "slots", "clamp", "dtype"), [(1, 3, 10.0, torch.float32),
+                                                                  (2, 2, None, torch.float16)])
+def test_moe_decode_matches_float64(tokens: int, slots: int, clamp: float | None, dtype: torch.dtype) -> None:
+    n_exp, d_model, d_ff = 5, 256, 256
+    # scale chosen so some gate/up values pass the clamp of 10: the clamp must act to be tested
+    gate_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=1, scale=0.6)
+    up_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=2, scale=0.6)
+    down_raw = raw_experts(Q.Q2_K, n_exp, d_model, d_ff, seed=3, scale=0.05)
+    gen = torch.Generator().manual_seed(tokens * 10 + slots)
+    x = torch.randn(tokens, d_model, generator=gen)
+    ids = torch.stack([torch.randperm(n_exp, generator=gen)[:slots] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, slots, generator=gen) + 0.1
+
+    gate_f, up_f, down_f = oracle(gate_raw, Q.IQ2_XXS), oracle(up_raw, Q.IQ2_XXS), oracle(down_raw, Q.Q2_K)
+    want = torch.zeros(tokens, d_model, dtype=torch.float64)
+    clamped = 0
+    xd = x.to(dtype).double()
+    for t in range(tokens):
+        for s in range(slots):
+            e = int(ids[t, s])
+            g, u = gate_f[e] @ xd[t], up_f[e] @ xd[t]
+            if clamp is not None:
+                clamped += int((g > clamp).sum() + (u.abs() > clamp).sum())
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            want[t] += down_f[e] @ (torch.nn.functional.silu(g) * u * float(weights[t, s]))
+    if clamp is not None:
+        assert clamped > 0
+
+    gate = repack_iq2_xxs(gate_raw.to(DEVICE), d_model)
+    up = repack_iq2_xxs(up_raw.to(DEVICE), d_model)
+    down = repack_q2_k(down_raw.to(DEVICE), d_ff)
+    xs, ids_d, w_d = x.to(DEVICE, dtype), ids.to(DEVICE), weights.to(DEVICE)
+    out = torch.full((tokens, d_model), float("nan"), device=DEVICE)
+    moe_decode(xs, gate, up, down, ids_d, w_d, clamp=clamp, out=out, int_dot=False)
+    assert rel_err(out, want) < 1e-5
+    assert rel_err(moe_decode_ref(xs, gate, up, down, ids_d, w_d, clamp=clamp), want) < 1e-5
+    # ops.moe takes the device's default path: integer dot on CUDA (its own numerics), fp32 elsewhere
+    int_dot = dispatch.use_int_dot(dispatch.launch_backend(xs))
+    via_ops = ops.moe(xs, gate, up, down, ids_d, w_d, clamp=clamp)
+    assert rel_err(via_ops, moe_decode_ref(xs, gate, up, down, ids_d, w_d, clamp=clamp, act_quant=int_dot)) < 1e-5
+
+
+def test_int_dot_numerics() -> None:
+    """The integer-dot path (int8 activations per 32, exact int32 sums): its torch reference stays within the
+    activation rounding of the exact result; on a GPU the dp4a kernels match that reference."""
+    n_exp, d_model, d_ff, tokens, slots = 4, 512, 256, 2, 2
+    gate = repack_iq2_xxs(raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=11, scale=0.3), d_model)
+    up = repack_iq2_xxs(raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=12, scale=0.3), d_model)
+    down = repack_q2_k(raw_experts(Q.Q2_K, n_exp, d_model, d_ff, seed=13, scale=0.05), d_ff)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(tokens, d_model, generator=gen)
+    ids = torch.tensor([[0, 3], [2, 1]], dtype=torch.int32)
+    weights = torch.rand(tokens, slots, generator=gen) + 0.1
+    exact = moe_decode_ref(x, gate, up, down, ids, weights)
+    quant = moe_decode_ref(x, gate, up, down, ids, weights, act_quant=True)
+    assert 1e-5 < rel_err(quant, exact) < 3e-2
+    # the integer-dot kernels (dp4a on CUDA, the same integer sums in the interpreter), both sign variants
+    dev = [t.to(DEVICE) for t in (x, ids, weights)]
+    packed = [dataclasses.replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in dataclasses.fields(w)})
+              for w in (gate, up, down)]
+    tiles = dispatch.moe_tiles("iq2_xxs", "q2_k", d_model, d_ff, tokens * slots, dispatch.launch_backend(dev[0]))
+    for sign_lut in (False, True):
+        out = torch.full((tokens, d_model), float("nan"), device=DEVICE)
+        moe_decode(dev[0], *packed, dev[1], dev[2], out=out, int_dot=True,
+                   tiles=dataclasses.replace(tiles, sign_lut=sign_lut))
+        assert rel_err(out, quant) < 1e-5
+
+
+def test_moe_decode_rejects_mismatched_experts() -> None:
+    gate = repack_iq2_xxs(raw_experts(Q.IQ2_XXS, 2, 256, 256, seed=0, scale=0.1), 256)
+    down = repack_q2_k(raw_experts(Q.Q2_K, 2, 512, 256, seed=0, scale=0.1), 256)
+    x = torch.zeros(1, 256)
+    ids = torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not fit"):
+        moe_decode(x, gate, gate, down, ids, torch.ones(1, 2))
+    with pytest.raises(ValueError, match="must both be"):
+        moe_decode(x, gate, gate, repack_q2_k(raw_experts(Q.Q2_K, 2, 256, 256, seed=0, scale=0.1), 256),
+                   ids, torch.ones(1, 3))
+
+
+def test_moe_tiles_cover_the_real_shape() -> None:
+    for backend in ("cuda", "hip64", "hip32"):
+        t = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
+        assert 2048 % t.gate_up.block_n == 0 and 4096 % t.down.block_n == 0
+        assert t.gate_up.block_k % 256 == 0 and t.down.block_k % 256 == 0

@@ -1,0 +1,54 @@
+"""Small fused ops (ds4station/kernels/norm.py): the Triton RMSNorm and interleaved partial RoPE against
+their torch references and against the reference model's own functions (engine/model.py), on odd widths,
+fp16/fp32, with poisoned outputs; RoPE's inverse undoes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4station.kernels.norm import rms_norm, rms_norm_ref, rms_norm_triton, rope_, rope_ref, rope_triton_
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("rows", "n", "dtype", "weighted"), [(3, 4096, torch.float32, True),
+                                                              (5, 100, torch.float16, False),
+                                                              (2, 512, torch.float16, True)])
+def test_rms_norm(rows: int, n: int, dtype: torch.dtype, weighted: bool) -> None:
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(rows, n, generator=gen) * 4).to(DEVICE, dtype)
+    w = (torch.rand(n, generator=gen) + 0.5).to(DEVICE) if weighted else None
+    out = torch.full_like(x, float("nan"))
+    rms_norm_triton(x, w, 1e-6, out=out)
+    want = rms_norm_ref(x, w, 1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out.float(), want.float(), rtol=tol, atol=tol)
+    from ds4station.engine.model import rms_norm as model_rms_norm
+
+    torch.testing.assert_close(want.float(), model_rms_norm(x.float(), None if w is None else w.float(), 1e-6),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6), want.cpu())
+
+
+@pytest.mark.parametrize(("tokens", "heads", "d", "rd", "dtype"), [(3, 4, 512, 64, torch.float32),
+                                                                   (2, 1, 96, 32, torch.float16)])
+def test_rope_matches_reference_and_inverts(tokens: int, heads: int, d: int, rd: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(d + heads)
+    x = torch.randn(tokens * heads, d, generator=gen).to(DEVICE, dtype)
+    pos = torch.tensor([0, 7, 65535][:tokens], dtype=torch.int64, device=DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, rd, 2, dtype=torch.float32) / rd))).to(DEVICE)
+    y = rope_triton_(x.clone(), pos, inv_freq, heads)
+    want = rope_ref(x, pos, inv_freq, heads)
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(y.float(), want.float(), rtol=tol, atol=tol * 10)
+    assert torch.equal(y[:, : d - rd], x[:, : d - rd])  # non-RoPE dims untouched
+    back = rope_triton_(y.clone(), pos, inv_freq, heads, inverse=True)
+    torch.testing.assert_close(back.float(), x.float(), rtol=tol * 10, atol=tol * 10)
+    cpu = rope_(x.cpu().clone(), pos.cpu(), inv_freq.cpu(), heads)
+    torch.testing.assert_close(cpu, want.cpu())
+
+
+def test_rope_rejects_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="T \\* heads"):
+        rope_(torch.zeros(5, 64), torch.zeros(2), torch.ones(16), heads=2)

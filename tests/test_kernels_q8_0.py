@@ -1,0 +1,133 @@
+"""Q8_0 kernels (ds4station/kernels/q8_0.py) against gguf-py's numpy dequantisation and plain torch: the
+repack, the decode matvec (plain and grouped, 1-8 rows, fp16/fp32) and the fp16 tl.dot prefill matmul. On a
+machine without a GPU the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from ds4station.engine.quants import random_blocks, row_bytes
+from ds4station.kernels import dispatch
+from ds4station.kernels.q8_0 import (
+    dequantize_q8_0,
+    q8_0_matmul,
+    q8_0_matmul_ref,
+    q8_0_matvec,
+    q8_0_matvec_ref,
+    repack_q8_0,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def raw_q8_0(lead: tuple[int, ...], k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n = int(np.prod(lead))
+    return random_blocks(Q.Q8_0, n * k, g, 0.05).view(*lead, row_bytes(Q.Q8_0, k))
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert not got.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.parametrize("lead", [(7,), (3, 5)])
+def test_repack_matches_gguf(lead: tuple[int, ...]) -> None:
+    k = 96
+    raw = raw_q8_0(lead, k, seed=1)
+    w = repack_q8_0(raw, k)
+    assert w.qs.shape == (*lead, k) and w.qs.dtype == torch.int8
+    assert w.d.shape == (*lead, k // 32) and w.d.dtype == torch.float16
+    want = gguf_quants.dequantize(raw.numpy(), Q.Q8_0)
+    assert torch.equal(dequantize_q8_0(w), torch.from_numpy(np.ascontiguousarray(want)))
+    flat = repack_q8_0(raw.reshape(-1), k)
+    assert torch.equal(flat.qs.reshape(w.qs.shape), w.qs)
+
+
+def test_repack_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="multiple of 32"):
+        repack_q8_0(torch.zeros(34, dtype=torch.uint8), 48)
+    with pytest.raises(TypeError):
+        repack_q8_0(torch.zeros(34, dtype=torch.int8), 32)
+    with pytest.raises(ValueError, match="does not hold rows"):
+        repack_q8_0(torch.zeros(35, dtype=torch.uint8), 32)
+
+
+# (n, k, rows, activation dtype, groups, explicit tiles or None for the dispatcher's)
+MATVEC_CASES = [
+    (37, 96, 1, torch.float32, 1, None),
+    (40, 160, 3, torch.float16, 1, None),
+    (37, 160, 2, torch.float32, 1, dispatch.MatvecTiles(block_n=4, block_k=64, num_warps=4)),  # K loop + tails
+    (48, 64, 1, torch.float16, 4, None),  # grouped: 4 groups of 12 rows
+    (24, 96, 5, torch.float32, 3, dispatch.MatvecTiles(block_n=8, block_k=32, num_warps=2)),
+]
+
+
+@pytest.mark.parametrize(("n", "k", "m", "dtype", "groups", "tiles"), MATVEC_CASES)
+def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, groups: int,
+                                  tiles: dispatch.MatvecTiles | None) -> None:
+    w = repack_q8_0(raw_q8_0((n,), k, seed=n + k + m).to(DEVICE), k)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    q8_0_matvec(x, w, groups=groups, out=out, tiles=tiles)
+    want = q8_0_matvec_ref(x, w, groups=groups, out_dtype=torch.float32)
+    assert rel_err(out, want) < 1e-5
+    # independent oracle: gguf's dequantisation, float64 math
+    wf = torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(w_raw_np(w), Q.Q8_0))).double()
+    xg = x.double().cpu().reshape(m, groups, k)
+    oracle = torch.einsum("mgk,gnk->mgn", xg, wf.reshape(groups, n // groups, k)).reshape(m, n)
+    assert rel_err(out, oracle) < 1e-5
+
+
+def w_raw_np(w) -> np.ndarray:
+    """Rebuild GGUF bytes from the packed arrays (the inverse of repack) for the numpy oracle."""
+    qs = w.qs.cpu().view(torch.uint8).reshape(w.n, -1, 32)
+    d = w.d.cpu().view(torch.uint8).reshape(w.n, -1, 2)
+    return torch.cat([d, qs], dim=-1).reshape(w.n, -1).numpy()
+
+
+def test_matvec_default_dtype_and_errors() -> None:
+    w = repack_q8_0(raw_q8_0((9,), 64, seed=3).to(DEVICE), 64)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(DEVICE, torch.float16)
+    y = q8_0_matvec(x, w)
+    assert y.dtype == torch.float16 and y.shape == (2, 9)
+    assert rel_err(y.float(), q8_0_matvec_ref(x, w, out_dtype=torch.float32)) < 2e-3
+    with pytest.raises(ValueError, match="1-8 activation rows"):
+        q8_0_matvec(torch.zeros(9, 64, device=DEVICE), w)
+    with pytest.raises(ValueError, match="does not match"):
+        q8_0_matvec(torch.zeros(1, 65, device=DEVICE), w)
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "dtype", "tiles"),
+    [
+        (21, 37, 96, torch.float16, None),
+        (9, 20, 160, torch.float32, dispatch.MatmulTiles(block_m=16, block_n=16, block_k=64, group_m=2,
+                                                        num_warps=4, num_stages=1)),
+    ],
+)
+def test_matmul_matches_reference(m: int, n: int, k: int, dtype: torch.dtype, tiles) -> None:
+    w = repack_q8_0(raw_q8_0((n,), k, seed=m * n).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(DEVICE, dtype)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    q8_0_matmul(x, w, out=out, tiles=tiles)
+    # fp16 operands with fp32 sums: only the summation order differs from the reference
+    assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-4
+    assert rel_err(out, x.double().cpu() @ dequantize_q8_0(w).double().cpu().T) < 2e-3
+
+
+def test_matmul_weights_as_register_operand() -> None:
+    """The Y^T = W X^T form (dispatch's w_as_a) computes the same product."""
+    m, n, k = 19, 24, 128
+    w = repack_q8_0(raw_q8_0((n,), k, seed=5).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    tiles = dispatch.MatmulTiles(block_m=16, block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=1,
+                                 w_as_a=True)
+    q8_0_matmul(x, w, out=out, tiles=tiles)
+    assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-4

@@ -1,0 +1,122 @@
+"""Footprint numbers against DS4-MODEL.md and against each other."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from ds4station.engine.config import FLASH, TINY
+from ds4station.engine.layout import model_tensors
+from ds4station.planner.devices import parse_gpu_spec
+from ds4station.planner.footprint import (
+    FootprintSettings,
+    activation_bytes_per_token,
+    indexer_scratch_bytes,
+    kv_bytes,
+    kv_bytes_per_token,
+    named_shape,
+    shape_from_specs,
+    stage_footprint,
+)
+from ds4station.planner.presets import load_preset
+from ds4station.planner.propose import _Planner
+from ds4station.planner.sizes import format_size, parse_size
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def test_kv_bytes_per_token_matches_the_doc() -> None:
+    # DS4-MODEL.md: 21 ratio-4 layers x (512 + 128) + 20 ratio-128 layers x 16 = 13,760 bytes/token at f32
+    assert kv_bytes_per_token(FLASH, range(43), "f32") == 13760
+    assert kv_bytes_per_token(FLASH, range(43), "f16") == 6880
+    assert kv_bytes_per_token(FLASH, range(2), "f32") == 0  # window-only layers do not grow
+
+
+@pytest.mark.parametrize("dtype, per_token", [("f32", 13760), ("f16", 6880)])
+def test_kv_bytes_grow_by_the_per_token_figure(dtype: str, per_token: int) -> None:
+    n = 128 * 1000
+    assert kv_bytes(FLASH, range(43), 2 * n, dtype) - kv_bytes(FLASH, range(43), n, dtype) == n * per_token
+    # "1M tokens of context is ~13 GiB at f32": 13.44 GiB that grow with ctx plus ~0.1 GiB of rings
+    if dtype == "f32":
+        assert 13.4 < kv_bytes(FLASH, range(43), 1 << 20, dtype) / GiB < 13.6
+
+
+@pytest.mark.parametrize("cfg", [FLASH, TINY], ids=["flash", "tiny"])
+def test_kv_bytes_equal_the_engine_allocation(cfg) -> None:  # type: ignore[no-untyped-def]
+    torch = pytest.importorskip("torch")
+    kv = pytest.importorskip("ds4station.engine.kv")
+    dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    for ctx, chunk, dtype in [(4096, 256, "f32"), (1 << 20, 512, "f16"), (32768, 64, "bf16"), (1000, 7, "f32")]:
+        ctx = min(ctx, cfg.context_length)
+        for layers in (range(cfg.n_layers), range(2, 5)):
+            assert kv_bytes(cfg, layers, ctx, dtype, chunk=chunk) == kv.kv_bytes(cfg, layers, ctx, dtypes[dtype],
+                                                                                 chunk=chunk)
+        assert kv_bytes_per_token(cfg, range(cfg.n_layers), dtype) == kv.kv_bytes_per_token(cfg, None, dtypes[dtype])
+    small = kv.KVCache(TINY, range(TINY.n_layers), 300, chunk=16)  # the real allocation, not only the formula
+    assert small.nbytes() == kv_bytes(TINY, range(TINY.n_layers), 300, "f32", chunk=16)
+
+
+def test_named_shape_matches_the_q2_file() -> None:
+    m = named_shape("flash-q2")
+    assert len(m.specs) == 1328
+    assert m.total_bytes / GiB == pytest.approx(80.76, abs=0.01)
+    # one q2 expert (gate+up+down) is 6.75 MiB; a layer's table is 256 of them
+    assert m.expert_bytes[10] == 256 * 6.75 * MiB == m.min_expert_cache(range(43))
+    # ~9.5 GB of weights read per decoded token
+    assert (sum(m.decode_read_bytes) + m.output_bytes) / 1e9 == pytest.approx(9.5, rel=0.03)
+    with pytest.raises(ValueError, match="unknown shape 'flash-q9'"):
+        named_shape("flash-q9")
+
+
+def test_shape_from_a_spec_list_equals_the_named_shape() -> None:
+    m = shape_from_specs("file", TINY, model_tensors(TINY, "q2"))
+    n = named_shape("tiny-q2")
+    assert (m.non_expert_bytes, m.expert_bytes, m.embed_bytes, m.output_bytes) == (
+        n.non_expert_bytes, n.expert_bytes, n.embed_bytes, n.output_bytes)
+
+
+def test_stage_footprint_parts() -> None:
+    m = named_shape("flash-q2")
+    fs = FootprintSettings(prefill_chunk=512, kv_dtype="f32", runtime_overhead=768 * MiB)
+    layers = range(8, 15)
+    res = stage_footprint(m, layers, 32768, fs)
+    streamed = stage_footprint(m, layers, 32768, fs, expert_cache_bytes=2 * GiB)
+    assert res.weights_bytes == sum(s.n_bytes for s in model_tensors(FLASH, "q2", layers, embed=False, output=False))
+    assert res.weights_bytes - streamed.weights_bytes == 7 * 1728 * MiB
+    assert streamed.predicted_bytes == streamed.weights_bytes + streamed.kv_bytes + streamed.scratch_bytes + \
+        768 * MiB + 2 * GiB
+    head = stage_footprint(m, layers, 32768, fs, embed=True, output=True)
+    assert head.weights_bytes - res.weights_bytes == m.embed_bytes + m.output_bytes
+    # the indexer scratch is ds4's 2 x ctx/4 x chunk x fp32 and grows with the context
+    assert indexer_scratch_bytes(FLASH, 1 << 20, 512) == 2 * (1 << 18) * 512 * 4
+    heavier = stage_footprint(m, layers, 32768, dataclasses.replace(fs, activation_factor=3.0))
+    assert heavier.scratch_bytes - res.scratch_bytes == 2 * activation_bytes_per_token(FLASH) * 512
+    long = stage_footprint(m, layers, 1 << 20, fs)
+    assert long.scratch_bytes - res.scratch_bytes == indexer_scratch_bytes(FLASH, 1 << 20, 512) - \
+        indexer_scratch_bytes(FLASH, 32768, 512)
+
+
+def test_planner_fast_path_equals_stage_footprint() -> None:
+    m = named_shape("flash-q2")
+    settings = load_preset("context")
+    p = _Planner(m, parse_gpu_spec("32GiB,16GiBx3"), settings, None)
+    rng = random.Random(7)
+    for _ in range(40):
+        a = rng.randrange(43)
+        b = rng.randrange(a + 1, 44)
+        ctx = rng.choice([4096, 32768, 500_000, 1 << 20])
+        cache = rng.choice([0, 2 * GiB])
+        j = rng.randrange(4)
+        want = stage_footprint(m, range(a, b), ctx, settings.footprint, embed=j == 0, output=j == 0,
+                               expert_cache_bytes=cache).predicted_bytes
+        assert p.predicted(j, a, b, ctx, cache) == want
+
+
+def test_sizes() -> None:
+    assert parse_size("16GiB") == 16 * GiB and parse_size("1.5 GiB") == 3 * GiB // 2
+    assert parse_size("16G") == 16 * GiB and parse_size("2GB") == 2 * 10**9 and parse_size(1024) == 1024
+    assert format_size(2 * GiB) == "2GiB" and format_size(1728 * MiB) == "1728MiB"
+    with pytest.raises(ValueError, match="not a size"):
+        parse_size("16 gigs")

@@ -1,0 +1,263 @@
+"""The scheduler on the real tiny model (CPU): live-KV prefix reuse and its policy, cancellation, the bounded
+queue, sampling, stop strings, determinism, and forced tool calls written by the ToolCallGuide."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from ds4station.engine import chat
+from ds4station.engine.demo import make_model
+from ds4station.engine.sampler import SamplingParams as Sampling
+from ds4station.engine.scheduler import Finished, Job, QueueFull, Scheduler, Text, Timings
+from ds4station.server.toolguide import ToolCallGuide
+
+CTX = 1024
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory):
+    from ds4station.engine.runtime import Engine
+
+    path = make_model(tmp_path_factory.mktemp("model") / "tiny.gguf", preset="tiny", seed=0, quant="q2")
+    return Engine.load(path, ctx=CTX, device="cpu", rollback=512)
+
+
+def _scheduler(engine, **kw) -> Scheduler:
+    s = Scheduler(lambda: engine, ctx=CTX, **kw).start()
+    assert s.ready.wait(30) and s.state == "ready", s.error
+    return s
+
+
+@pytest.fixture
+def make_scheduler(engine) -> Iterator:
+    made: list[Scheduler] = []
+
+    def make(**kw) -> Scheduler:
+        made.append(_scheduler(engine, **kw))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def prompt(engine, text: str) -> list[int]:
+    tok = engine.tokenizer
+    return [tok.bos_id, *tok.encode(text)]
+
+
+def run(scheduler: Scheduler, *jobs: Job) -> list[tuple[str, Finished]]:
+    """Submit jobs one after the other; each one's text and Finished event."""
+    async def go() -> list[tuple[str, Finished]]:
+        out = []
+        for job in jobs:
+            handle = scheduler.submit(job)
+            text = []
+            async for ev in handle.events():
+                if isinstance(ev, Text):
+                    text.append(ev.text)
+            assert handle.finished is not None
+            out.append(("".join(text), handle.finished))
+        return out
+
+    return asyncio.run(go())
+
+
+def greedy(p: list[int], n: int = 6, **kw) -> Job:
+    return Job(prompt=p, max_tokens=n, sampling=Sampling(temperature=0.0), **kw)
+
+
+def test_timings_are_llama_cpp_shaped() -> None:
+    t = Timings(cache_n=10, prompt_n=20, prompt_ms=100.0, predicted_n=5, predicted_ms=50.0).as_dict()
+    assert t["prompt_per_second"] == 200.0 and t["predicted_per_second"] == 100.0
+    assert {"cache_n", "prompt_n", "prompt_ms", "predicted_n", "predicted_ms"} <= set(t)
+
+
+# ---- live KV sessions -------------------------------------------------------------------------------------
+def test_prefix_reuse_and_interleaved_request_keeps_the_session(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=2)
+    p1 = prompt(engine, "The quick brown fox jumps over the lazy dog.")
+    (_, f1), = run(s, greedy(p1))
+    assert f1.cached_tokens == 0 and f1.timings.prompt_n == len(p1)
+    p2 = p1 + engine.tokenizer.encode(" A station is a place")
+    (_, f2), = run(s, greedy(p2))
+    assert f2.cached_tokens >= len(p1)
+    assert f2.timings.prompt_n == len(p2) - f2.cached_tokens
+    # an unrelated request takes the free slot instead of destroying the first conversation's KV
+    (_, fq), = run(s, greedy(prompt(engine, "def fibonacci(n: int) -> int:")))
+    assert fq.cached_tokens <= 1
+    assert len(s.pool.slots) == 2
+    p3 = p2 + engine.tokenizer.encode(" where trains stop")
+    (_, f3), = run(s, greedy(p3))
+    assert f3.cached_tokens >= len(p2)
+
+
+def test_one_session_unrelated_request_evicts(engine, make_scheduler) -> None:
+    """Negative control for the test above: with a single slot the interleaved request must take it."""
+    s = make_scheduler(sessions=1)
+    p1 = prompt(engine, "The quick brown fox jumps over the lazy dog.")
+    run(s, greedy(p1))
+    run(s, greedy(prompt(engine, "def fibonacci(n: int) -> int:")))
+    (_, f), = run(s, greedy(p1 + engine.tokenizer.encode(" A station")))
+    assert f.cached_tokens < len(p1)
+
+
+def test_rollback_beyond_the_engine_bound_falls_back_to_a_fresh_prefill(engine, make_scheduler) -> None:
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    s = make_scheduler(sessions=1)
+    long = prompt(engine, DEMO_CORPUS)
+    bound = s.pool.engine.new_session().cache.max_rollback
+    assert len(long) > bound + 40, "the corpus must be longer than the rollback bound"
+    run(s, greedy(long, 1))
+    edited = long[:20] + engine.tokenizer.encode(" something else entirely")
+    (out, f), = run(s, greedy(edited, 4))
+    assert f.cached_tokens == 0 and s.pool.resets == 1  # truncate(20) was refused: re-prefilled from scratch
+    (fresh, _), = run(make_scheduler(sessions=1), greedy(edited, 4))
+    assert out == fresh
+
+
+def test_reused_prefix_gives_the_same_output_as_a_fresh_prefill(engine, make_scheduler) -> None:
+    p1 = prompt(engine, "Hello, world! How are you today?")
+    p2 = p1 + engine.tokenizer.encode(" I am fine, thank you.")
+    warm = make_scheduler(sessions=1)
+    run(warm, greedy(p1, 2))
+    (reused, f_reused), = run(warm, greedy(p2, 8))
+    assert f_reused.cached_tokens >= len(p1)
+    (fresh, f_fresh), = run(make_scheduler(sessions=1), greedy(p2, 8))
+    assert f_fresh.cached_tokens == 0
+    assert reused == fresh
+
+
+def test_the_live_kv_holds_the_turn_as_the_next_prompt_spells_it(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1)
+    p = prompt(engine, "Numbers such as 1, 12, 123")
+    (text, f), = run(s, Job(prompt=p, max_tokens=12, sampling=Sampling(temperature=1.0, seed=3)))
+    tok = engine.tokenizer
+    assert s.wait_idle(30)
+    held = s.pool.slots[0].tokens
+    assert held[:len(p)] == p and len(held) > len(p) + 1
+    assert tok.decode(held[len(p):]).startswith(text)  # the canonical tokens of what was generated
+    assert held[len(p):] == tok.encode(tok.decode(held[len(p):]))
+
+
+def test_temperature_zero_is_deterministic(engine, make_scheduler) -> None:
+    p = prompt(engine, "It is sunny and warm in the morning")
+    a = run(make_scheduler(sessions=1), greedy(p, 10))[0][0]
+    b = run(make_scheduler(sessions=1), greedy(p, 10))[0][0]
+    assert a == b and a
+
+
+def test_seeded_sampling_is_deterministic(engine, make_scheduler) -> None:
+    p = prompt(engine, "It is sunny and warm in the morning")
+    job = lambda: Job(prompt=p, max_tokens=10, sampling=Sampling(temperature=1.0, top_p=0.9, seed=11))  # noqa: E731
+    s = make_scheduler(sessions=1)
+    assert run(s, job())[0][0] == run(s, job())[0][0]
+
+
+def test_stop_string_cuts_the_output(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1)
+    p = prompt(engine, "The model reads the prompt, thinks for a while")
+    (full, f), = run(s, greedy(p, 16))
+    assert f.reason == "length" and len(full) >= 4
+    stop = full[2:4]
+    (cut, f2), = run(s, greedy(p, 16, stop=[stop]))
+    assert cut == full[:full.index(stop)]
+    assert f2.reason == "stop" and f2.stop_string == stop
+
+
+# ---- cancellation and the queue ---------------------------------------------------------------------------
+def test_cancel_stops_within_one_decode_step(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1)
+
+    async def go() -> tuple[int, Finished]:
+        handle = s.submit(Job(prompt=prompt(engine, "Hello"), max_tokens=500, sampling=Sampling(temperature=1.0)))
+        seen = 0
+        async for ev in handle.events():
+            if isinstance(ev, Text):
+                seen += ev.tokens
+                if seen >= 2:
+                    handle.cancel()
+        assert handle.finished is not None
+        return seen, handle.finished
+
+    seen, fin = asyncio.run(go())
+    assert fin.reason == "cancelled"
+    # the flag is read before every step: at most the step in flight when it was set finishes
+    assert fin.completion_tokens <= seen + 2
+    assert s.status()["totals"]["cancelled"] == 1
+
+
+def test_bounded_queue_refuses_with_retry_after(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1, max_queue=1)
+
+    async def go() -> tuple[list[Finished], list[QueueFull]]:
+        handles, refused = [], []
+        for _ in range(4):
+            try:
+                handles.append(s.submit(Job(prompt=prompt(engine, "Hello"), max_tokens=8,
+                                            sampling=Sampling(temperature=0.0))))
+            except QueueFull as e:
+                refused.append(e)
+        done = []
+        for h in handles:
+            async for _ in h.events():
+                pass
+            done.append(h.finished)
+        return done, refused
+
+    done, refused = asyncio.run(go())
+    assert refused and all(e.retry_after >= 1 for e in refused)
+    assert 1 <= len(done) <= 2 and all(f.reason == "length" for f in done)
+
+
+# ---- forced tool calls -------------------------------------------------------------------------------------
+WEATHER = {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer"}, "verbose": {"type": "boolean"}, "extra": {"type": "object"}},
+    "required": ["city", "unit", "days", "verbose", "extra"]}}
+TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {}}}
+
+
+def _guided(engine, make_scheduler, tools: list[dict], seed: int, spare: int) -> tuple[str, Finished]:
+    """A forced call with `spare` tokens beyond its structure's minimum (the values share them)."""
+    tok = engine.tokenizer
+    p = tok.encode(chat.render_prompt([{"role": "user", "content": "Weather?"}], None, False))
+    max_tokens = ToolCallGuide(tok, tools, 10**6).min_tokens + spare
+    guide = ToolCallGuide(tok, tools, max_tokens)
+    (text, fin), = run(make_scheduler(sessions=1),
+                       Job(prompt=p, max_tokens=max_tokens, sampling=Sampling(temperature=1.0, seed=seed),
+                           stop_tokens={tok.eos_id}, guide=guide))
+    return text, fin
+
+
+def test_forced_call_is_well_formed_and_typed(engine, make_scheduler) -> None:
+    text, fin = _guided(engine, make_scheduler, [WEATHER], seed=0, spare=12)
+    assert fin.reason == "stop"
+    _, content, calls = chat.parse_completion(text)
+    assert content == "" and len(calls) == 1 and calls[0]["function"]["name"] == "get_weather"
+    args = json.loads(calls[0]["function"]["arguments"])
+    assert list(args) == ["city", "unit", "days", "verbose", "extra"]  # schema order
+    assert isinstance(args["city"], str) and args["city"] and "<" not in args["city"]
+    assert args["unit"] in ("celsius", "fahrenheit")
+    assert isinstance(args["verbose"], bool) and args["extra"] == {}
+    assert isinstance(args["days"], int)
+    # exactly what the reference renderer writes for these arguments, so a replayed or re-rendered turn agree
+    assert text == chat.render_tool_calls(calls)
+
+
+def test_forced_call_chooses_among_tools_and_fits_a_tight_budget(engine, make_scheduler) -> None:
+    text, fin = _guided(engine, make_scheduler, [WEATHER, TIME], seed=5, spare=0)
+    _, _, calls = chat.parse_completion(text)
+    assert fin.reason == "stop" and len(calls) == 1
+    assert calls[0]["function"]["name"] in ("get_weather", "get_time")
+    json.loads(calls[0]["function"]["arguments"])
+
+
+def test_forced_call_refuses_a_budget_below_its_structure(engine) -> None:
+    with pytest.raises(ValueError, match="too small"):
+        ToolCallGuide(engine.tokenizer, [WEATHER], 10)

@@ -1,0 +1,264 @@
+"""Pilot tests of the control panel (ds4station/tui): detect fake hardware, plan and edit a route, launch the
+demo model on the CPU with a real `ds4station serve` child, see throughput after a real request, stop, and
+quit with no process left behind. The refresh loop never overlaps polls and never blocks keys."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+from rich.console import Console
+from textual.pilot import Pilot
+from textual.widget import Widget
+
+from ds4station.hardware import detect_devices
+from ds4station.planner import named_shape
+from ds4station.tui.app import Ds4StationApp
+from ds4station.tui.launcher import ServerProcess, free_port
+from ds4station.tui.planning import ModelChoice
+from ds4station.tui.screens import HelpScreen, PlanScreen
+from ds4station.tui.widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
+HOST1 = FIXTURES / "gfx906-workstation"
+GiB = 1 << 30
+
+
+def text_of(widget: Widget, width: int = 160) -> str:
+    """What a panel shows, as plain text."""
+    console = Console(width=width, record=True, file=io.StringIO(), color_system=None)
+    console.print(widget.content)  # type: ignore[attr-defined]
+    return console.export_text()
+
+
+async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out waiting for the panel"
+        await pilot.pause(0.05)
+
+
+def _make_trees():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("make_trees", FIXTURES / "make_trees.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_detect_fake_hardware_and_keep_throttle_history(tmp_path: Path) -> None:
+    root = tmp_path / "host"
+    shutil.copytree(HOST1, root, symlinks=True)
+    card2 = root / "sys" / "class" / "drm" / "card2" / "device"
+
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(root), use_nvml=False, host_ram=64 * GiB, poll_interval=0.05)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.polls >= 3)
+            shown = text_of(app.dashboard.query_one(GpuPanel))
+            assert "AMD Instinct MI50/MI60" in shown and "◆ AMD Radeon VII" in shown
+            assert "THROTTLING" in shown and "temp_hotspot" in shown
+            assert "gfx906" in shown and "15.0/16G" in shown and "88/107/86" in shown and "249/250" in shown
+            assert app.history.cards[2].ever_throttled and not app.history.cards[0].ever_throttled
+            # the card cools down: no throttling now, but the panel keeps that it throttled
+            mk = _make_trees()
+            (card2 / "gpu_metrics").write_bytes(mk.pack_v1_0(edge=40, hotspot=45, mem=42, gfx_activity=0,
+                                                             socket_power=30, gfxclk=808, uclk=351,
+                                                             throttle_status=0, fan_rpm=900))
+            (next(card2.glob("hwmon/hwmon*")) / "temp2_input").write_text("45000\n")
+            polls = app.polls
+            await until(pilot, lambda: app.polls >= polls + 2)
+            shown = text_of(app.dashboard.query_one(GpuPanel))
+            assert "THROTTLING" not in shown
+            assert "was: " in shown and app.history.cards[2].reasons_seen.get("ppt", 0) >= 3
+            # the history sparkline has one sample per poll
+            assert len(app.history.cards[2].clock_ratio) == app.polls
+            await pilot.press("q")
+        assert app.return_code == 0
+
+    asyncio.run(flow())
+
+
+def test_no_gpu_machine_plans_the_demo_model_on_the_cpu(tmp_path: Path) -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=3600)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            assert "No GPU found" in text_of(app.dashboard.query_one(GpuPanel), 80)
+            plan = text_of(app.dashboard.query_one(PlanSummary), 80)
+            assert "CPU" in plan and "E 0-5 O" in plan and "✓ fits" in plan and "ctx 4096" in plan
+            assert app.editor is not None and str(app.editor.plan.route) == "cpu=embed,0-5,output"  # type: ignore[union-attr]
+
+    asyncio.run(flow())
+
+
+def test_plan_screen_edits_the_route_context_and_preset() -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=3600)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.editor is not None)
+            ed = app.editor
+            assert ed is not None
+            ed.set_model(ModelChoice("DeepSeek-V4-Flash q2", named_shape("flash-q2")))
+            app.plan_changed()
+            await pilot.press("p")
+            assert isinstance(app.screen, PlanScreen)
+            route = app.screen.query_one("#route")
+            proposed = str(ed.plan.route)  # type: ignore[union-attr]
+            first_cut = ed.plan.stages[0].stage.last_layer  # type: ignore[union-attr]
+            await pilot.press("left_square_bracket")  # stage 0 gives a layer (~1.8 GiB) to stage 1
+            assert ed.edited and ed.plan.stages[0].stage.last_layer == first_cut - 1  # type: ignore[union-attr]
+            shown = text_of(route)
+            assert "(edited)" in shown and "✗ stage 1" in shown and "short by 0.33 GiB" in shown  # explained
+            await pilot.press("right_square_bracket")  # and takes it back: fits again
+            assert ed.fits and ed.plan.stages[0].stage.last_layer == first_cut  # type: ignore[union-attr]
+            assert "✓ fits" in text_of(route)
+            await pilot.press("left_square_bracket")
+            assert "(edited)" in text_of(app.dashboard.query_one(PlanSummary))  # the dashboard follows
+            await pilot.press("l")  # a plan that does not fit is not launched
+            assert app.server is None
+            await pilot.press("r")
+            assert str(ed.plan.route) == proposed and ed.fits  # type: ignore[union-attr]
+            # context: type it and press enter; 64K does not fit resident on these cards
+            app.screen.query_one("#ctx").focus()
+            app.screen.query_one("#ctx").value = ""  # type: ignore[attr-defined]
+            await pilot.press(*"64K", "enter")
+            assert ed.ctx == 65536 and not ed.fits
+            assert "What would help" in text_of(route) and "--expert-cache" in text_of(route)
+            app.screen.query_one("#cache").focus()
+            await pilot.press(*"2GiB", "enter")
+            assert ed.fits and ed.plan.streaming and ed.plan.ctx == 65536  # type: ignore[union-attr]
+            assert "experts streamed" in text_of(route)
+            # the context preset through the preset switch
+            app.screen.query_one("#preset").value = "context"  # type: ignore[attr-defined]
+            await pilot.pause()
+            assert ed.preset == "context" and ed.fits and ed.plan.ctx > 32768  # type: ignore[union-attr]
+            await pilot.press("escape")
+            assert not isinstance(app.screen, PlanScreen)
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen)
+            await pilot.press("escape")
+            theme = app.theme
+            await pilot.press("t")
+            assert app.theme != theme
+
+    asyncio.run(flow())
+
+
+class SlowDevice:
+    """A real fake-sysfs card whose reads take 0.8 s, counting how many run at once."""
+
+    def __init__(self, device: Any) -> None:
+        self.device, self.vendor = device, device.vendor
+        self.active = self.most = 0
+        self.lock = threading.Lock()
+
+    def info(self) -> Any:
+        return self.device.info()
+
+    def sample(self) -> Any:
+        with self.lock:
+            self.active += 1
+            self.most = max(self.most, self.active)
+        time.sleep(0.8)
+        with self.lock:
+            self.active -= 1
+        return self.device.sample()
+
+
+def test_slow_reads_neither_overlap_nor_block_keys() -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=0.01)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            slow = SlowDevice(detect_devices(HOST1, use_nvml=False)[0])
+            app.devices = [slow]  # type: ignore[list-item]
+            seen_during_key: list[int] = []
+            help_action = app.action_help
+
+            def probe() -> None:  # records whether a read was under way when the key was handled
+                seen_during_key.append(slow.active)
+                help_action()
+
+            app.action_help = probe  # type: ignore[method-assign]
+            await until(pilot, lambda: slow.active == 1)
+            await pilot.press("question_mark")
+            assert isinstance(app.screen, HelpScreen) and seen_during_key == [1]
+            polls = app.polls
+            await until(pilot, lambda: app.polls >= polls + 2)
+            assert slow.most == 1  # polls never overlapped, at a 10 ms interval and 800 ms reads
+
+    asyncio.run(flow())
+
+
+def test_a_crashed_server_shows_its_last_log_lines() -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root="/nonexistent", use_nvml=False, host_ram=32 * GiB, poll_interval=0.05)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            import sys
+            script = "import sys; print('loading weights'); print('error: tensor blk.3 is truncated'); sys.exit(2)"
+            server = ServerProcess([sys.executable, "-c", script], "127.0.0.1", free_port())
+            server.start()
+            app.server = server
+            await until(pilot, lambda: app.last_view is not None and app.last_view.state == "crashed")
+            shown = text_of(app.dashboard.query_one(ServerPanel))
+            assert "crashed" in shown and "exited with code 2" in shown and "blk.3 is truncated" in shown
+
+    asyncio.run(flow())
+
+
+@pytest.mark.slow
+def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_path: Path) -> None:
+    pids: list[int] = []
+
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=0.2)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            await pilot.press("l")
+            assert app.server is not None and app.server.running
+            server = app.server
+            pids.append(server.pid)  # type: ignore[arg-type]
+            await until(pilot, lambda: app.last_view is not None and app.last_view.state == "ready", timeout=90)
+            shown = text_of(app.dashboard.query_one(ServerPanel))
+            assert f"{server.base_url}/v1" in shown and "ANTHROPIC_BASE_URL=" + server.base_url in shown
+            assert 'wire_api = "responses"' in shown
+            assert "0.00 tok/s" not in text_of(app.dashboard.query_one(LivePanel))
+            # one real chat request, off the UI thread, as a coding agent would send it
+            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            reply = await asyncio.to_thread(httpx.post, f"{server.base_url}/v1/chat/completions", json=body,
+                                            timeout=120)
+            assert reply.status_code == 200, reply.text
+            await until(pilot, lambda: len(app.requests) == 1, timeout=10)
+            live = text_of(app.dashboard.query_one(LivePanel))
+            decode = app.last_view.status["throughput"]["decode_tokens_per_second"]  # type: ignore[union-attr, index]
+            assert decode and f"{decode:8.2f} tok/s" in live and "TTFT" in live
+            assert "#1 chat" in "\n".join(s.text for s in app.dashboard.query_one("#request-log").lines)
+            server_log = "\n".join(s.text for s in app.dashboard.query_one("#server-log").lines)
+            assert "POST /v1/chat/completions" in server_log and "GET /status" not in server_log  # own polls hidden
+            family = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
+            await pilot.press("s")
+            await until(pilot, lambda: app.server is None, timeout=15)
+            assert not any(psutil.pid_exists(p) for p in family)
+            assert "stopped" in text_of(app.dashboard.query_one(ServerPanel))
+            # launch again and quit while it is still loading: q stops it first
+            await pilot.press("l")
+            assert app.server is not None
+            pids.append(app.server.pid)  # type: ignore[arg-type]
+            await pilot.press("q")
+        assert app.return_code == 0
+
+    asyncio.run(flow())
+    assert pids and not any(psutil.pid_exists(p) for p in pids)
+    assert not psutil.Process().children(recursive=True)

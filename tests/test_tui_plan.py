@@ -1,0 +1,117 @@
+"""The plan the control panel edits (ds4station/tui/planning.py) on fake hardware: proposals, moved layer
+boundaries with the fit recomputed, context and cache changes, refusals that say why, and serve arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ds4station.hardware import detect
+from ds4station.planner import PlanError, evaluate, named_shape, parse_gpu_spec
+from ds4station.tui.app import plan_budgets
+from ds4station.tui.launcher import serve_options
+from ds4station.tui.planning import ModelChoice, PlanEditor, demo_model, serve_args
+from ds4station.tui.telemetry import bar, spark
+
+HOST1 = Path(__file__).parent / "fixtures" / "sysfs" / "gfx906-workstation"
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def flash_editor_budgets():  # type: ignore[no-untyped-def]
+    return plan_budgets(detect(HOST1, use_nvml=False), 64 * GiB, "speed")
+
+
+def test_cpu_only_machine_gets_a_cpu_route_for_the_demo_model() -> None:
+    ed = PlanEditor(demo_model(), plan_budgets([], 32 * GiB, "speed"), 32 * GiB)
+    assert ed.fits and ed.plan is not None
+    assert str(ed.plan.route) == "cpu=embed,0-5,output"
+    assert ed.plan.ctx == 4096  # the demo model's whole context
+    args = serve_args(ed.plan, ed.model, 8123, serve_options=serve_options())
+    assert args[:6] == ["--host", "127.0.0.1", "--port", "8123", "--ctx", "4096"]
+    assert "--model" not in args  # serve builds the demo model itself
+    assert ("--route" in args) or args[-2:] == ["--device", "cpu"]
+
+
+def test_budgets_order_matches_the_plan_command(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    # roomiest first: the 32 GiB MI50 (it holds embed/output), then the idle Radeon VIIs, the desktop card
+    # (1.5 GiB headroom), and last the card another process fills with 15 GiB
+    labels = [b.label for b in flash_editor_budgets]
+    assert labels[0].startswith("AMD Instinct MI50") and len(labels) == 6
+    room = [b.available() for b in flash_editor_budgets]
+    assert room == sorted(room, reverse=True)
+    assert flash_editor_budgets[-2].desktop is True and flash_editor_budgets[-1].device == "0000:09:00.0"
+
+
+def test_moving_a_boundary_recomputes_the_fit_and_refuses_an_overfull_stage(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    ed = PlanEditor(ModelChoice("flash", named_shape("flash-q2")), flash_editor_budgets, 64 * GiB)
+    assert ed.fits and ed.plan is not None
+    before = ed.plan
+    s0, s1 = before.stages[0], before.stages[1]
+    ed.move_boundary(0, -1)  # stage 0 gives its last layer to stage 1
+    assert ed.edited and ed.plan is not None
+    a0, a1 = ed.plan.stages[0], ed.plan.stages[1]
+    assert (a0.stage.last_layer, a1.stage.first_layer) == (s0.stage.last_layer - 1, s1.stage.first_layer - 1)
+    # the recomputed fit is the planner's own accounting of the new route
+    budgets = [a.budget for a in ed.plan.stages]
+    ref = evaluate(ed.model.shape, ed.plan.route, budgets, ed.settings, ed.plan.ctx, 64 * GiB)
+    assert [s.footprint.predicted_bytes for s in ed.plan.stages] == [s.footprint.predicted_bytes for s in ref.stages]
+    assert a0.footprint.weights_bytes < s0.footprint.weights_bytes < a0.footprint.weights_bytes + 2 * GiB
+    assert a1.footprint.predicted_bytes > s1.footprint.predicted_bytes
+    # stage 1 (a 16 GiB card with ~1.5 GiB spare) cannot take a ~1.8 GiB layer: refused, and why
+    assert not ed.fits and ed.refusal is not None and not ed.plan.stages[1].fits
+    assert "stage 1" in ed.refusal and "short by" in ed.refusal and "GiB" in ed.refusal
+    short = -ed.plan.stages[1].spare_bytes
+    assert f"short by {short / GiB:.2f} GiB" in ed.refusal
+    ed.move_boundary(0, +1)  # moved back: the proposal's split, which fits
+    assert ed.fits and [s.footprint for s in ed.plan.stages] == [s.footprint for s in before.stages]
+    ed.move_boundary(0, -1)
+    ed.propose()  # r: back to the proposal
+    assert ed.fits and not ed.edited and str(ed.plan.route) == str(before.route)
+
+
+def test_a_boundary_that_would_empty_a_stage_is_refused(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)
+    assert ed.plan is not None and ed.plan.layer_counts[1] == 1
+    route = str(ed.plan.route)
+    ed.move_boundary(0, +1)  # stage 0 would take stage 1's only layer
+    assert ed.refusal is not None and "stage 1" in ed.refusal and "no layers" in ed.refusal
+    assert str(ed.plan.route) == route  # the plan is unchanged
+    cpu = PlanEditor(demo_model(), parse_gpu_spec("cpu", 32 * GiB), 32 * GiB)
+    cpu.move_boundary(0, 1)
+    assert cpu.refusal is not None and "single stage" in cpu.refusal
+
+
+def test_context_changes_recheck_the_route_and_refusals_say_what_would_help(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    ed = PlanEditor(ModelChoice("flash", named_shape("flash-q2")), flash_editor_budgets, 64 * GiB)
+    assert ed.plan is not None and ed.plan.ctx == 32768
+    ed.set_ctx(16384)
+    assert ed.fits and ed.plan.ctx == 16384
+    ed.set_ctx(65536)  # resident weights reach ~37K tokens on these cards
+    assert not ed.fits and ed.plan is None
+    assert "does not fit" in ed.refusal and "What would help" in ed.refusal  # type: ignore[operator]
+    ed.set_expert_cache(2 * GiB)  # streaming the routed experts makes room
+    assert ed.fits and ed.plan is not None and ed.plan.streaming and ed.plan.ctx == 65536
+    ed.set_expert_cache(1 << 20)
+    assert "minimum" in ed.refusal  # type: ignore[operator]
+    ed.set_ctx(10**9)
+    assert "outside" in ed.refusal  # type: ignore[operator]
+    ed.set_preset("context")
+    assert ed.fits and ed.preset == "context" and ed.plan.ctx > 32768
+
+
+def test_multi_stage_routes_need_a_server_that_takes_routes(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)
+    assert ed.plan is not None and len(ed.plan.stages) > 1
+    assert "--route" in serve_args(ed.plan, ed.model, 1, serve_options={"--route"})
+    with pytest.raises(PlanError, match="--route"):
+        serve_args(ed.plan, ed.model, 1, serve_options=set())
+
+
+def test_spark_and_bar_scale_values() -> None:
+    assert spark([0, 50, 100], 0, 100) == "▁▅█"
+    assert spark([None, 1.0], 0, 1) == " █"
+    assert spark([1, 2, 3, 4], width=2) == "▆█"
+    assert bar(0.5, 4) == "██  " and bar(1.5, 3) == "███" and bar(0.0, 2) == "  "
+    assert bar(0.5, 1) == "▌" and bar(1 / 32, 1) == " "  # half a cell; under half an eighth rounds to empty
