@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "detect": ("ds4station.commands.detect", "list GPUs with live telemetry (NVIDIA via NVML, AMD via sysfs)"),
     "plan": ("ds4station.commands.plan", "propose a route, context and expert caches for these GPUs (or a SPEC)"),
     "worker": ("ds4station.commands.worker", "run one pipeline stage for a coordinator (serve/generate --route)"),
+    "serve": ("ds4station.commands.serve", "the local API server for coding agents (OpenAI, Responses, Anthropic)"),
+    "tui": ("ds4station.commands.tui", "the control panel (also what `ds4station` with no command opens)"),
     "bench": ("ds4station.commands.bench", "measure: the model on a GPU, the kernels, or the AMD/NVIDIA compile check"),
 }
 

@@ -276,6 +276,11 @@ def test_finish_closes_interrupted_output() -> None:
     assert json.loads(calls[0]["function"]["arguments"]) == {"a": "not json", "b": 'cut "here'}
     _, _, calls = parse_completion('<｜DSML｜tool_calls><｜DSML｜invoke name="f"><｜DSML｜param')
     assert calls[0]["function"]["arguments"] == "{}"
+    # cut inside the closing tag of a value: the partial tag is markup, not argument text
+    for cut in range(1, len("</｜DSML｜parameter>")):
+        _, _, calls = parse_completion('<｜DSML｜tool_calls><｜DSML｜invoke name="f">'
+                                       '<｜DSML｜parameter name="a" string="true">abc' + "</｜DSML｜parameter>"[:cut])
+        assert json.loads(calls[0]["function"]["arguments"]) == {"a": "abc"}, cut
 
 
 def test_tolerates_unclosed_invoke_and_stray_text() -> None:

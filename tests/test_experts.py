@@ -19,14 +19,6 @@ CTX, CHUNK = 96, 16
 PROMPT = [(11 * i + 2) % 500 + 5 for i in range(40)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def gguf(tmp_path_factory: pytest.TempPathFactory) -> GGUFFile:
     return GGUFFile.open(make_model(tmp_path_factory.mktemp("experts") / "tiny-q2.gguf", seed=3))

@@ -22,15 +22,6 @@ from ds4station.engine.model import OFF, DS4Model, HyperConnection, random_weigh
 N = 64
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny matmuls: extra threads only add contention on a shared CI machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def weights():
     return random_weights(TINY, seed=11)

@@ -10,14 +10,6 @@ from ds4station.engine.runtime import Engine, GenerationStats
 from ds4station.engine.sampler import SamplingParams
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def gguf_path(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("model") / "tiny-q2.gguf", preset="tiny", seed=0, quant="q2")

@@ -36,15 +36,6 @@ LOGIT_TOL_16 = 5e-3
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # The machine is shared by the workers and xdist: one torch thread per process is several times faster.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("pipe") / "tiny-q2.gguf", preset="tiny", seed=0, quant="q2")

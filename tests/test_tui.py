@@ -69,6 +69,7 @@ def test_detect_fake_hardware_and_keep_throttle_history(tmp_path: Path) -> None:
             assert "AMD Instinct MI50/MI60" in shown and "◆ AMD Radeon VII" in shown
             assert "THROTTLING" in shown and "temp_hotspot" in shown
             assert "gfx906" in shown and "15.0/16G" in shown and "88/107/86" in shown and "249/250" in shown
+            assert "1801/1801" in shown and "1000/1000" in shown  # graphics and memory clocks vs their maxima
             assert app.history.cards[2].ever_throttled and not app.history.cards[0].ever_throttled
             # the card cools down: no throttling now, but the panel keeps that it throttled
             mk = _make_trees()
@@ -151,6 +152,35 @@ def test_plan_screen_edits_the_route_context_and_preset() -> None:
             theme = app.theme
             await pilot.press("t")
             assert app.theme != theme
+
+    asyncio.run(flow())
+
+
+def test_plan_screen_reads_a_gguf_file_and_explains_a_bad_one(tmp_path: Path) -> None:
+    from ds4station.engine.demo import demo_model_path
+
+    gguf = str(demo_model_path())
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF not really")
+
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=3600)
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.editor is not None)
+            ed = app.editor
+            assert ed is not None
+            await pilot.press("p")
+            field = app.screen.query_one("#model-path")
+            field.focus()
+            field.value = str(bad)  # type: ignore[attr-defined]
+            await pilot.press("enter")
+            await until(pilot, lambda: ed.refusal is not None)
+            assert "cannot use" in ed.refusal and ed.model.path is None  # type: ignore[operator]
+            field.value = gguf  # type: ignore[attr-defined]
+            await pilot.press("enter")
+            await until(pilot, lambda: ed.model.path == gguf)
+            assert ed.fits and ed.model.label == Path(gguf).name and ed.plan.model == Path(gguf).name  # type: ignore[union-attr]
+            assert ed.model.shape.total_bytes == named_shape("tiny-q2").total_bytes  # the demo file's own table
 
     asyncio.run(flow())
 
@@ -245,8 +275,8 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             decode = app.last_view.status["throughput"]["decode_tokens_per_second"]  # type: ignore[union-attr, index]
             assert decode and f"{decode:8.2f} tok/s" in live and "TTFT" in live
             assert "#1 chat" in "\n".join(s.text for s in app.dashboard.query_one("#request-log").lines)
-            server_log = "\n".join(s.text for s in app.dashboard.query_one("#server-log").lines)
-            assert "POST /v1/chat/completions" in server_log and "GET /status" not in server_log  # own polls hidden
+            await until(pilot, lambda: any("POST /v1/chat/completions" in line for line in app.server_log))
+            assert not any('"GET /status' in line for line in app.server_log)  # the panel's own polls are hidden
             family = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
             await pilot.press("s")
             await until(pilot, lambda: app.server is None, timeout=15)

@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from ds4station.commands.worker import add_pipeline_arguments, pipeline_options
+
 DEFAULT_CTX = 32768
 
 
@@ -36,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
     p.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
     p.add_argument("--name", default=None, help="model id reported by /v1/models (default: the file name)")
+    add_pipeline_arguments(p)
 
 
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -54,15 +57,19 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise SystemExit("--sessions must be at least 1")
 
     from ds4station.engine.kv import kv_bytes
+    from ds4station.engine.pipeline import check_settings
+
+    opts = pipeline_options(args)
+    check_settings(path, opts["route"], opts["expert_cache"], args.activation_bits, args.device)
 
     per_session = kv_bytes(cfg, None, ctx, chunk=args.prefill_chunk, rollback=args.rollback)
     print(f"ds4station serve: {path}: ctx {ctx}, KV {per_session / 2**20:.1f} MiB per session x {args.sessions} "
           f"live session(s) = {per_session * args.sessions / 2**20:.1f} MiB", file=sys.stderr)
 
     def load() -> Any:
-        from ds4station.engine.runtime import Engine
+        from ds4station.engine.pipeline import load_engine
 
-        return Engine.load(path, ctx=ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback)
+        return load_engine(path, ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback, **opts)
 
     scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=args.prefill_chunk,
                           ctx=ctx)
@@ -81,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         app, where = build(args)
-    except GGUFError as e:
+    except (GGUFError, ValueError) as e:  # bad file, route or expert-cache size
         print(f"ds4station serve: {e}", file=sys.stderr)
         return 2
     if where["host"] not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

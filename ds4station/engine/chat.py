@@ -369,8 +369,15 @@ class StreamParser:
     def finish(self) -> list[Event]:
         self._final = True
         events = self.feed("")
-        if self._state == _VALUE:  # generation stopped inside a value: close it with what we have
-            self._end_value(self._take(len(self._buf)), events)
+        if self._state == _VALUE:  # generation stopped inside a value: close it with what we have,
+            # less a partial closing tag the parser held back (it is markup, never argument text)
+            rest = self._buf
+            for n in range(min(len(PARAM_END) - 1, len(rest)), 0, -1):
+                if rest.endswith(PARAM_END[:n]):
+                    rest = rest[:-n]
+                    break
+            self._take(len(self._buf))
+            self._end_value(rest, events)
             self._state = _INVOKE
         if self._state == _INVOKE:
             self._end_call(events)

@@ -489,22 +489,9 @@ class DS4Model:
 # ---- random weights (tests, benchmarks) ----------------------------------------------------------------
 def random_weights(cfg: ModelConfig, seed: int = 0, layers: range | None = None, *, embed: bool = True,
                    output: bool = True) -> dict[str, Tensor]:
-    """Float weights of the layout with sensible scales: norms ~1, projections ~1/sqrt(fan_in)."""
+    """Float weights of the layout with sensible scales (norms ~1, projections ~1/sqrt(fan_in)), the same
+    values the demo model maker draws."""
+    from .demo import random_weight
+
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, Tensor] = {}
-    for spec in model_tensors(cfg, "f32", layers, embed=embed, output=output):
-        role, shape = spec.role, spec.torch_shape
-        if role == "ffn_gate_tid2eid":  # n_used distinct experts per token
-            out[spec.name] = torch.rand(shape[0], cfg.n_experts, generator=gen).argsort(-1)[:, : shape[1]].int()
-        elif role.endswith("norm"):
-            out[spec.name] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
-        elif role.endswith("_scale"):
-            out[spec.name] = 0.5 + 0.1 * torch.rand(shape, generator=gen)
-        elif role.endswith("_base") or role in ("attn_sinks", "exp_probs_b"):
-            out[spec.name] = 0.5 * torch.randn(shape, generator=gen)
-        elif role.endswith("_ape"):
-            out[spec.name] = 0.5 * torch.randn(shape, generator=gen)
-        else:
-            scale = 1.0 if role == "token_embd" else spec.shape[0] ** -0.5  # ggml ne[0] is fan_in
-            out[spec.name] = scale * torch.randn(shape, generator=gen)
-    return out
+    return {s.name: random_weight(s, cfg, gen) for s in model_tensors(cfg, "f32", layers, embed=embed, output=output)}

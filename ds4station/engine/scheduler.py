@@ -394,6 +394,9 @@ class Scheduler:
         except queue.Full:
             pass
         self._thread.join(timeout)
+        close = getattr(self.engine, "close", None)  # a pipeline engine stops its worker processes
+        if close is not None:
+            close()
         if self.state != "failed":
             self.state = "stopped"
 
@@ -564,7 +567,7 @@ class Scheduler:
                 if bias is not None or isinstance(directive, Allowed):
                     step_logits = logits.float() + bias if bias is not None else logits.float().clone()
                     if isinstance(directive, Allowed):
-                        step_logits[~directive.mask] = float("-inf")
+                        step_logits[~directive.mask.to(step_logits.device)] = float("-inf")
                 batch = [sampler(step_logits)]
             ended = None
             for token in batch:

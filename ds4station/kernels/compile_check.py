@@ -66,8 +66,10 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
     i32, ptr16, ptr32 = "i32", "*fp16", "*fp32"
-    # Q8_0 decode matvec: attn_output_a (grouped, 8 x 1024 x 4096) and the head, 1 and 4 rows
-    for label, n, k, groups in (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1)):
+    # Q8_0 decode matvec at every DS4 shape (identical tile choices compile once), 1 and 4 rows
+    for label, n, k, groups in (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1),
+                                ("attn_q_a", 1024, 4096, 1), ("attn_q_b", 32768, 1024, 1), ("attn_kv", 512, 4096, 1),
+                                ("shexp_gate_up", 2048, 4096, 1)):
         for m in (1, 4):
             t = dispatch.matvec_tiles("q8_0", n, k, m, backend, n // groups)
             specs.append(KernelSpec(

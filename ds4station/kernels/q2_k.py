@@ -164,6 +164,22 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
 
 
 @triton.jit
+def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand);
+    qs_ptr int32 words of 16 weights, sc_ptr scale bytes per word, dm_ptr int32 (d, dmin) per 256."""
+    W = K // 16
+    kk = k0 + tl.arange(0, BLOCK_K)
+    mask = n_mask[:, None] & (kk < K)[None, :]
+    word = tl.load(qs_ptr + rows[:, None] * W + (kk // 16)[None, :], mask=mask, other=0)
+    code = ((word >> (2 * (kk % 16))[None, :]) & 3).to(tl.float32)
+    sc = tl.load(sc_ptr + rows[:, None] * W + (kk // 16)[None, :], mask=mask, other=0).to(tl.int32)
+    dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (kk // 256)[None, :], mask=mask, other=0)
+    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d * (sc & 15).to(tl.float32) * code - dmin * (sc >> 4).to(tl.float32)
+
+
+@triton.jit
 def _q2_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, dm_ptr, y_ptr, N, K, stride_ym,
                         M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     pid = tl.program_id(0)

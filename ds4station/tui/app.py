@@ -8,6 +8,7 @@ handled on the UI thread, which never does I/O except starting a child process.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from typing import Any
@@ -76,6 +77,7 @@ class Ds4StationApp(App[None]):
         self.server: ServerProcess | None = None
         self.last_view: ServerView | None = None
         self.requests: dict[int, dict[str, Any]] = {}  # finished requests seen, by id, for the live plots
+        self.server_log: collections.deque[str] = collections.deque(maxlen=500)  # the lines the log panel shows
         self.polls = 0
         self._polling = False
         self._timer: Timer | None = None
@@ -191,6 +193,7 @@ class Ds4StationApp(App[None]):
         log = dash.query_one("#server-log", RichLog)
         for line in view.new_log:
             if not _is_own_poll(line):
+                self.server_log.append(line)
                 log.write(line)
         status = view.status
         requests = dash.query_one("#request-log", RichLog)
@@ -240,6 +243,7 @@ class Ds4StationApp(App[None]):
         server = ServerProcess(serve_command(args), self.host, port, self.api_key)
         server.start()
         self.server, self._log_seen, self.requests = server, 0, {}
+        self.server_log.clear()
         self.dashboard.query_one("#server-log", RichLog).clear()
         self.dashboard.query_one("#request-log", RichLog).clear()
         self.notify(f"launching ds4station serve on {server.base_url}")

@@ -38,7 +38,7 @@ def _vram(r: GpuReading, width: int) -> Text:
 def _throttle(r: GpuReading, wide: bool) -> Text:
     s, h = r.sample, r.history
     if s.throttled is True:
-        t = Text(("THROTTLING " if wide else "") + ",".join(s.throttle_reasons), style="bold white on red")
+        t = Text(("THROTTLING " if wide else "") + ", ".join(s.throttle_reasons), style="bold white on red")
     elif h.ever_throttled:
         worst = max(h.reasons_seen, key=lambda k: h.reasons_seen[k]) if h.reasons_seen else "?"
         t = Text(f"was: {worst} ×{h.throttled_samples}", style="yellow")
@@ -74,6 +74,8 @@ class GpuPanel(Static):
         table.add_column("W", justify="right", no_wrap=True)
         table.add_column("clock MHz" if wide else "MHz", justify="right", no_wrap=True)
         if wide:
+            table.add_column("mem MHz", justify="right", no_wrap=True)
+        if wide:
             table.add_column("history clk│temp", no_wrap=True)
         table.add_column("throttle", ratio=1)
         for r in readings:
@@ -93,6 +95,8 @@ class GpuPanel(Static):
             if wide:
                 row.append(str(g.arch))
             row += [_vram(r, 10 if wide else 0), util, temps, power, clock]
+            if wide:
+                row.append(f"{_n(s.clock_mem)}/{_n(s.clock_mem_max)}")
             if wide:
                 hist = Text(spark(h.clock_ratio, 0.0, 1.0, width=10).rjust(10), style="cyan")
                 hist.append("│")

@@ -1,0 +1,67 @@
+"""The kernel dispatcher (ds4station/kernels/dispatch.py) and the public ops (ops.py): tile rules that the
+kernels rely on for every backend (quant-block multiples, group divisibility, wave64 halving the warps),
+the device -> backend mapping, and the ops' CPU path against gguf-py's dequantisation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import quants as gguf_quants
+
+from ds4station.engine.quants import random_blocks, row_bytes
+from ds4station.kernels import dispatch, ops
+
+DS4_MATVECS = [("q8_0", 1024, 4096), ("q8_0", 32768, 1024), ("q8_0", 512, 4096), ("q8_0", 8192, 4096),
+               ("q8_0", 4096, 8192), ("q8_0", 2048, 4096), ("q8_0", 4096, 2048), ("q8_0", 129280, 4096),
+               ("iq2_xxs", 2048, 4096), ("q2_k", 4096, 2048)]
+
+
+@pytest.mark.parametrize(("qtype", "n", "k"), DS4_MATVECS)
+def test_matvec_tiles_rules(qtype: str, n: int, k: int) -> None:
+    block = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256}[qtype]
+    per_backend = {b: dispatch.matvec_tiles(qtype, n, k, 1, b) for b in ("cuda", "hip64", "hip32")}
+    for t in per_backend.values():
+        assert t.block_k % block == 0 and t.block_n >= 1 and t.num_warps >= 1
+        assert t.block_n & (t.block_n - 1) == 0  # power of two (tl.arange)
+    # same tile, half the warps on wave64: the same bytes per lane
+    assert per_backend["hip64"].block_n == per_backend["cuda"].block_n
+    assert per_backend["hip64"].num_warps * 2 == per_backend["cuda"].num_warps or per_backend["hip64"].num_warps == 1
+
+
+def test_grouped_tiles_divide_the_group() -> None:
+    for rows in (1024, 12, 6, 3):
+        t = dispatch.matvec_tiles("q8_0", rows * 8, 4096, 1, "cuda", rows_per_group=rows)
+        assert rows % t.block_n == 0
+
+
+def test_matmul_tiles_per_backend() -> None:
+    cuda = dispatch.matmul_tiles("q8_0", 2048, 4096, 4096, "cuda")
+    vega = dispatch.matmul_tiles("q8_0", 2048, 4096, 4096, "hip64")
+    assert cuda.block_k % 32 == 0 and vega.block_k % 32 == 0
+    assert vega.block_m * vega.block_n < cuda.block_m * cuda.block_n  # no matrix cores on gfx906
+    assert dispatch.matmul_tiles("q8_0", 5, 4096, 4096, "cuda").block_m == 16
+
+
+def test_backend_of_cpu_and_errors() -> None:
+    assert dispatch.device_backend("cpu") == "cpu"
+    assert not dispatch.use_triton(torch.zeros(1))
+    assert not dispatch.use_int_dot("hip64") and not dispatch.use_int_dot("cpu")
+    with pytest.raises(ValueError, match="no matvec kernel"):
+        dispatch.matvec_tiles("q4_k", 16, 256, 1, "cuda")
+    with pytest.raises(ValueError, match="no repack"):
+        ops.repack(torch.zeros(10, dtype=torch.uint8), "q5_k", 256)
+
+
+@pytest.mark.parametrize(("qtype", "k"), [(Q.Q8_0, 64), (Q.IQ2_XXS, 256), (Q.Q2_K, 256)])
+def test_ops_linear_cpu_matches_gguf(qtype: Q, k: int) -> None:
+    n, m = 6, 3
+    gen = torch.Generator().manual_seed(k)
+    raw = random_blocks(qtype, n * k, gen, 0.1).view(n, row_bytes(qtype, k))
+    w = ops.repack(raw, qtype.name, k)
+    x = torch.randn(m, k, generator=gen)
+    want = x.double() @ torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), qtype))).double().T
+    got = ops.linear(x, w)
+    assert got.shape == (m, n) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(ops.dequantize(w), ops.dequantize(ops.repack(raw.reshape(-1), qtype.name, k)))
