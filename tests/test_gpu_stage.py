@@ -71,3 +71,31 @@ def test_missing_weight_is_named(tiny: GGUFFile) -> None:
     del w["blk.3.attn_kv.weight"]
     with pytest.raises(KeyError, match="blk.3.attn_kv.weight"):
         GpuStage(tiny.config, w, device="cpu")
+
+
+def test_decode_bytes_per_token_of_the_q2_file() -> None:
+    """~9.5 GB of weights per decoded token (DS4-MODEL.md): all dense tensors, 6 of 256 routed experts."""
+    from ds4station.engine.benchmark import decode_bytes_per_token
+    from ds4station.engine.config import FLASH
+    from ds4station.engine.layout import model_tensors
+
+    specs = model_tensors(FLASH, "q2")
+    n = decode_bytes_per_token(FLASH, specs)
+    assert 9.4e9 < n < 9.7e9
+    experts = sum(s.n_bytes for s in specs if s.is_routed_expert)
+    dense = sum(s.n_bytes for s in specs if not s.is_routed_expert and s.role not in ("token_embd", "ffn_gate_tid2eid"))
+    assert n == int(dense + experts * 6 / 256)
+
+
+def test_random_weights_do_not_depend_on_access_order() -> None:
+    from ds4station.engine.config import TINY
+    from ds4station.engine.gpu import RandomWeights
+
+    a, b = RandomWeights(TINY, device="cpu", seed=2), RandomWeights(TINY, device="cpu", seed=2)
+    names = list(a)
+    first = {n: a[n] for n in names}
+    for n in reversed(names):
+        x, y = first[n], b[n]
+        assert torch.equal(getattr(x, "data", x), getattr(y, "data", y)), n
+    assert not torch.equal(RandomWeights(TINY, device="cpu", seed=3)["blk.2.attn_q_b.weight"].data,
+                           first["blk.2.attn_q_b.weight"].data)

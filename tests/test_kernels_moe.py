@@ -16,6 +16,7 @@ from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels.iq2_xxs import repack_iq2_xxs
 from ds4station.kernels.moe import moe_decode, moe_decode_ref
+from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.q2_k import repack_q2_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,3 +122,46 @@ def test_moe_tiles_cover_the_real_shape() -> None:
         t = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
         assert 2048 % t.gate_up.block_n == 0 and 4096 % t.down.block_n == 0
         assert t.gate_up.block_k % 256 == 0 and t.down.block_k % 256 == 0
+
+
+@pytest.mark.parametrize(("tokens", "slots", "clamp"), [(7, 2, 10.0), (3, 3, None)])
+def test_moe_prefill_matches_float64(tokens: int, slots: int, clamp: float | None) -> None:
+    """Prefill path: tokens grouped by expert into tiles (several tokens share an expert, some experts get
+    none), fp16 dots on dequantised tiles; against float64 from gguf-py's dequantisation."""
+    n_exp, d_model, d_ff = 4, 256, 256
+    gate_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=21, scale=0.6)
+    up_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=22, scale=0.6)
+    down_raw = raw_experts(Q.Q2_K, n_exp, d_model, d_ff, seed=23, scale=0.05)
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, d_model, generator=gen)
+    ids = torch.stack([torch.randperm(n_exp - 1, generator=gen)[:slots] for _ in range(tokens)]).to(torch.int32)
+    weights = torch.rand(tokens, slots, generator=gen) + 0.1
+    gate_f, up_f, down_f = oracle(gate_raw, Q.IQ2_XXS), oracle(up_raw, Q.IQ2_XXS), oracle(down_raw, Q.Q2_K)
+    want = torch.zeros(tokens, d_model, dtype=torch.float64)
+    for t in range(tokens):
+        for s in range(slots):
+            e = int(ids[t, s])
+            g, u = gate_f[e] @ x[t].double(), up_f[e] @ x[t].double()
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            want[t] += down_f[e] @ (torch.nn.functional.silu(g) * u * float(weights[t, s]))
+    packed = [repack_iq2_xxs(gate_raw.to(DEVICE), d_model), repack_iq2_xxs(up_raw.to(DEVICE), d_model),
+              repack_q2_k(down_raw.to(DEVICE), d_ff)]
+    got = moe_prefill(x.to(DEVICE), *packed, ids.to(DEVICE), weights.to(DEVICE), clamp=clamp)
+    assert rel_err(got, want) < 3e-3  # fp16 dot operands (x, dequantised weights, h), fp32 sums
+
+
+def test_prefill_schedule_covers_every_row_once() -> None:
+    from ds4station.kernels.moe_prefill import _schedule
+
+    ids = torch.tensor([[3, 0], [3, 1], [3, 0], [3, 1], [3, 0]], dtype=torch.int32)  # expert 2 unused
+    order, t_exp, t_start, t_end = _schedule(ids, n_experts=4, block_m=2)
+    flat = ids.reshape(-1)
+    seen = []
+    for e, s, t in zip(t_exp.tolist(), t_start.tolist(), t_end.tolist(), strict=True):
+        assert t - s <= 2
+        for pos in range(s, t):
+            assert int(flat[order[pos]]) == e
+            seen.append(pos)
+    assert sorted(seen) == list(range(flat.numel()))  # 3 + 2 + 3 tiles used, the rest empty
+    assert t_exp.numel() >= 8

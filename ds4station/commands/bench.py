@@ -46,15 +46,39 @@ def _compile(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _model(args: argparse.Namespace) -> int:
+    import torch
+
+    from ds4station.engine import benchmark
+
+    if not torch.cuda.is_available():
+        print("bench model measures a GPU; none is visible to torch.", file=sys.stderr)
+        return 2
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+
+    res = benchmark.run(args.random_shape, model=args.model, prompts=ints(args.prompts), prefills=ints(args.prefills),
+                        decode_tokens=args.decode_tokens, runs=args.runs, chunk=args.chunk)
+    if args.json:
+        import dataclasses
+
+        with open(args.json, "w") as fh:
+            json.dump(dataclasses.asdict(res), fh, indent=1)
+    print(res.table())
+    return 0
+
+
 # name -> (handler, one-line help)
 BENCHES: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "kernels": (_kernels, "time every Triton kernel at the real decode / prefill shapes (GPU)"),
+    "model": (_model, "decode / prefill tok/s of one GPU stage at the real shape (default)"),
     "compile": (_compile, "compile every kernel for cuda sm_90/sm_86 and hip gfx906/gfx1100/gfx1151 (no GPU)"),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("what", choices=sorted(BENCHES),
+    parser.add_argument("what", nargs="?", default="model", choices=sorted(BENCHES),
                         help="; ".join(f"{name}: {text}" for name, (_, text) in sorted(BENCHES.items())))
     parser.add_argument("--only", default="", help="run only cases whose name contains this text")
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
@@ -62,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     kern.add_argument("--rows", default="1,4", help="decode activation rows to time, comma-separated (1-8)")
     kern.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill matmuls")
     kern.add_argument("--sweep", action="store_true", help="also time decode tile variants at a few shapes")
+    model = parser.add_argument_group("model")
+    model.add_argument("--random-shape", default="flash-q2", choices=["flash-q2", "tiny-q2"],
+                       help="build this shape with random valid weights in GPU memory (default flash-q2)")
+    model.add_argument("--model", default=None, help="a DS4 GGUF file instead of random weights")
+    model.add_argument("--prompts", default="0,8192,32768", help="decode after prompts of these lengths")
+    model.add_argument("--prefills", default="2048,8192,32768", help="prefill speed at these prompt lengths")
+    model.add_argument("--decode-tokens", type=int, default=64, help="tokens per timed decode run (default 64)")
+    model.add_argument("--runs", type=int, default=3, help="timed decode runs; the median is reported")
+    model.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per step)")
     comp = parser.add_argument_group("compile")
     comp.add_argument("--targets", default="", help="comma-separated target names (default: all); "
                       "sm90, sm86, gfx906, gfx1100, gfx1151")

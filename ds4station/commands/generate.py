@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
+    finally:
+        close = getattr(engine, "close", None)  # a pipeline engine stops its worker processes
+        if close is not None:
+            close()
     sys.stdout.write("\n")
     print(f"prompt: {stats.prompt_tokens} tokens, {stats.prompt_tps:.1f} tok/s | "
           f"decode: {stats.generated_tokens} tokens, {stats.decode_tps:.1f} tok/s | finish: {stats.finish_reason}",

@@ -24,9 +24,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS", help="refresh interval (default 1)")
 
 
+def _exit_on(signum: int, frame: object) -> None:
+    # SystemExit unwinds the app and runs the launcher's atexit hook, which stops any server we started;
+    # the default action of SIGTERM/SIGHUP (closing the terminal) would skip it and orphan the server.
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
+    import signal
+
     from ds4station.planner.sizes import parse_size
     from ds4station.tui.app import Ds4StationApp
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on)
 
     host_ram = getattr(args, "host_ram", None)
     app = Ds4StationApp(

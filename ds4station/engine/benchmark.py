@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import FLASH, TINY, ModelConfig
-from .kv import kv_bytes
 from .layout import TensorSpec, model_tensors
 
 SHAPES: dict[str, tuple[ModelConfig, str]] = {"flash-q2": (FLASH, "q2"), "tiny-q2": (TINY, "q2")}
@@ -80,8 +79,9 @@ class BenchResult:
             lines.append(f"{f'decode after {n} tokens':24} {tps:10.1f} {gbs:9.0f} {100 * gbs / self.copy_gbs:6.1f}%")
         for n, tps in self.prefill.items():
             lines.append(f"{f'prefill {n} tokens':24} {tps:10.1f}")
-        lines += ["", f"peak memory {self.peak_bytes / 2**30:.2f} GiB, predicted "
-                      f"{self.predicted_bytes / 2**30:.2f} GiB (weights {self.weights_bytes / 2**30:.2f} GiB)",
+        lines += ["", f"peak memory (allocator) {self.peak_bytes / 2**30:.2f} GiB, planner predicted "
+                      f"{self.predicted_bytes / 2**30:.2f} GiB without the runtime overhead "
+                      f"(weights {self.weights_bytes / 2**30:.2f} GiB)",
                   f"greedy output hash {self.output_hash}"]
         return "\n".join(lines)
 
@@ -144,8 +144,18 @@ def run(shape: str = "flash-q2", model: str | None = None, device: str = "cuda",
         stage.drop_graphs(cache)
     res.decode = dict(sorted(res.decode.items()))
     res.peak_bytes = torch.cuda.max_memory_allocated(dev)
-    res.predicted_bytes = res.weights_bytes + kv_bytes(cfg, None, ctx, chunk=chunk)
+    res.predicted_bytes = planner_prediction(cfg, specs, ctx, chunk, name)
     return res
+
+
+def planner_prediction(cfg: ModelConfig, specs: Sequence[TensorSpec], ctx: int, chunk: int, name: str) -> int:
+    """What the planner predicts for this one-stage configuration, less the per-process runtime overhead
+    (the CUDA context), which torch's allocator peak does not count."""
+    from ds4station.planner.footprint import FootprintSettings, shape_from_specs, stage_footprint
+
+    fp = stage_footprint(shape_from_specs(name, cfg, specs), range(cfg.n_layers), ctx,
+                         FootprintSettings(prefill_chunk=chunk), embed=True, output=True)
+    return fp.predicted_bytes - fp.overhead_bytes
 
 
 def _decode_rate(stage, cache, n_tokens: int, runs: int, out: list[int] | None = None) -> float:

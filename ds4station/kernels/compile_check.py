@@ -61,7 +61,7 @@ class Report:
 
 def _specs(target: CompileTarget) -> list[KernelSpec]:
     """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
-    from ds4station.kernels import act_quant, iq2_xxs, moe, norm, q2_k, q8_0
+    from ds4station.kernels import act_quant, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0
 
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
@@ -132,6 +132,25 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
          "LAYOUT": "constexpr", "BLOCK_G": "constexpr"},
         {"LAYOUT": 1, "BLOCK_G": min(rt.block, 32)},
         ("x_ptr", "xq_ptr", "xs_ptr", "xsum_ptr", "K", "stride_xm"), rt.num_warps, 1))
+    pt = dispatch.moe_prefill_tiles(2048 * 6, backend)
+    common = {"F": i32, "D": i32}
+    specs.append(KernelSpec(
+        "moe_prefill_gate_up iq2_xxs 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
+        {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
+         "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i32", "g0": "*i64", "g1": ptr16, "g2": ptr16,
+         "u0": "*i64", "u1": ptr16, "u2": ptr16, **common, "stride_xt": i32, "clamp": "fp32",
+         "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+         "BLOCK_K": "constexpr"},
+        {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
+        ("x_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2", "F", "D", "stride_xt"),
+        pt.num_warps, pt.num_stages, wants_dot=True))
+    specs.append(KernelSpec(
+        "moe_prefill_down q2_k 4096x2048", moe_prefill._moe_prefill_down_kernel,
+        {"h_ptr": ptr32, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
+         "y_ptr": ptr32, "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", **common,
+         "QT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
+        ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
     rt = dispatch.row_tiles(4096, backend)
     specs.append(KernelSpec(
         "rms_norm 4096", norm._rms_norm_kernel,

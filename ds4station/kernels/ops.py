@@ -17,6 +17,7 @@ from ds4station.kernels.iq2_xxs import (
     repack_iq2_xxs,
 )
 from ds4station.kernels.moe import moe_decode, moe_decode_ref
+from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
 from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
 from ds4station.kernels.q8_0 import (
@@ -97,7 +98,12 @@ def moe(
     weights: torch.Tensor,
     clamp: float | None = 10.0,
 ) -> torch.Tensor:
-    """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32."""
-    if dispatch.use_triton(x):
+    """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32.
+
+    GPU: up to MAX_MATVEC_ROWS tokens run the decode kernels (integer dot on CUDA), more the prefill kernels
+    (tokens grouped by expert, tl.dot). CPU: the torch reference."""
+    if not dispatch.use_triton(x):
+        return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
+    if x.shape[0] <= MAX_MATVEC_ROWS:
         return moe_decode(x, gate, up, down, ids, weights, clamp=clamp)
-    return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
+    return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)

@@ -33,15 +33,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def serve_command(serve_args: Sequence[str]) -> list[str]:
-    """argv for `ds4station serve ARGS` with this interpreter (so the child runs in the same environment).
-
-    `python -m ds4station.cli serve` once cli.py registers the command; until then this module's own entry
-    point runs the same serve command module, so the panel works either way."""
-    from ds4station.cli import COMMANDS
-
-    if "serve" in COMMANDS:
-        return [sys.executable, "-m", "ds4station.cli", "serve", *serve_args]
-    return [sys.executable, "-m", "ds4station.tui.launcher", "serve", *serve_args]
+    """argv for `ds4station serve ARGS` with this interpreter, so the child runs in the same environment."""
+    return [sys.executable, "-m", "ds4station.cli", "serve", *serve_args]
 
 
 def serve_options() -> set[str]:
@@ -159,18 +152,3 @@ def stop_all() -> None:
 
 atexit.register(stop_all)
 
-
-def _serve_main(argv: list[str]) -> int:
-    import argparse
-
-    from ds4station.commands import serve
-
-    parser = argparse.ArgumentParser(prog="ds4station serve")
-    serve.add_arguments(parser)
-    return int(serve.run(parser.parse_args(argv)) or 0)
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] != ["serve"]:
-        sys.exit("usage: python -m ds4station.tui.launcher serve [serve options]")
-    sys.exit(_serve_main(sys.argv[2:]))

@@ -3,6 +3,8 @@ lines), the API endpoint and key, and ready-to-copy client settings for opencode
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widgets import Static
@@ -25,7 +27,7 @@ def client_settings(base_url: str, model: str, api_key: str | None) -> list[str]
     ]
 
 
-def _loading(status: dict | None) -> list[Text]:  # type: ignore[type-arg]
+def _loading(status: dict[str, Any] | None) -> list[Text]:
     """Per-stage bytes loaded, when the server reports them (stages[i].loaded_bytes / weights_bytes)."""
     out = []
     for i, st in enumerate((status or {}).get("stages") or []):
