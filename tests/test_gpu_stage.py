@@ -55,15 +55,15 @@ def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:
     tokens, _, rt = reference
     stage = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=rt)
     a, b = stage.new_cache(256, chunk=8), stage.new_cache(256, chunk=8)
-    stage.prefill(tokens[:40], a)
-    stage.prefill(tokens[:40], b)
-    for j in range(40, 60):
+    stage.prefill(tokens[:29], a)
+    stage.prefill(tokens[:29], b)
+    for j in range(29, 37):  # crosses ratio-4 and ratio-16 block ends (32) and the window
         la = stage.decode(int(tokens[j]), a, graph=False)
         lb = stage.prefill(tokens[j:j + 1], b)
         assert torch.allclose(la, lb, rtol=0, atol=1e-5 * lb.abs().max().item())
     for i in stage.layers:
         if a[i].comp is not None:
-            assert torch.allclose(a[i].comp[:15], b[i].comp[:15], atol=1e-6)
+            assert torch.allclose(a[i].comp[:9], b[i].comp[:9], atol=1e-6)
 
 
 def test_missing_weight_is_named(tiny: GGUFFile) -> None:

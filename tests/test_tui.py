@@ -92,15 +92,27 @@ def test_detect_fake_hardware_and_keep_throttle_history(tmp_path: Path) -> None:
 
 def test_no_gpu_machine_plans_the_demo_model_on_the_cpu(tmp_path: Path) -> None:
     async def flow() -> None:
-        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=3600)
+        # a --model that cannot be read: the panel says so and plans the demo model meanwhile
+        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=3600,
+                            model_path=str(tmp_path / "missing.gguf"))
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.polls >= 1)
             assert "No GPU found" in text_of(app.dashboard.query_one(GpuPanel), 80)
             plan = text_of(app.dashboard.query_one(PlanSummary), 80)
             assert "CPU" in plan and "E 0-5 O" in plan and "✓ fits" in plan and "ctx 4096" in plan
             assert app.editor is not None and str(app.editor.plan.route) == "cpu=embed,0-5,output"  # type: ignore[union-attr]
+            assert app.editor.model.path is None and app.editor.fits
 
     asyncio.run(flow())
+
+
+def test_tui_command_rejects_bad_options_before_starting() -> None:
+    import argparse
+
+    from ds4station.commands import tui
+
+    assert tui.run(argparse.Namespace(command=None, preset="nope")) == 2
+    assert tui.run(argparse.Namespace(command=None, host_ram="lots")) == 2
 
 
 def test_plan_screen_edits_the_route_context_and_preset() -> None:
@@ -248,6 +260,33 @@ def test_a_crashed_server_shows_its_last_log_lines() -> None:
     asyncio.run(flow())
 
 
+def test_loading_progress_per_stage_from_the_workers() -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=0.05)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            assert app.editor is not None and app.editor.plan is not None and len(app.editor.plan.stages) == 5
+            import sys
+            # a server still loading: no HTTP yet, one worker reports its stage in memory
+            script = ("import time; print('stage 1 (0000:0c:00.0, layers 2-2) loaded on cuda:0, joining the "
+                      "pipeline', flush=True); time.sleep(30)")
+            server = ServerProcess([sys.executable, "-c", script], "127.0.0.1", free_port())
+            server.start()
+            app.server, app.launched = server, app.editor.plan
+            try:
+                await until(pilot, lambda: app.last_view is not None and any(s.done for s in app.last_view.stages))
+                view = app.last_view
+                assert view is not None and view.state == "starting"
+                assert [s.done for s in view.stages] == [False, True, False, False, False]
+                shown = text_of(app.dashboard.query_one(ServerPanel))
+                assert "stage 1 0000:0c:00.0 layers 2-2: loaded" in shown
+                assert "stage 0 0000:03:00.0 layers 0-1: loading" in shown and "GiB of weights" in shown
+            finally:
+                server.stop()
+
+    asyncio.run(flow())
+
+
 @pytest.mark.slow
 def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_path: Path) -> None:
     pids: list[int] = []
@@ -264,6 +303,8 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             shown = text_of(app.dashboard.query_one(ServerPanel))
             assert f"{server.base_url}/v1" in shown and "ANTHROPIC_BASE_URL=" + server.base_url in shown
             assert 'wire_api = "responses"' in shown
+            assert [s.label for s in app.last_view.stages] == ["0 cpu layers 0-5"]  # type: ignore[union-attr]
+            assert all(s.done for s in app.last_view.stages)  # type: ignore[union-attr]
             assert "0.00 tok/s" not in text_of(app.dashboard.query_one(LivePanel))
             # one real chat request, off the UI thread, as a coding agent would send it
             body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,16 +34,24 @@ def _exit_on(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     import signal
 
+    from ds4station.planner import PresetError, load_preset
     from ds4station.planner.sizes import parse_size
     from ds4station.tui.app import Ds4StationApp
+
+    try:  # fail here with a message, not inside the running app
+        load_preset(getattr(args, "preset", "speed"))
+        host_ram = getattr(args, "host_ram", None)
+        host_ram_bytes = parse_size(host_ram) if host_ram else None
+    except (PresetError, ValueError) as e:
+        print(f"ds4station: {e}", file=sys.stderr)
+        return 2
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _exit_on)
 
-    host_ram = getattr(args, "host_ram", None)
     app = Ds4StationApp(
         sysfs_root=getattr(args, "sysfs_root", "/"), use_nvml=not getattr(args, "no_nvml", False),
-        host_ram=parse_size(host_ram) if host_ram else None, model_path=getattr(args, "model", None),
+        host_ram=host_ram_bytes, model_path=getattr(args, "model", None),
         preset=getattr(args, "preset", "speed"), poll_interval=getattr(args, "refresh", 1.0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", None),
         api_key=getattr(args, "api_key", None) or os.environ.get("DS4_API_KEY"),

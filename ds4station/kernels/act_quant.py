@@ -117,6 +117,60 @@ def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     return xq, amax / 127.0, x.float().reshape(m, k // 16, 16).sum(-1)
 
 
+@triton.jit
+def _quant_act16_kernel(x_ptr, hi_ptr, lo_ptr, xs_ptr, K, stride_xm, BLOCK_G: tl.constexpr):
+    row = tl.program_id(0)
+    pid = tl.program_id(1)
+    G = K // 32
+    gg = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    g_mask = gg < G
+    offs = tl.arange(0, 32)
+    x = tl.load(x_ptr + row * stride_xm + gg[:, None] * 32 + offs[None, :], mask=g_mask[:, None],
+                other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)
+    # 32639 = 127 * 256 + 127: the largest value whose two signed digits both fit int8
+    inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
+    v = x * inv[:, None]
+    q = (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int32)
+    lo = ((q + 128) & 255) - 128
+    hi = (q - lo) >> 8
+    tl.store(xs_ptr + row * G + gg, amax / 32639.0, mask=g_mask)
+    shifts = (tl.arange(0, 4) * 8)[None, None, :]
+    hw = tl.sum(tl.reshape(hi & 255, (BLOCK_G, 8, 4)) << shifts, axis=2)  # [BLOCK_G, 8] natural order
+    lw = tl.sum(tl.reshape(lo & 255, (BLOCK_G, 8, 4)) << shifts, axis=2)
+    w_off = row * (8 * G) + gg[:, None] * 8 + tl.arange(0, 8)[None, :]
+    tl.store(hi_ptr + w_off, hw, mask=g_mask[:, None])
+    tl.store(lo_ptr + w_off, lw, mask=g_mask[:, None])
+
+
+def quantize_act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (hi, lo int32 [M, K/4], scale fp32 [M, K/32]) with x ~ scale * (256 hi + lo) per 32 values:
+    16-bit activations as two int8 digits, so a Q8_0 block's dot is two exact dp4a sums (KERNEL-NOTES.md:
+    max relative error 2e-5). Words hold 4 consecutive values, in natural order."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"activation width must be a multiple of 32, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    hi = torch.empty((m, k // 4), device=x.device, dtype=torch.int32)
+    lo = torch.empty_like(hi)
+    xs = torch.empty((m, k // 32), device=x.device, dtype=torch.float32)
+    tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
+    block_g = min(tiles.block, 32)
+    _quant_act16_kernel[(m, triton.cdiv(k // 32, block_g))](x, hi, lo, xs, k, x.stride(0), BLOCK_G=block_g,
+                                                           num_warps=tiles.num_warps)
+    return hi, lo, xs
+
+
+def dequantize_act16(hi: torch.Tensor, lo: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, K] values the 16-bit integer kernels see."""
+    def digits(w: torch.Tensor) -> torch.Tensor:
+        b = (w.unsqueeze(-1).to(torch.int64) >> (torch.arange(4, device=w.device) * 8)) & 255
+        return torch.where(b >= 128, b - 256, b).reshape(w.shape[0], -1).float()
+
+    return (256 * digits(hi) + digits(lo)) * xs.repeat_interleave(32, dim=1)
+
+
 def dequantize_act(xq: torch.Tensor, xs: torch.Tensor, layout: str) -> torch.Tensor:
     """fp32 [M, K] values the integer kernels see (for references and tests)."""
     m = xq.shape[0]

@@ -306,6 +306,34 @@ def sweep_tiles(device: torch.device, copy_gbps: float) -> list[Result]:
     return res
 
 
+def bench_moe_prefill(device: torch.device, bf16_tflops: float, tokens: int = 2048, n_experts: int = 256,
+                      d_model: int = 4096, d_ff: int = 2048, slots: int = 6) -> list[Result]:
+    """Routed experts of a prefill chunk: `tokens` tokens x 6 of 256 experts, grouped by expert, tl.dot."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels.iq2_xxs import repack_iq2_xxs
+    from ds4station.kernels.moe import moe_decode
+    from ds4station.kernels.moe_prefill import moe_prefill
+    from ds4station.kernels.q2_k import repack_q2_k
+
+    gen = torch.Generator(device=device).manual_seed(5)
+    gate = repack_iq2_xxs(_random_raw(Q.IQ2_XXS, (n_experts, d_ff), d_model, gen, 0.02), d_model)
+    up = repack_iq2_xxs(_random_raw(Q.IQ2_XXS, (n_experts, d_ff), d_model, gen, 0.02), d_model)
+    down = repack_q2_k(_random_raw(Q.Q2_K, (n_experts, d_model), d_ff, gen, 0.02), d_ff)
+    ids = torch.stack([torch.randperm(n_experts, device=device, generator=gen)[:slots] for _ in range(tokens)])
+    ids = ids.to(torch.int32)
+    weights = torch.rand(tokens, slots, device=device, generator=gen) + 0.1
+    x = torch.randn(tokens, d_model, device=device, dtype=torch.float16)
+    check = slice(0, 8)  # accuracy on a few tokens against the fp32 decode kernels
+    err = _rel_err(moe_prefill(x[check], gate, up, down, ids[check], weights[check]),
+                   moe_decode(x[check], gate, up, down, ids[check], weights[check], int_dot=False))
+    t = _median_ms(lambda: moe_prefill(x, gate, up, down, ids, weights)) * 1e3
+    flop = 2 * tokens * slots * 3 * d_ff * d_model
+    return [Result("moe_prefill", f"{tokens} tokens x {slots} of {n_experts} experts {d_ff}x{d_model}", tokens, t,
+                   tflops=flop / t / 1e6, pct_bf16=100 * flop / t / 1e6 / bf16_tflops,
+                   baseline="bf16 8192^3 peak", rel_err=err)]
+
+
 def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = False) -> tuple[dict, list[Result]]:
     """Every benchmark on the current CUDA/ROCm device; returns (ceilings and device info, results)."""
     import triton
@@ -322,6 +350,8 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     if not only or only in "moe":
         results += bench_moe(device, copy_gbps)
     results += bench_q8_0_prefill(device, prefill_tokens, only, sweep)
+    if not only or only in "moe_prefill":
+        results += bench_moe_prefill(device, bf16_tflops, prefill_tokens)
     if sweep:
         results += sweep_tiles(device, copy_gbps)
     return info, results

@@ -5,10 +5,15 @@ For each token t and each of its S selected experts e (weight w):
     g = min(g, clamp), u = clamp(u, -clamp, clamp)   (DS4 routed experts; no clamp when clamp is None)
     h = silu(g) * u * w                         (routing weight applied BEFORE down, as the model does)
     y_t += down[e] @ h                          (fp32)
-Two launches: `_moe_gate_up_kernel` (one program per (token, slot) and block of F rows, gate and up rows
-decoded side by side so x is read once) writes h [T, S, F] in fp32; `_moe_down_kernel` (one program per
-token and block of D rows) loops over the S experts and writes each output element once (no atomics, so the
-sum order is fixed and results are reproducible).
+Two paths, chosen by `int_dot` (default: dispatch.use_int_dot, i.e. CUDA):
+- fp32 math, two launches: `_moe_gate_up_kernel` (one program per (token, slot) and block of F rows, gate
+  and up rows decoded side by side so x is read once) writes h [T, S, F] in fp32, in the transposed layout
+  the down kernel reads; `_moe_down_kernel` (one program per token and block of D rows) loops over the S
+  experts and writes each output element once (no atomics, so the sum order is fixed: reproducible);
+- integer dot (dp4a), four launches: quantise x (act_quant.py), `_moe_gate_up_i8_kernel`, quantise h,
+  `_moe_down_i8_kernel`. Measured 1.8x faster than fp32 math on the H200; the int8 activations (per 32
+  values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do.
+For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot).
 
 Supported weight types: gate/up IQ2_XXS or Q2_K, down Q2_K or IQ2_XXS (the q2 file: IQ2_XXS / Q2_K).
 Stacked expert weights have a leading expert dim: gate/up [E, F, D], down [E, D, F].

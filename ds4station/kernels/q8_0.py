@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import _dp4a, dequantize_act16
 
 QK8_0 = 32
 BLOCK_BYTES_Q8_0 = 34
@@ -162,6 +163,81 @@ def q8_0_matvec(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return out
+
+
+@triton.jit
+def _q8_0_matvec_i8_kernel(
+    hi_ptr, lo_ptr, xs_ptr, qs_ptr, d_ptr, y_ptr,
+    N, K, rows_per_group, stride_xm, stride_ym,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Integer-dot form of _q8_0_matvec_kernel: weights read as int32 words, activations as two int8 digits
+    (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums."""
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    group = (pid * BLOCK_N) // rows_per_group
+    KB: tl.constexpr = BLOCK_K // 32
+    offs_b = tl.arange(0, KB)
+    offs_w = tl.arange(0, 8)
+    cols = tl.arange(0, M_PAD)
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    zero = tl.zeros([BLOCK_N, KB, 8], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        wi = k0 // 4 + offs_b[:, None] * 8 + offs_w[None, :]  # [KB, 8] word index in the row
+        k_mask = wi < K // 4
+        q = tl.load(qs_ptr + rows[:, None, None] * (K // 4) + wi[None, :, :], mask=n_mask[:, None, None] & k_mask,
+                    other=0, eviction_policy="evict_first")
+        kb = k0 // 32 + offs_b
+        kb_mask = kb < K // 32
+        s = tl.load(d_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None] & kb_mask[None, :],
+                    other=0.0, eviction_policy="evict_first").to(tl.float32)
+        for m in tl.static_range(M):
+            xw = m * stride_xm + group * (K // 4) + wi
+            hi = tl.broadcast_to(tl.load(hi_ptr + xw, mask=k_mask, other=0)[None, :, :], (BLOCK_N, KB, 8))
+            lo = tl.broadcast_to(tl.load(lo_ptr + xw, mask=k_mask, other=0)[None, :, :], (BLOCK_N, KB, 8))
+            xs = tl.load(xs_ptr + m * (stride_xm // 8) + group * (K // 32) + kb, mask=kb_mask, other=0.0)
+            isum = tl.sum(_dp4a(q, hi, zero), axis=2) * 256 + tl.sum(_dp4a(q, lo, zero), axis=2)  # [BN, KB]
+            part = tl.sum(isum.to(tl.float32) * s * xs[None, :], axis=1)
+            acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+    tl.store(y_ptr + cols[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (cols[None, :] < M))
+
+
+def q8_0_matvec_q16(
+    act: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w: PackedQ8_0,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    tiles: dispatch.MatvecTiles | None = None,
+) -> torch.Tensor:
+    """Integer-dot y = x @ W^T from an activation already quantised by act_quant.quantize_act16 (so the
+    producer of x can emit it fused); act = (hi, lo, scale) for x [M, groups*K]. Returns [M, N]."""
+    hi, lo, xs = act
+    m = hi.shape[0]
+    n, k = w.n, w.k
+    if not 1 <= m <= 8 or hi.shape[1] * 4 != groups * k or n % groups:
+        raise ValueError(f"activation [{m}, {hi.shape[1] * 4}] does not match weight [{n}, {k}] in {groups} groups")
+    rows_per_group = n // groups
+    tiles = tiles or dispatch.matvec_tiles("q8_0", n, k, m, dispatch.launch_backend(hi), rows_per_group)
+    if groups > 1 and rows_per_group % tiles.block_n:
+        raise ValueError(f"block_n {tiles.block_n} must divide the {rows_per_group} rows of a group")
+    if out is None:
+        out = torch.empty((m, n), device=hi.device, dtype=out_dtype)
+    _q8_0_matvec_i8_kernel[(triton.cdiv(n, tiles.block_n),)](
+        hi, lo, xs, w.qs.view(torch.int32), w.d, out, n, k, rows_per_group, hi.stride(0), out.stride(0),
+        M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def q8_0_matvec_q16_ref(act: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: PackedQ8_0,
+                        groups: int = 1) -> torch.Tensor:
+    """Torch reference of q8_0_matvec_q16 (fp32 math on the dequantised 16-bit activation)."""
+    return q8_0_matvec_ref(dequantize_act16(*act), w, groups=groups, out_dtype=torch.float32)
 
 
 def q8_0_matmul_ref(x: torch.Tensor, w: PackedQ8_0, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ handled on the UI thread, which never does I/O except starting a child process.
 from __future__ import annotations
 
 import collections
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,10 @@ from textual.timer import Timer
 from textual.widgets import RichLog
 
 from ds4station.hardware import Device, detect_devices
-from ds4station.planner import DeviceBudget, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
+from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
 
 from .launcher import ServerProcess, free_port, serve_command, serve_options, stop_all
-from .messages import Collected, Detected, ServerStopped, ServerView
+from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, serve_args
 from .screens import DashboardScreen, HelpScreen, PlanScreen
 from .telemetry import GpuHistory, GpuReading, collect_gpus
@@ -41,6 +42,10 @@ def plan_budgets(gpus: list[Any], host_ram: int, preset: str) -> list[DeviceBudg
     budgets = budgets_from_gpus(gpus, host_ram)
     budgets.sort(key=lambda b: (b.kind != "gpu", -b.available(settings.desktop_headroom, settings.reserve)))
     return budgets
+
+
+# what a pipeline worker prints once its stage is in memory (ds4station.engine.stage)
+_STAGE_LOADED = re.compile(r"\bstage (\d+) \(.*\) loaded on ")
 
 
 def _is_own_poll(line: str) -> bool:
@@ -78,6 +83,8 @@ class Ds4StationApp(App[None]):
         self.last_view: ServerView | None = None
         self.requests: dict[int, dict[str, Any]] = {}  # finished requests seen, by id, for the live plots
         self.server_log: collections.deque[str] = collections.deque(maxlen=500)  # the lines the log panel shows
+        self.launched: Plan | None = None  # the plan the running server was started with
+        self._stages_loaded: set[int] = set()
         self.polls = 0
         self._polling = False
         self._timer: Timer | None = None
@@ -98,12 +105,20 @@ class Ds4StationApp(App[None]):
 
             host_ram = int(psutil.virtual_memory().total)
         budgets = plan_budgets([d.info() for d in devices], host_ram, self.preset)
-        model: ModelChoice = model_from_file(self.model_path) if self.model_path else demo_model()
+        warning = None
+        model: ModelChoice = demo_model()
+        if self.model_path:
+            try:
+                model = model_from_file(self.model_path)
+            except Exception as e:  # GGUFError, OSError: say so and plan the demo model meanwhile
+                warning = f"cannot use {self.model_path}: {e}; planning the demo model (p to choose another file)"
         editor = PlanEditor(model, budgets, host_ram, self.preset)
-        self.post_message(Detected(devices, editor))
+        self.post_message(Detected(devices, editor, warning))
 
     def on_detected(self, message: Detected) -> None:
         self.devices, self.editor, self.detected = message.devices, message.editor, True
+        if message.warning:
+            self.notify(message.warning, severity="error", timeout=15)
         if not self.devices:
             where = ("NVML and " if self.use_nvml else "") + f"amdgpu sysfs under {self.sysfs_root}"
             self.dashboard.query_one(GpuPanel).show_none(where)
@@ -145,6 +160,10 @@ class Ds4StationApp(App[None]):
         new, self._log_seen = srv.log_since(self._log_seen)
         view = ServerView("starting", srv.base_url, srv.api_key, srv.pid, new_log=new, log_tail=srv.log_tail(12),
                           log_total=self._log_seen, uptime_s=self.clock() - srv.started_at)
+        for line in new:
+            m = _STAGE_LOADED.search(line)
+            if m:
+                self._stages_loaded.add(int(m.group(1)))
         rc = srv.returncode()
         if rc is not None:
             view.state = "crashed" if srv.crashed else "stopped"
@@ -167,7 +186,23 @@ class Ds4StationApp(App[None]):
             view.reason = f"waiting for {srv.base_url} (the engine is starting)"
         except ValueError as e:  # a body that is not JSON: not our server on that port
             view.state, view.reason = "error", f"unexpected answer from {srv.base_url}: {e}"
+        view.stages = self._stage_loads(view)
         return view
+
+    def _stage_loads(self, view: ServerView) -> list[StageLoad]:
+        """Per-stage loading progress: bytes when /status reports them, else what the workers' logs say."""
+        plan = self.launched
+        if plan is None:
+            return []
+        reported = (view.status or {}).get("stages") or []
+        out = []
+        for i, sp in enumerate(plan.stages):
+            st = sp.stage
+            loaded = reported[i].get("loaded_bytes") if i < len(reported) else None
+            out.append(StageLoad(f"{i} {st.device} layers {st.first_layer}-{st.last_layer}",
+                                 sp.footprint.weights_bytes, loaded if isinstance(loaded, int) else None,
+                                 view.state == "ready" or i in self._stages_loaded))
+        return out
 
     def on_collected(self, message: Collected) -> None:
         self._polling = False
@@ -243,6 +278,7 @@ class Ds4StationApp(App[None]):
         server = ServerProcess(serve_command(args), self.host, port, self.api_key)
         server.start()
         self.server, self._log_seen, self.requests = server, 0, {}
+        self.launched, self._stages_loaded = ed.plan, set()
         self.server_log.clear()
         self.dashboard.query_one("#server-log", RichLog).clear()
         self.dashboard.query_one("#request-log", RichLog).clear()

@@ -18,6 +18,16 @@ from .telemetry import GpuReading
 
 
 @dataclass
+class StageLoad:
+    """Loading progress of one stage of the launched route."""
+
+    label: str  # "0 cpu layers 0-5"
+    weights_bytes: int  # the planner's prediction of its resident weights
+    loaded_bytes: int | None = None  # when /status reports it
+    done: bool = False  # its worker said it loaded, or the server is ready
+
+
+@dataclass
 class ServerView:
     """The launched server as one refresh saw it."""
 
@@ -31,14 +41,15 @@ class ServerView:
     log_tail: list[str] = field(default_factory=list)
     log_total: int = 0
     uptime_s: float = 0.0
+    stages: list[StageLoad] = field(default_factory=list)
 
 
 class Detected(Message):
     """Hardware detection finished; the first plan is proposed for what was found."""
 
-    def __init__(self, devices: list[Device], editor: PlanEditor) -> None:
+    def __init__(self, devices: list[Device], editor: PlanEditor, warning: str | None = None) -> None:
         super().__init__()
-        self.devices, self.editor = devices, editor
+        self.devices, self.editor, self.warning = devices, editor, warning
 
 
 class Collected(Message):

@@ -21,8 +21,10 @@ class DashboardScreen(Screen[None]):
                 yield ServerPanel(id="server", classes="panel")
             with Horizontal(id="bottom", classes="row"):
                 yield LivePanel(id="live", classes="panel")
-                yield RichLog(id="request-log", classes="panel log", max_lines=200, wrap=True, markup=False)
-                yield RichLog(id="server-log", classes="panel log", max_lines=500, wrap=True, markup=False)
+                yield RichLog(id="request-log", classes="panel log", max_lines=200, wrap=True, min_width=20,
+                          markup=False)
+                yield RichLog(id="server-log", classes="panel log", max_lines=500, wrap=True, min_width=20,
+                          markup=False)
         yield Footer()
 
     def on_mount(self) -> None:

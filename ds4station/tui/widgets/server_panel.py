@@ -3,13 +3,14 @@ lines), the API endpoint and key, and ready-to-copy client settings for opencode
 
 from __future__ import annotations
 
-from typing import Any
-
 from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widgets import Static
 
-from ..messages import ServerView
+from ..messages import ServerView, StageLoad
+from ..telemetry import bar
+
+GiB = 1 << 30
 
 _STATE_STYLE = {"ready": "bold green", "loading": "bold yellow", "starting": "yellow", "crashed": "bold red",
                 "error": "bold red", "stopped": "dim"}
@@ -27,14 +28,20 @@ def client_settings(base_url: str, model: str, api_key: str | None) -> list[str]
     ]
 
 
-def _loading(status: dict[str, Any] | None) -> list[Text]:
-    """Per-stage bytes loaded, when the server reports them (stages[i].loaded_bytes / weights_bytes)."""
+def _loading(stages: list[StageLoad]) -> list[Text]:
+    """One line per stage: a bar of bytes loaded when the server reports them, else loading/loaded."""
     out = []
-    for i, st in enumerate((status or {}).get("stages") or []):
-        done, total = st.get("loaded_bytes"), st.get("weights_bytes") or st.get("total_bytes")
-        if isinstance(done, (int, float)) and isinstance(total, (int, float)) and total:
-            out.append(Text(f"  stage {i} {st.get('device', '?')}: {done / 2**30:.2f}/{total / 2**30:.2f} GiB "
-                            f"({100 * done / total:.0f}%)"))
+    for st in stages:
+        line = Text(f"  stage {st.label}: ")
+        if st.done:
+            line.append(f"loaded ({st.weights_bytes / GiB:.2f} GiB)", style="green")
+        elif st.loaded_bytes is not None and st.weights_bytes:
+            frac = st.loaded_bytes / st.weights_bytes
+            line.append(bar(frac, 10), style="yellow")
+            line.append(f" {st.loaded_bytes / GiB:.2f}/{st.weights_bytes / GiB:.2f} GiB ({frac:.0%})")
+        else:
+            line.append(f"loading {st.weights_bytes / GiB:.2f} GiB of weights…", style="yellow")
+        out.append(line)
     return out
 
 
@@ -58,7 +65,7 @@ class ServerPanel(Static):
             return Group(*parts)
         if view.state in ("starting", "loading"):
             parts.append(Text(view.reason or "", style="dim"))
-            parts += _loading(view.status)
+            parts += _loading(view.stages)
             return Group(*parts)
         if view.state == "stopped":
             parts.append(Text((view.reason or "") + "; every process of it has exited. l launches again.", style="dim"))
