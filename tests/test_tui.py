@@ -322,7 +322,8 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             await pilot.press("s")
             await until(pilot, lambda: app.server is None, timeout=15)
             assert not any(psutil.pid_exists(p) for p in family)
-            assert "stopped" in text_of(app.dashboard.query_one(ServerPanel))
+            # the panel shows it at its next render
+            await until(pilot, lambda: "stopped" in text_of(app.dashboard.query_one(ServerPanel)), timeout=10)
             # launch again and quit while it is still loading: q stops it first
             await pilot.press("l")
             assert app.server is not None

@@ -6,7 +6,10 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
   replayed in a CUDA graph over rotating weight copies (>= 4x the L2 in total, so weights come from HBM),
   time per launch, GB/s over the weight + activation bytes, and % of the copy bandwidth; the same shape as a
   torch fp16 matvec on dequantised weights beside it;
-- prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s).
+- the integer-dot Q8_0 matvec on a pre-quantised activation, and the activation quantiser's own launch
+  (CUDA only);
+- prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
+  and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate.
 Every case is also checked against its torch reference (relative error printed).
 """
 
@@ -112,6 +115,7 @@ def _random_raw(qtype, lead: tuple[int, ...], k: int, gen: torch.Generator, scal
 def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, only: str = "") -> list[Result]:
     from gguf import GGMLQuantizationType as Q
 
+    from ds4station.kernels import dispatch
     from ds4station.kernels.q8_0 import PackedQ8_0, dequantize_q8_0, repack_q8_0
 
     gen = torch.Generator(device=device).manual_seed(0)
@@ -128,6 +132,8 @@ def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, o
         w16 = [dequantize_q8_0(ws[i]).half() for i in range(fp16_copies)]
         for m in rows:
             out.append(_q8_0_decode_case(name, n, k, groups, m, ws, w16, copy_gbps))
+        if dispatch.use_int_dot(dispatch.launch_backend(ws[0].qs)):
+            out.append(_q8_0_int_dot_case(name, n, k, groups, ws, copy_gbps))
         del packed, ws, w16
     return out
 
@@ -149,6 +155,32 @@ def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, 
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
     return Result("q8_0_matvec", shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
                   baseline_time_us=tb, baseline_pct=100 * (2 * n * k) / tb / 1e3 / copy_gbps, rel_err=err)
+
+
+def _q8_0_int_dot_case(name: str, n: int, k: int, groups: int, ws: list, copy_gbps: float) -> Result:
+    """One row through the integer-dot Q8_0 kernel on an activation quantised beforehand (the producer is
+    meant to emit it fused); the quantiser's own launch is timed in `quantize_act16` rows."""
+    from ds4station.kernels.act_quant import quantize_act16
+    from ds4station.kernels.q8_0 import q8_0_matvec_q16, q8_0_matvec_ref
+
+    device = ws[0].qs.device
+    x = torch.randn(1, groups * k, device=device, dtype=torch.float16)
+    act = quantize_act16(x)
+    y = torch.empty(1, n, device=device, dtype=torch.float32)
+    err = _rel_err(q8_0_matvec_q16(act, ws[0], groups=groups, out=y),
+                   q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
+    t = _graph_time_us(lambda i: q8_0_matvec_q16(act, ws[i], groups=groups, out=y), len(ws))
+    gbps = (n * k + n * k // 32 * 2 + groups * k * 2.25 + n * 4) / t / 1e3
+    shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
+    return Result("q8_0_matvec int8 dot", shape, 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err)
+
+
+def bench_quantize_act16(device: torch.device) -> list[Result]:
+    from ds4station.kernels.act_quant import quantize_act16
+
+    x = torch.randn(1, 4096, device=device, dtype=torch.float16)
+    t = _graph_time_us(lambda i: quantize_act16(x), 1)
+    return [Result("quantize_act16", "1x4096 (separate launch)", 1, t)]
 
 
 def bench_expert_matvecs(device: torch.device, copy_gbps: float, d_model: int = 4096, d_ff: int = 2048) -> list[Result]:
@@ -338,6 +370,8 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     """Every benchmark on the current CUDA/ROCm device; returns (ceilings and device info, results)."""
     import triton
 
+    from ds4station.kernels import dispatch
+
     if not torch.cuda.is_available():
         raise RuntimeError("kernel benchmarks need a CUDA or ROCm GPU (torch.cuda.is_available() is False)")
     device = torch.device("cuda")
@@ -345,6 +379,8 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     info = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": copy_gbps, "bf16_tflops": bf16_tflops}
     results = bench_q8_0_decode(device, rows, copy_gbps, only)
+    if dispatch.use_int_dot(dispatch.device_backend(device)):
+        results += bench_quantize_act16(device)
     if not only or only in "expert":
         results += bench_expert_matvecs(device, copy_gbps)
     if not only or only in "moe":

@@ -164,6 +164,16 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
          "HALF": "constexpr", "BLOCK_H": "constexpr"},
         {"HALF": 32, "BLOCK_H": 32}, ("x_ptr", "pos_ptr", "f_ptr", "D", "stride_x", "heads"), 1, 1))
     if dispatch.use_int_dot(backend):
+        t = dispatch.matvec_tiles("q8_0", 129280, 4096, 1, backend)
+        specs.append(KernelSpec(
+            "q8_0_matvec_i8 output_head m1", q8_0._q8_0_matvec_i8_kernel,
+            {"hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": ptr32, "qs_ptr": "*i32", "d_ptr": ptr16, "y_ptr": ptr32,
+             "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
+             "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+            {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+            ("hi_ptr", "lo_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm",
+             "stride_ym"),
+            t.num_warps, t.num_stages, decode=True))
         specs.append(KernelSpec(
             "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,

@@ -6,9 +6,12 @@ GGUF block (256 weights, 66 bytes): fp16 d, then 8 groups of 32 weights, each tw
 Weight = d * (0.5 + s) / 4 * grid[idx][e] * (-1 if sign bit e).
 
 `repack_iq2_xxs` stores what the kernel wants: the 64 quant bytes of each block as 16 int32 words, so rows
-are 16-byte aligned (int32 [.., N, K/16]), and d as fp16 [.., N, K/256]. The kernel reads a grid entry as
-ONE 64-bit word (8 magnitudes as bytes) and the signs as a 7-bit field with computed parity, instead of
-per-byte table gathers (a naive per-byte version measured ~10% of bandwidth).
+are 16-byte aligned (int32 [.., N, K/16], read as one int64 per 32 weights), and d as fp16 [.., N, K/256].
+The kernels read a grid entry as two words of 4 magnitude bytes (not 8 byte gathers) and handle the signs
+as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; integer path: byte masks and
+one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
+Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations), `_iq2_xxs_tile`
+(dequantised tile for prefill tl.dot), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8 rows).
 """
 
 from __future__ import annotations

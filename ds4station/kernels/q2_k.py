@@ -85,8 +85,7 @@ def dequantize_q2_k(w: PackedQ2K) -> torch.Tensor:
     lead = w.qs.shape[:-1]
     shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=w.qs.device)
     q = ((w.qs.unsqueeze(-1) >> shifts) & 3).reshape(*lead, w.k // 16, 16).float()
-    sub = (w.k // 16) // (w.k // QK_K)  # 16 sub-blocks per block
-    dm = w.dm.float().reshape(*lead, w.k // QK_K, 2).repeat_interleave(sub, dim=-2)  # [.., K/16, 2]
+    dm = w.dm.float().reshape(*lead, w.k // QK_K, 2).repeat_interleave(16, dim=-2)  # [.., K/16, 2]: 16 per block
     dl = dm[..., 0] * (w.sc & 15).float()
     ml = dm[..., 1] * (w.sc >> 4).float()
     return (dl.unsqueeze(-1) * q - ml.unsqueeze(-1)).reshape(*lead, w.k)

@@ -9,7 +9,10 @@ Kernels:
 - `_q8_0_matvec_kernel`: y[m, n] = sum_k x[m, g(n), k] * W[n, k] for 1-8 activation rows, fp32 math.
   Grouped form: W's rows are split into G equal groups, and group g reads its own input row x[m, g]
   (DS4's attn_output_a: 8 groups of 1024 rows, one launch).
-- `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate).
+- `_q8_0_matvec_i8_kernel`: the same product from an activation quantised to two int8 digits per value
+  (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
+- `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate),
+  optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a).
 """
 
 from __future__ import annotations
