@@ -23,9 +23,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from ds4station.kernels import moe as moe_k
-from ds4station.kernels.iq2_xxs import PackedIQ2XXS, dequantize_iq2_xxs, repack_iq2_xxs
-from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, repack_q2_k
-from ds4station.kernels.q8_0 import PackedQ8_0, q8_0_matmul, q8_0_matvec, q8_0_matvec_ref, repack_q8_0
+from ds4station.kernels import ops
+from ds4station.kernels.iq2_xxs import PackedIQ2XXS
+from ds4station.kernels.moe_prefill import moe_prefill
+from ds4station.kernels.q2_k import PackedQ2K
+from ds4station.kernels.q8_0 import PackedQ8_0
 
 from .config import ModelConfig
 from .kv import DEFAULT_CHUNK, Frontier, KVCache
@@ -45,7 +47,6 @@ from .quants import QTensor
 Tensor = torch.Tensor
 Weight = QTensor | Tensor
 
-MATVEC_MAX_ROWS = 8  # the decode matvec kernels take 1-8 activation rows; more goes to the tiled matmul
 SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score block
 MIN_BUCKET = 4096  # smallest decode position bucket
 
@@ -81,7 +82,7 @@ class Linear:
         self.packed: PackedQ8_0 | None = None
         self.dense: Tensor | None = None
         if q.qtype == Q.Q8_0:
-            self.packed = repack_q8_0(q.data.to(device), self.k)
+            self.packed = ops.repack(q.data.to(device), "q8_0", self.k)
         else:  # F16 stays fp16 on a GPU (no bf16: Vega20 has none); exact fp32 on CPU
             self.dense = _dense(q, device, torch.float16 if device.type == "cuda" else torch.float32)
 
@@ -95,37 +96,27 @@ class Linear:
                 return (x.to(self.dense.dtype) @ self.dense.T).float()
             xg = x.to(self.dense.dtype).view(x.shape[0], self.groups, self.k)
             return torch.einsum("mgk,gnk->mgn", xg, self.dense.view(self.groups, -1, self.k)).flatten(1).float()
-        w = self.packed
-        if not x.is_cuda:
-            return q8_0_matvec_ref(x.float(), w, self.groups, out_dtype=torch.float32)
-        if x.shape[0] <= MATVEC_MAX_ROWS:
-            return q8_0_matvec(x, w, self.groups, out_dtype=torch.float32)
-        if self.groups == 1:
-            return q8_0_matmul(x, w, out_dtype=torch.float32)
-        rows = self.n // self.groups
-        return torch.cat([q8_0_matmul(x[:, g * self.k:(g + 1) * self.k],
-                                      PackedQ8_0(w.qs[g * rows:(g + 1) * rows], w.d[g * rows:(g + 1) * rows]),
-                                      out_dtype=torch.float32) for g in range(self.groups)], dim=1)
+        return ops.linear(x if x.is_cuda else x.float(), self.packed, self.groups, out_dtype=torch.float32)
 
 
 def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K:
     q = _q(w)
     k = q.shape[-1]
-    raw = q.data.to(device).view(*q.shape[:-1], -1)  # [E, N, row bytes]
-    if q.qtype == Q.IQ2_XXS:
-        return repack_iq2_xxs(raw, k)
-    if q.qtype == Q.Q2_K:
-        return repack_q2_k(raw, k)
+    if q.qtype in (Q.IQ2_XXS, Q.Q2_K):
+        return ops.repack(q.data.to(device).view(*q.shape[:-1], -1), q.qtype.name, k)  # raw [E, N, row bytes]
     raise NotImplementedError(f"the GPU path has expert kernels for IQ2_XXS and Q2_K, not {q.qtype.name}; "
                               "use the reference engine (--device cpu) for this file")
 
 
 class Experts:
-    """A layer's routed experts, packed: gate/up [E, F, D], down [E, D, F]."""
+    """A layer's routed experts, packed: gate/up [E, F, D], down [E, D, F]. `int_dot` picks the decode
+    kernels' integer-dot path (int8 activations, as llama.cpp's q8_1; default on CUDA) or exact fp32 math."""
 
-    def __init__(self, gate: Weight, up: Weight, down: Weight, clamp: float, device: torch.device) -> None:
+    def __init__(self, gate: Weight, up: Weight, down: Weight, clamp: float, device: torch.device,
+                 int_dot: bool | None = None) -> None:
         self.gate, self.up, self.down = (_pack_experts(w, device) for w in (gate, up, down))
         self.clamp = clamp if clamp > 0 else None
+        self.int_dot = int_dot
 
     @property
     def nbytes(self) -> int:
@@ -133,25 +124,22 @@ class Experts:
 
     def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor) -> Tensor:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32."""
-        if xn.shape[0] <= MATVEC_MAX_ROWS:
-            fn = moe_k.moe_decode if xn.is_cuda else moe_k.moe_decode_ref
-            return fn(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
-        # Prefill: each used expert is dequantised once to fp16 and multiplied with all its tokens.
-        y = torch.zeros(xn.shape, dtype=torch.float32, device=xn.device)
-        dt = torch.float16 if xn.is_cuda else torch.float32
-        x = xn.to(dt)
+        few = xn.shape[0] <= ops.MAX_MATVEC_ROWS
+        if xn.is_cuda:  # no host synchronisation on either path
+            if few:
+                return moe_k.moe_decode(xn, self.gate, self.up, self.down, ids, wts, self.clamp,
+                                        int_dot=self.int_dot)
+            return moe_prefill(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
+        if few:
+            return moe_k.moe_decode_ref(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
+        # CPU prefill: each used expert is dequantised once and multiplied with all its tokens.
+        y = torch.zeros(xn.shape, dtype=torch.float32)
         for e in ids.unique().tolist():
             t, slot = torch.where(ids == e)
-            g = x[t] @ _expert_weight(self.gate, e, dt).T
-            u = x[t] @ _expert_weight(self.up, e, dt).T
-            h = swiglu(g.float(), u.float(), self.clamp or 0.0) * wts[t, slot, None]
-            y.index_add_(0, t, (h.to(dt) @ _expert_weight(self.down, e, dt).T).float())
+            g, u, d = (ops.dequantize(moe_k._expert(w, e)) for w in (self.gate, self.up, self.down))
+            h = swiglu(xn[t] @ g.T, xn[t] @ u.T, self.clamp or 0.0) * wts[t, slot, None]
+            y.index_add_(0, t, h @ d.T)
         return y
-
-
-def _expert_weight(w: PackedIQ2XXS | PackedQ2K, e: int, dtype: torch.dtype) -> Tensor:
-    one = moe_k._expert(w, e)
-    return (dequantize_iq2_xxs(one) if isinstance(one, PackedIQ2XXS) else dequantize_q2_k(one)).to(dtype)
 
 
 # ---- one layer's weights -----------------------------------------------------------------------------------
@@ -170,7 +158,8 @@ class CompressorW:
 
 
 class GpuLayer:
-    def __init__(self, cfg: ModelConfig, i: int, w: Mapping[str, Weight], dev: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, i: int, w: Mapping[str, Weight], dev: torch.device,
+                 int_dot: bool | None = None) -> None:
         p = f"blk.{i}"
 
         def f32(name: str) -> Tensor:
@@ -205,7 +194,7 @@ class GpuLayer:
             if cfg.is_hash_layer(i) else None
         self.bias = None if cfg.is_hash_layer(i) else f32("exp_probs_b.bias")
         self.experts = Experts(w[f"{p}.ffn_gate_exps.weight"], w[f"{p}.ffn_up_exps.weight"],
-                               w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev)
+                               w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev, int_dot)
         self.shared = tuple(lin(f"ffn_{k}_shexp") for k in ("gate", "up", "down")) if cfg.n_shared_experts else None
 
 
@@ -230,7 +219,9 @@ class GpuStage:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Weight], layers: range | None = None, *,
                  embed: bool = True, output: bool = True, device: str | torch.device = "cuda",
-                 round_trips: RoundTrips = RoundTrips()) -> None:
+                 round_trips: RoundTrips = RoundTrips(), int_dot: bool | None = None) -> None:
+        """`int_dot`: the MoE decode kernels' integer-dot path (None = the backend's default, on for CUDA);
+        False gives fp32 math, for comparisons with the reference."""
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = range(cfg.n_layers) if layers is None else layers
         self.has_embed, self.has_output, self.rt = embed, output, round_trips
@@ -243,7 +234,7 @@ class GpuStage:
         dev = self.device
         self.token_embd = _dense(weights["token_embd.weight"], dev, torch.float16 if dev.type == "cuda"
                                  else torch.float32) if embed else None
-        self.blocks = [GpuLayer(cfg, i, weights, dev) for i in self.layers]
+        self.blocks = [GpuLayer(cfg, i, weights, dev, int_dot) for i in self.layers]
         if output:
             self.out_hc = HyperConnection(*(_dense(weights[f"output_hc_{k}.weight"], dev, torch.float32)
                                             for k in ("fn", "scale", "base")), cfg)

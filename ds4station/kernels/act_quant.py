@@ -1,7 +1,7 @@
 """Activation quantisation for the integer-dot (dp4a) decode kernels, and the dp4a helper itself.
 
 The 2-bit expert kernels spend most of their time turning weights into floats (~7.7 instructions per
-weight in the fp32 path, see docs/PERFORMANCE-kernels.md). With the activation quantised to int8 per 32
+weight in the fp32 path, see docs/PERFORMANCE.md). With the activation quantised to int8 per 32
 values (scale = amax / 127, as llama.cpp's q8_1), four weights x four activations become one `dp4a`
 (a 4-way int8 dot product with int32 accumulation, exact), and the weights stay packed bytes.
 

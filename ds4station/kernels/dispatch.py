@@ -5,7 +5,7 @@ gfx1100 / gfx1151, `cpu`), the compile targets the portability check builds for,
 num_warps and num_stages every Triton launcher uses. Launchers ask here and nowhere else, and
 `ds4station bench compile` compiles exactly these choices, so what is checked is what would run.
 
-Rules that shape the numbers (see docs/PERFORMANCE-kernels.md):
+Rules that shape the numbers (see docs/PERFORMANCE.md):
 - decode matvecs are bandwidth-bound: a few output rows per program, the whole K row in one or two chunks,
   >= 256 programs, and one warp's worth of work that does not depend on the warp size (we never assume 32);
 - wave64 (gfx906) has twice the lanes per warp, so the same tile needs half the warps to keep the per-thread
@@ -136,7 +136,7 @@ def matvec_tiles(
         units = block_k // _LANE_PER_UNIT[qtype]
         num_warps = max(1, min(8, units // lanes))
     else:
-        # Q8_0, from the H200 runs of 2026-11-29 (docs/PERFORMANCE-kernels.md): tall matrices (>= 4096 rows)
+        # Q8_0, from the H200 runs of 2026-11-29 (docs/PERFORMANCE.md): tall matrices (>= 4096 rows)
         # with K > 1024 were fastest at 4 rows x 1024 K per step; the rest (q_b's K = 1024, and the short
         # q_a / kv / shared-expert gate+up) at up to 8 rows and up to 2048 K per step. num_warps keeps
         # <= 64 weight bytes per lane (wave64 needs half the warps of wave32 for that).
