@@ -76,3 +76,11 @@ def test_generate_command_streams_text_and_speed(gguf_path, capsys):
     assert "prompt:" in err and "tok/s" in err and "decode:" in err
     assert generate.run(args) == 0
     assert capsys.readouterr().out == out  # same seed, same text
+
+
+def test_load_reports_progress_in_weight_bytes(gguf_path) -> None:
+    seen: list[tuple[int, int]] = []
+    Engine.load(gguf_path, ctx=64, progress=lambda done, total: seen.append((done, total)))
+    totals = {t for _, t in seen}
+    assert len(totals) == 1 and seen[-1][0] == seen[-1][1] == totals.pop() > 0
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:], strict=False))  # grows with every tensor

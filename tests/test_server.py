@@ -510,5 +510,7 @@ def test_serve_command_builds_a_working_server(model_path) -> None:
         assert oai(srv, "k").models.list().data[0].id == "tiny"
         st = httpx.get(srv.url + "/status", headers={"x-api-key": "k"}).json()
         assert st["model"]["ctx"] == 512 and st["sessions"]["capacity"] == 1
+        stage = st["stages"][0]  # loading progress, reported in weight bytes (the panel draws it)
+        assert stage["loaded_bytes"] == stage["weights_bytes"] > 0
     finally:
         srv.stop()

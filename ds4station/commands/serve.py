@@ -69,7 +69,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     def load() -> Any:
         from ds4station.engine.pipeline import load_engine
 
-        return load_engine(path, ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback, **opts)
+        return load_engine(path, ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback,
+                           progress=scheduler.report_load, **opts)
 
     scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=args.prefill_chunk,
                           ctx=ctx)

@@ -667,8 +667,9 @@ def load_engine(model_path: str | os.PathLike[str], ctx: int = 4096, route: str 
     if route is None and expert_cache in (None, "", 0):
         from .runtime import Engine
 
-        keep = {k: v for k, v in kwargs.items() if k in ("chunk", "rollback", "round_trips")}
+        keep = {k: v for k, v in kwargs.items() if k in ("chunk", "rollback", "round_trips", "progress")}
         return Engine.load(model_path, ctx=ctx, device=device, **keep)
+    kwargs.pop("progress", None)  # stages report "loaded" as a whole (worker log lines), not in bytes
     resolved = check_settings(model_path, route, expert_cache, activation_bits, device)
     return PipelineEngine.load(model_path, ctx, resolved, activation_bits=activation_bits, **kwargs)
 

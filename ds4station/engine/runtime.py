@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,7 +83,9 @@ class Engine:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], ctx: int = 4096, device: str | torch.device = "cpu", *,
-             chunk: int = DEFAULT_CHUNK, rollback: int = 0, round_trips: RoundTrips = RoundTrips()) -> Engine:
+             chunk: int = DEFAULT_CHUNK, rollback: int = 0, round_trips: RoundTrips = RoundTrips(),
+             progress: Callable[[int, int], None] | None = None) -> Engine:
+        """Load a GGUF; `progress(loaded_bytes, total_bytes)` is called as tensors are read (for /status)."""
         from .gguf import GGUFFile
         from .tokenizer import Tokenizer
 
@@ -91,7 +93,14 @@ class Engine:
         cfg: ModelConfig = gf.config
         if ctx > cfg.context_length:
             raise ValueError(f"--ctx {ctx} exceeds the model's context length {cfg.context_length}")
-        weights = {name: q.dequantize().to(device) for name, q in gf.load().items()}
+        tensors = gf.load()
+        total, done = sum(q.nbytes for q in tensors.values()), 0
+        weights = {}
+        for name, q in tensors.items():
+            weights[name] = q.dequantize().to(device)
+            done += q.nbytes
+            if progress is not None:
+                progress(done, total)
         model = DS4Model(cfg, weights, round_trips=round_trips)
         return cls(model, Tokenizer.from_metadata(gf.metadata), ctx, chunk=chunk, rollback=rollback)
 

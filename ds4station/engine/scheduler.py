@@ -360,6 +360,7 @@ class Scheduler:
         self.pool: SessionPool | None = None
         self.state = "loading"  # loading | ready | failed | stopped
         self.error: str | None = None
+        self.load_progress: tuple[int, int] | None = None  # (loaded, total) weight bytes while loading
         self.ready = threading.Event()
         self._queue: queue.Queue[tuple[Job, Handle] | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
@@ -369,6 +370,10 @@ class Scheduler:
                        "cancelled": 0, "errors": 0}
         self._thread = threading.Thread(target=self._main, name="ds4-engine", daemon=True)
         self._idle = threading.Event()  # set while the worker waits for work (nothing running or settling)
+
+    def report_load(self, loaded: int, total: int) -> None:
+        """Progress callback for the loader (engine.Engine.load's `progress`)."""
+        self.load_progress = (loaded, total)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> Scheduler:

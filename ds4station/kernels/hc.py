@@ -1,0 +1,370 @@
+"""Fused hyper-connection (mHC) kernels: hc_pre, hc_post and the output head's pre, with torch references.
+
+Owns the Triton versions of engine/model.py's `HyperConnection.pre` / `.post` and the first half of
+`DS4Model.head` (DS4-MODEL.md "Forward pass" items 1, 2, 5). In torch each hc_pre is ~60 tiny launches
+(matvec, rsqrt, sigmoids, a 20-round Sinkhorn on a 4x4 matrix, the weighted stream sum); here it is two:
+
+- `hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) -> (x [T, dim], post [T, C], comb [T, C, C])`
+  launch 1 (`_hc_mix_partial_kernel`, grid (T, nblk)): split-K partial matvec fn @ flatten(X[t]) over one K
+  chunk plus that chunk's sum of squares -> partials [T, nblk, M + 1] (slot M holds the sum of squares);
+  launch 2 (`_hc_finalize_kernel`, grid (T,)): reduce the partials, scale by rsqrt(mean + rms_eps), the
+  pre / post sigmoids, Sinkhorn on the C x C comb logits in registers, and x = sum_j pre[j] * X[j].
+- `hc_post_triton(out, X, post, comb) -> X'`: X'[k] = post[k] * out + sum_j comb[j, k] * X[j], one launch
+  (`_hc_post_kernel`, grid (T, dim blocks)); may write in place over X (`out_X=X`): each program reads all C
+  streams of its dim block before it writes them.
+- `hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps) -> h [T, dim]`: the output head's weighted stream
+  sum (sigmoid weights, no Sinkhorn; the RMSNorm after it is not included), the same two launches.
+
+Every buffer has a shape fixed by the input shapes (no host sync, no data-dependent allocation), so the
+launchers can be captured in a CUDA graph. Math is fp32 throughout (fn may be fp16/bf16 in memory; it is
+widened on load). `hc_pre` / `hc_post` / `hc_head_pre` pick Triton for GPU tensors and the torch reference
+for CPU tensors, like kernels/norm.py; the `*_triton` launchers also take CPU tensors under TRITON_INTERPRET.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiles. TODO(lead): move `HcTiles` / `hc_tiles` into dispatch.py next to `row_tiles` (kept here only because
+# dispatch.py is not this change's file); launchers must keep asking `hc_tiles` and nothing else.
+
+
+@dataclass(frozen=True)
+class HcTiles:
+    block_k: int  # K elements of flatten(X) per step of the partial matvec
+    chunk_k: int  # K elements per partial program (a multiple of block_k); nblk = cdiv(K, chunk_k)
+    block_d: int  # dim elements per step of the finalize's weighted sum and per hc_post program
+    num_warps: int  # partial matvec
+    num_warps_d: int  # finalize and hc_post
+
+
+def _pow2_ceil(v: int) -> int:
+    return 1 << (max(1, v) - 1).bit_length()
+
+
+def hc_tiles(k: int, m: int, dim: int, t: int, backend: dispatch.Backend) -> HcTiles:
+    """Tiles for hc_pre / hc_head_pre / hc_post over T = t tokens, K = C * dim, M mix rows.
+
+    The mix matvec reads only M x K weights (1.5 MiB fp32 for DS4), so at decode the whole cost is launch
+    latency plus spreading that read over enough programs: ~64 K chunks per token at T = 1, fewer as T grows
+    (one chunk per token from T >= 256, where the T programs already fill the GPU and the partials stay
+    small). The interpreter runs programs one after another, so there the tiles are few and wide.
+    """
+    block_m = _pow2_ceil(m + 1)
+    if backend == "cpu":
+        block_k = min(4096, _pow2_ceil(k))
+        return HcTiles(block_k=block_k, chunk_k=block_k * triton.cdiv(k, block_k),
+                       block_d=min(4096, _pow2_ceil(dim)), num_warps=1, num_warps_d=1)
+    lanes = 64 if backend == "hip64" else 32
+    block_k = min(256, _pow2_ceil(k))
+    steps = triton.cdiv(k, block_k)
+    nblk = max(1, min(steps, _pow2_ceil(triton.cdiv(256, max(1, t)))))
+    chunk_k = block_k * triton.cdiv(steps, nblk)
+    block_d = min(256, _pow2_ceil(dim))
+    # ~64 fp32 values of a [block_m, block_k] / [C, block_d] tile per lane, whatever the warp size.
+    num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
+    num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
+    return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Torch references (the model's own functions, imported lazily: engine.model is the heavier module).
+
+
+def hc_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+               sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """HyperConnection.pre of engine/model.py on fp32 copies of the inputs."""
+    from ds4station.engine.model import hc_mix, sinkhorn
+
+    C = X.shape[1]
+    Xf = X.float()
+    mix = hc_mix(Xf, fn.float(), rms_eps)
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(mix[:, :C] * scale[0] + base[:C]) + hc_eps
+    post = 2 * torch.sigmoid(mix[:, C:2 * C] * scale[1] + base[C:2 * C])
+    comb = (mix[:, 2 * C:] * scale[2] + base[2 * C:]).unflatten(-1, (C, C))
+    comb = sinkhorn(comb, sinkhorn_iters, hc_eps)
+    return (pre.unsqueeze(-1) * Xf).sum(1), post, comb
+
+
+def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """HyperConnection.post of engine/model.py."""
+    from ds4station.engine.model import HyperConnection
+
+    return HyperConnection.post(out.float(), X.float(), post.float(), comb.float())
+
+
+def hc_head_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """DS4Model.head up to (not including) the output RMSNorm."""
+    from ds4station.engine.model import hc_mix
+
+    Xf = X.float()
+    mix = hc_mix(Xf, fn.float(), rms_eps)
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * Xf).sum(1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels.
+
+
+@triton.jit
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M, CHUNK, stride_xt, stride_fn,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[t, b, :M] = fn[:, chunk b] @ Xf[t, chunk b]; part[t, b, M] = sum(Xf[t, chunk b]^2)."""
+    t = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    nblk = tl.num_programs(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    row_ok = offs_m < M
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    k0 = b * CHUNK
+    for s in range(0, CHUNK, BLOCK_K):
+        k = k0 + s + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + offs_m[:, None] * stride_fn + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        ssq += x * x
+    # The sum of squares rides in slot M of the same row, so one store writes the whole partial.
+    vals = tl.where(offs_m == M, tl.sum(ssq, axis=0), acc)
+    tl.store(part_ptr + (t * nblk + b) * (M + 1) + offs_m, vals, mask=offs_m <= M)
+
+
+@triton.jit
+def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+                        NBLK, K, DIM, stride_xt, stride_xc, stride_yt, rms_eps, hc_eps, iters,
+                        C: tl.constexpr, CP: tl.constexpr, NBLK_P: tl.constexpr, BLOCK_D: tl.constexpr,
+                        HEAD: tl.constexpr):
+    """Per token: mix = sum of partials * rsqrt(mean(Xf^2) + rms_eps); pre / post / Sinkhorn(comb); y = pre . X.
+    HEAD: the output head's variant (M = C, pre only, one scale, no post / comb)."""
+    t = tl.program_id(0).to(tl.int64)
+    if HEAD:
+        M = C
+    else:
+        M = (2 + C) * C
+    offs_b = tl.arange(0, NBLK_P)
+    offs_c = tl.arange(0, CP)
+    b_ok = offs_b < NBLK
+    c_ok = offs_c < C
+    rows = part_ptr + (t * NBLK + offs_b) * (M + 1)  # [NBLK_P] partial rows of this token
+
+    ssq = tl.sum(tl.load(rows + M, mask=b_ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt(ssq / K + rms_eps)
+
+    # Each group of mix entries is reduced straight from the partials in the shape it is used in ([C] or
+    # [C, C]), which avoids moving values between register layouts.
+    mix_pre = tl.sum(tl.load(rows[:, None] + offs_c[None, :], mask=b_ok[:, None] & c_ok[None, :], other=0.0),
+                     axis=0) * r
+    pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + offs_c, mask=c_ok, other=0.0)) + hc_eps
+    pre = tl.where(c_ok, pre, 0.0)
+
+    if not HEAD:
+        mix_post = tl.sum(tl.load(rows[:, None] + C + offs_c[None, :], mask=b_ok[:, None] & c_ok[None, :],
+                                  other=0.0), axis=0) * r
+        post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1)
+                                + tl.load(base_ptr + C + offs_c, mask=c_ok, other=0.0))
+        tl.store(post_ptr + t * C + offs_c, post, mask=c_ok)
+
+        # comb logits [C(j), C(k)] at mix[2C + j*C + k].
+        jk = offs_c[:, None] * C + offs_c[None, :]
+        ok = c_ok[:, None] & c_ok[None, :]
+        p3 = rows[:, None, None] + 2 * C + jk[None, :, :]
+        mix_comb = tl.sum(tl.load(p3, mask=b_ok[:, None, None] & ok[None, :, :], other=0.0), axis=0) * r
+        z = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * C + jk, mask=ok, other=0.0)
+        # Sinkhorn exactly as model.sinkhorn: row softmax + eps, column-normalise, then iters-1 rounds of
+        # (row, column) normalisation with + eps on each denominator. Padding (CP > C) is kept at zero.
+        z = tl.where(ok, z, -float("inf"))
+        e = tl.exp(z - tl.max(z, axis=1)[:, None])
+        e = tl.where(ok, e, 0.0)
+        den = tl.sum(e, axis=1)
+        den = tl.where(c_ok, den, 1.0)
+        cm = tl.where(ok, e / den[:, None] + hc_eps, 0.0)
+        cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+        for _ in range(1, iters):
+            cm = cm / (tl.sum(cm, axis=1)[:, None] + hc_eps)
+            cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
+        tl.store(comb_ptr + t * C * C + jk, cm, mask=ok)
+
+    # y = sum_j pre[j] * X[j] over dim in blocks.
+    offs_d = tl.arange(0, BLOCK_D)
+    for d0 in range(0, DIM, BLOCK_D):
+        d = d0 + offs_d
+        d_ok = d < DIM
+        xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * stride_yt + d, tl.sum(pre[:, None] * xt, axis=0), mask=d_ok)
+
+
+@triton.jit
+def _hc_post_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, stride_xt, stride_xc,
+                    stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block]."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < DIM
+    offs_c = tl.arange(0, CP)
+    c_ok = offs_c < C
+    o = tl.load(o_ptr + t * stride_ot + d, mask=d_ok, other=0.0).to(tl.float32)
+    xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [CP(j), BLOCK_D]
+    post = tl.load(post_ptr + t * C + offs_c, mask=c_ok, other=0.0)
+    comb = tl.load(comb_ptr + t * C * C + offs_c[:, None] * C + offs_c[None, :],
+                   mask=c_ok[:, None] & c_ok[None, :], other=0.0)  # [CP(j), CP(k)]
+    mixed = tl.sum(comb[:, :, None] * xt[:, None, :], axis=0)  # [CP(k), BLOCK_D]
+    y = post[:, None] * o[None, :] + mixed
+    tl.store(y_ptr + t * stride_yt + offs_c[:, None] * stride_yc + d[None, :], y,
+             mask=c_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers.
+
+
+def _check_device(t: Tensor) -> None:
+    if not t.is_cuda and not dispatch.interpreting():
+        raise ValueError("the hc Triton launchers need GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+
+
+def _streams(X: Tensor) -> Tensor:
+    """X [T, C, dim] with each token's C x dim block contiguous (flatten(X[t]) is then plain pointer math)."""
+    if X.dim() != 3:
+        raise ValueError(f"X must be [T, C, dim], got {tuple(X.shape)}")
+    if X.stride(2) != 1 or X.stride(1) != X.shape[2]:
+        X = X.contiguous()
+    return X
+
+
+def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: HcTiles) -> Tensor:
+    """Launch 1: partials [T, nblk, m + 1] of fn @ flatten(X[t]) and sum(flatten(X[t])^2)."""
+    T, C, dim = X.shape
+    k = C * dim
+    if fn.shape != (m, k):
+        raise ValueError(f"fn must be [{m}, {k}], got {tuple(fn.shape)}")
+    if fn.stride(1) != 1:
+        fn = fn.contiguous()
+    if tiles.chunk_k % tiles.block_k:
+        raise ValueError(f"chunk_k {tiles.chunk_k} must be a multiple of block_k {tiles.block_k}")
+    nblk = triton.cdiv(k, tiles.chunk_k)
+    part = torch.empty(T, nblk, m + 1, device=X.device, dtype=torch.float32)
+    if T:
+        _hc_mix_partial_kernel[(T, nblk)](
+            X, fn, part, k, m, tiles.chunk_k, X.stride(0), fn.stride(0),
+            BLOCK_M=_pow2_ceil(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+    return part
+
+
+def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                  sinkhorn_iters: int, *, tiles: HcTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """HyperConnection.pre in two launches. X [T, C, dim], fn [(2+C)*C, C*dim], scale [3], base [(2+C)*C]
+    -> (x [T, dim], post [T, C], comb [T, C, C]), all fp32. `tiles` overrides hc_tiles (tests)."""
+    _check_device(X)
+    if sinkhorn_iters < 1:
+        raise ValueError("sinkhorn_iters must be >= 1")
+    X = _streams(X)
+    T, C, dim = X.shape
+    m = (2 + C) * C
+    if scale.numel() < 3 or base.numel() != m:
+        raise ValueError(f"scale must have 3 entries and base {m}, got {scale.numel()} and {base.numel()}")
+    tiles = tiles or hc_tiles(C * dim, m, dim, T, dispatch.launch_backend(X))
+    part = _mix_partials(X, fn, m, tiles)
+    y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
+    post = torch.empty(T, C, device=X.device, dtype=torch.float32)
+    comb = torch.empty(T, C, C, device=X.device, dtype=torch.float32)
+    if T:
+        nblk = part.shape[1]
+        _hc_finalize_kernel[(T,)](
+            part, X, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
+            nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps),
+            int(sinkhorn_iters), C=C, CP=_pow2_ceil(C), NBLK_P=_pow2_ceil(nblk), BLOCK_D=tiles.block_d,
+            HEAD=False, num_warps=tiles.num_warps_d)
+    return y, post, comb
+
+
+def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+                       *, tiles: HcTiles | None = None) -> Tensor:
+    """The output head's pre in two launches: X [T, C, dim], fn [C, C*dim], scale [1], base [C] ->
+    h = sum_j (sigmoid(mix[j] * scale + base[j]) + hc_eps) * X[j]  [T, dim] (before output_norm)."""
+    _check_device(X)
+    X = _streams(X)
+    T, C, dim = X.shape
+    if scale.numel() < 1 or base.numel() != C:
+        raise ValueError(f"scale must have 1 entry and base {C}, got {scale.numel()} and {base.numel()}")
+    tiles = tiles or hc_tiles(C * dim, C, dim, T, dispatch.launch_backend(X))
+    part = _mix_partials(X, fn, C, tiles)
+    y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
+    if T:
+        nblk = part.shape[1]
+        # post / comb pointers are unused under HEAD; y stands in for them.
+        _hc_finalize_kernel[(T,)](
+            part, X, scale.float().contiguous(), base.float().contiguous(), y, y, y,
+            nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps), 1,
+            C=C, CP=_pow2_ceil(C), NBLK_P=_pow2_ceil(nblk), BLOCK_D=tiles.block_d, HEAD=True,
+            num_warps=tiles.num_warps_d)
+    return y
+
+
+def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X: Tensor | None = None,
+                   tiles: HcTiles | None = None) -> Tensor:
+    """HyperConnection.post in one launch: out [T, dim], X [T, C, dim], post [T, C], comb [T, C, C] ->
+    X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every program reads its whole
+    [C, dim-block] of X before writing the same block)."""
+    _check_device(X)
+    if X.dim() != 3:
+        raise ValueError(f"X must be [T, C, dim], got {tuple(X.shape)}")
+    T, C, dim = X.shape
+    if out.shape != (T, dim) or post.shape != (T, C) or comb.shape != (T, C, C):
+        raise ValueError(f"shapes do not match X [T={T}, C={C}, dim={dim}]: out {tuple(out.shape)}, "
+                         f"post {tuple(post.shape)}, comb {tuple(comb.shape)}")
+    if X.stride(2) != 1:
+        X = X.contiguous()
+    if out.stride(1) != 1:
+        out = out.contiguous()
+    post = post.float().contiguous()
+    comb = comb.float().contiguous()
+    y = torch.empty(T, C, dim, device=X.device, dtype=torch.float32) if out_X is None else out_X
+    if y.shape != (T, C, dim) or y.dtype != torch.float32 or y.stride(2) != 1:
+        raise ValueError("out_X must be an fp32 [T, C, dim] tensor with unit stride on dim")
+    tiles = tiles or hc_tiles(C * dim, (2 + C) * C, dim, T, dispatch.launch_backend(X))
+    if T:
+        _hc_post_kernel[(T, triton.cdiv(dim, tiles.block_d))](
+            out, X, post, comb, y, dim, out.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
+            C=C, CP=_pow2_ceil(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d)
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Public ops: Triton on GPU tensors, the torch reference on CPU tensors.
+
+
+def hc_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
+           sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
+    """HyperConnection.pre: X [T, C, dim] -> (x [T, dim], post [T, C], comb [T, C, C])."""
+    if dispatch.use_triton(X):
+        return hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+    return hc_pre_ref(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+
+
+def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
+    """HyperConnection.post: -> X' [T, C, dim]."""
+    return hc_post_triton(out, X, post, comb) if dispatch.use_triton(X) else hc_post_ref(out, X, post, comb)
+
+
+def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
+    """The output head's stream sum (before output_norm): X [T, C, dim] -> h [T, dim]."""
+    if dispatch.use_triton(X):
+        return hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps)
+    return hc_head_pre_ref(X, fn, scale, base, rms_eps, hc_eps)
