@@ -3,8 +3,8 @@
 each, with no register spills in the decode matvecs, no bf16 instruction in the gfx906 (Vega20) build, and
 the packed fp16 dot (v_dot2_f32_f16) in gfx906's prefill matmul. Runs on a CPU-only machine.
 
-To keep CI fast this compiles one instance of each kernel family (the fused MoE kernels are built from the
-same per-format dot helpers); `ds4station bench compile` builds every kernel."""
+It builds exactly what `ds4station bench compile` builds: every kernel, at every tile the dispatcher picks
+for each target (about two minutes on two cores)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 
 from ds4station.kernels import compile_check, dispatch
 
-CI_KERNELS = ("q8_0_matvec attn_output_a m1", "q8_0_matmul", "iq2_xxs_matvec", "q2_k_matvec", "act_quant",
-              "rms_norm", "rope")
+FAMILIES = ("q8_0_matvec", "q8_0_matmul", "iq2_xxs_matvec", "q2_k_matvec", "moe_", "moe_prefill", "act_quant",
+            "rms_norm", "rope", "hc_mix_partial", "hc_finalize", "hc_post")
 TARGETS = [t.name for t in dispatch.COMPILE_TARGETS]
 
 
@@ -31,17 +31,17 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> list[compile_check.Repo
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "ds4station.kernels.compile_check", "--json", str(out),
-                           "--only", *CI_KERNELS], env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, "-m", "ds4station.kernels.compile_check", "--json", str(out)],
+                          env=env, capture_output=True, text=True, timeout=1200)
     assert out.exists(), f"compile check did not run:\n{proc.stdout}\n{proc.stderr}"
     return [compile_check.Report(**r) for r in json.loads(out.read_text())]
 
 
 def test_every_family_compiles_for_every_target(reports: list[compile_check.Report]) -> None:
-    built = {(r.kernel.split()[0], r.target) for r in reports}
     for target in TARGETS:
-        for kernel in CI_KERNELS:
-            assert (kernel.split()[0], target) in built
+        names = [r.kernel for r in reports if r.target == target]
+        for family in FAMILIES:
+            assert any(n.startswith(family) for n in names), f"no {family} kernel built for {target}"
     assert compile_check.problems(reports) == []
     for r in reports:
         assert r.ok, f"{r.kernel} on {r.target}: {r.error}"

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
+from ds4station.kernels import hc as hc_k
 from ds4station.kernels import moe as moe_k
 from ds4station.kernels import ops
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
@@ -251,11 +252,9 @@ class GpuStage:
         return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def head(self, X: Tensor) -> Tensor:
-        cfg = self.cfg
-        mix = (X.flatten(1) @ self.out_hc.fn.T) * torch.rsqrt(X.flatten(1).square().mean(-1, keepdim=True)
-                                                              + cfg.rms_eps)
-        pre = torch.sigmoid(mix * self.out_hc.scale + self.out_hc.base) + cfg.hc_eps
-        return self.output(rms_norm((pre.unsqueeze(-1) * X).sum(1), self.output_norm, cfg.rms_eps))
+        cfg, h = self.cfg, self.out_hc
+        x = hc_k.hc_head_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps)
+        return self.output(rms_norm(x, self.output_norm, cfg.rms_eps))
 
     def _kv_round_trip(self, x: Tensor) -> Tensor:
         if not self.rt.fp8_kv:
@@ -387,13 +386,16 @@ class GpuStage:
 
     def run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
         eps = self.cfg.rms_eps
-        for L in self.blocks:
-            kv = cache[L.layer]
-            x, post, comb = L.hc_attn.pre(X)
-            X = HyperConnection.post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
-            x, post, comb = L.hc_ffn.pre(X)
-            X = HyperConnection.post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens), X, post, comb)
+        for L in self.blocks:  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
+            x, post, comb = self._hc_pre(L.hc_attn, X)
+            X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
+            x, post, comb = self._hc_pre(L.hc_ffn, X)
+            X = hc_k.hc_post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens), X, post, comb)
         return X
+
+    def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        cfg = self.cfg
+        return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
     # ---- public forward ------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -61,7 +61,7 @@ class Report:
 
 def _specs(target: CompileTarget) -> list[KernelSpec]:
     """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
-    from ds4station.kernels import act_quant, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0
+    from ds4station.kernels import act_quant, hc, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0
 
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
@@ -197,7 +197,45 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
             ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "signs_ptr", "d0", "d1", "d2", "F", "D",
              "stride_yt"),
             mo.down.num_warps, mo.down.num_stages, decode=True))
+    specs += _hc_specs(hc, backend)
     return specs
+
+
+def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
+    """Hyper-connection kernels (kernels/hc.py) at DS4's shape (4 streams x 4096), decode and a 2048 chunk."""
+    C, dim = 4, 4096
+    k, m = C * dim, (2 + C) * C
+    i32, p32 = "i32", "*fp32"
+    out = []
+    for t in (1, 2048):
+        tl_ = dispatch.hc_tiles(k, m, dim, t, backend)
+        nblk = -(-k // tl_.chunk_k)
+        out.append(KernelSpec(
+            f"hc_mix_partial T{t}", hc._hc_mix_partial_kernel,
+            {"x_ptr": p32, "fn_ptr": p32, "part_ptr": p32, "K": i32, "M": i32, "CHUNK": i32, "stride_xt": i32,
+             "stride_fn": i32, "BLOCK_M": "constexpr", "BLOCK_K": "constexpr"},
+            {"BLOCK_M": _pow2(m + 1), "BLOCK_K": tl_.block_k},
+            ("x_ptr", "fn_ptr", "part_ptr", "K", "CHUNK", "stride_xt", "stride_fn"), tl_.num_warps, 1,
+            decode=t == 1))
+        for head in (False, True):
+            out.append(KernelSpec(
+                f"hc_finalize{' head' if head else ''} T{t}", hc._hc_finalize_kernel,
+                {"part_ptr": p32, "x_ptr": p32, "scale_ptr": p32, "base_ptr": p32, "y_ptr": p32, "post_ptr": p32,
+                 "comb_ptr": p32, "NBLK": i32, "K": i32, "DIM": i32, "stride_xt": i32, "stride_xc": i32,
+                 "stride_yt": i32, "rms_eps": "fp32", "hc_eps": "fp32", "iters": i32, "C": "constexpr",
+                 "CP": "constexpr", "NBLK_P": "constexpr", "BLOCK_D": "constexpr", "HEAD": "constexpr"},
+                {"C": C, "CP": C, "NBLK_P": _pow2(nblk), "BLOCK_D": tl_.block_d, "HEAD": head},
+                ("x_ptr", "y_ptr", "DIM", "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_d, 1,
+                decode=t == 1))
+        out.append(KernelSpec(
+            f"hc_post T{t}", hc._hc_post_kernel,
+            {"o_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "DIM": i32,
+             "stride_ot": i32, "stride_xt": i32, "stride_xc": i32, "stride_yt": i32, "stride_yc": i32,
+             "C": "constexpr", "CP": "constexpr", "BLOCK_D": "constexpr"},
+            {"C": C, "CP": C, "BLOCK_D": tl_.block_d},
+            ("o_ptr", "x_ptr", "y_ptr", "DIM", "stride_ot", "stride_xt", "stride_xc", "stride_yt", "stride_yc"),
+            tl_.num_warps_d, 1, decode=t == 1))
+    return out
 
 
 def _pow2(v: int) -> int:

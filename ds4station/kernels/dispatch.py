@@ -241,3 +241,41 @@ def row_tiles(width: int, backend: Backend) -> RowTiles:
     per_warp = 64 if backend == "hip64" else 32
     num_warps = max(1, min(8, block // (per_warp * 8)))
     return RowTiles(block=block, num_warps=num_warps)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class HcTiles:
+    block_k: int  # K elements of flatten(X) per step of the partial matvec
+    chunk_k: int  # K elements per partial program (a multiple of block_k); nblk = cdiv(K, chunk_k)
+    block_d: int  # dim elements per step of the finalize's weighted sum and per hc_post program
+    num_warps: int  # partial matvec
+    num_warps_d: int  # finalize and hc_post
+
+
+def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
+    """Tiles for hc_pre / hc_head_pre / hc_post over T = t tokens, K = C * dim, M mix rows.
+
+    The mix matvec reads only M x K weights (1.5 MiB fp32 for DS4), so at decode the whole cost is launch
+    latency plus spreading that read over enough programs: ~64 K chunks per token at T = 1, fewer as T grows
+    (one chunk per token from T >= 256, where the T programs already fill the GPU and the partials stay
+    small). The interpreter runs programs one after another, so there the tiles are few and wide.
+    """
+    block_m = _pow2_ceil(m + 1)
+    if backend == "cpu":
+        block_k = min(4096, _pow2_ceil(k))
+        return HcTiles(block_k=block_k, chunk_k=block_k * _cdiv(k, block_k),
+                       block_d=min(4096, _pow2_ceil(dim)), num_warps=1, num_warps_d=1)
+    lanes = 64 if backend == "hip64" else 32
+    block_k = min(256, _pow2_ceil(k))
+    steps = _cdiv(k, block_k)
+    nblk = max(1, min(steps, _pow2_ceil(_cdiv(256, max(1, t)))))
+    chunk_k = block_k * _cdiv(steps, nblk)
+    block_d = min(256, _pow2_ceil(dim))
+    # ~64 fp32 values of a [block_m, block_k] / [C, block_d] tile per lane, whatever the warp size.
+    num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
+    num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
+    return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d)

@@ -23,8 +23,6 @@ for CPU tensors, like kernels/norm.py; the `*_triton` launchers also take CPU te
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -32,49 +30,6 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 
 Tensor = torch.Tensor
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Tiles. TODO(lead): move `HcTiles` / `hc_tiles` into dispatch.py next to `row_tiles` (kept here only because
-# dispatch.py is not this change's file); launchers must keep asking `hc_tiles` and nothing else.
-
-
-@dataclass(frozen=True)
-class HcTiles:
-    block_k: int  # K elements of flatten(X) per step of the partial matvec
-    chunk_k: int  # K elements per partial program (a multiple of block_k); nblk = cdiv(K, chunk_k)
-    block_d: int  # dim elements per step of the finalize's weighted sum and per hc_post program
-    num_warps: int  # partial matvec
-    num_warps_d: int  # finalize and hc_post
-
-
-def _pow2_ceil(v: int) -> int:
-    return 1 << (max(1, v) - 1).bit_length()
-
-
-def hc_tiles(k: int, m: int, dim: int, t: int, backend: dispatch.Backend) -> HcTiles:
-    """Tiles for hc_pre / hc_head_pre / hc_post over T = t tokens, K = C * dim, M mix rows.
-
-    The mix matvec reads only M x K weights (1.5 MiB fp32 for DS4), so at decode the whole cost is launch
-    latency plus spreading that read over enough programs: ~64 K chunks per token at T = 1, fewer as T grows
-    (one chunk per token from T >= 256, where the T programs already fill the GPU and the partials stay
-    small). The interpreter runs programs one after another, so there the tiles are few and wide.
-    """
-    block_m = _pow2_ceil(m + 1)
-    if backend == "cpu":
-        block_k = min(4096, _pow2_ceil(k))
-        return HcTiles(block_k=block_k, chunk_k=block_k * triton.cdiv(k, block_k),
-                       block_d=min(4096, _pow2_ceil(dim)), num_warps=1, num_warps_d=1)
-    lanes = 64 if backend == "hip64" else 32
-    block_k = min(256, _pow2_ceil(k))
-    steps = triton.cdiv(k, block_k)
-    nblk = max(1, min(steps, _pow2_ceil(triton.cdiv(256, max(1, t)))))
-    chunk_k = block_k * triton.cdiv(steps, nblk)
-    block_d = min(256, _pow2_ceil(dim))
-    # ~64 fp32 values of a [block_m, block_k] / [C, block_d] tile per lane, whatever the warp size.
-    num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
-    num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
-    return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -187,7 +142,7 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
         z = mix_comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * C + jk, mask=ok, other=0.0)
         # Sinkhorn exactly as model.sinkhorn: row softmax + eps, column-normalise, then iters-1 rounds of
         # (row, column) normalisation with + eps on each denominator. Padding (CP > C) is kept at zero.
-        z = tl.where(ok, z, -float("inf"))
+        z = tl.where(ok, z, -1e30)  # finite, so padded rows give exp(0) (masked below), never inf - inf
         e = tl.exp(z - tl.max(z, axis=1)[:, None])
         e = tl.where(ok, e, 0.0)
         den = tl.sum(e, axis=1)
@@ -248,7 +203,7 @@ def _streams(X: Tensor) -> Tensor:
     return X
 
 
-def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: HcTiles) -> Tensor:
+def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: dispatch.HcTiles) -> Tensor:
     """Launch 1: partials [T, nblk, m + 1] of fn @ flatten(X[t]) and sum(flatten(X[t])^2)."""
     T, C, dim = X.shape
     k = C * dim
@@ -263,12 +218,12 @@ def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: HcTiles) -> Tensor:
     if T:
         _hc_mix_partial_kernel[(T, nblk)](
             X, fn, part, k, m, tiles.chunk_k, X.stride(0), fn.stride(0),
-            BLOCK_M=_pow2_ceil(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+            BLOCK_M=triton.next_power_of_2(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     return part
 
 
 def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-                  sinkhorn_iters: int, *, tiles: HcTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  sinkhorn_iters: int, *, tiles: dispatch.HcTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """HyperConnection.pre in two launches. X [T, C, dim], fn [(2+C)*C, C*dim], scale [3], base [(2+C)*C]
     -> (x [T, dim], post [T, C], comb [T, C, C]), all fp32. `tiles` overrides hc_tiles (tests)."""
     _check_device(X)
@@ -279,7 +234,7 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
     m = (2 + C) * C
     if scale.numel() < 3 or base.numel() != m:
         raise ValueError(f"scale must have 3 entries and base {m}, got {scale.numel()} and {base.numel()}")
-    tiles = tiles or hc_tiles(C * dim, m, dim, T, dispatch.launch_backend(X))
+    tiles = tiles or dispatch.hc_tiles(C * dim, m, dim, T, dispatch.launch_backend(X))
     part = _mix_partials(X, fn, m, tiles)
     y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
     post = torch.empty(T, C, device=X.device, dtype=torch.float32)
@@ -289,13 +244,13 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
         _hc_finalize_kernel[(T,)](
             part, X, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps),
-            int(sinkhorn_iters), C=C, CP=_pow2_ceil(C), NBLK_P=_pow2_ceil(nblk), BLOCK_D=tiles.block_d,
-            HEAD=False, num_warps=tiles.num_warps_d)
+            int(sinkhorn_iters), C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk),
+            BLOCK_D=tiles.block_d, HEAD=False, num_warps=tiles.num_warps_d)
     return y, post, comb
 
 
 def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-                       *, tiles: HcTiles | None = None) -> Tensor:
+                       *, tiles: dispatch.HcTiles | None = None) -> Tensor:
     """The output head's pre in two launches: X [T, C, dim], fn [C, C*dim], scale [1], base [C] ->
     h = sum_j (sigmoid(mix[j] * scale + base[j]) + hc_eps) * X[j]  [T, dim] (before output_norm)."""
     _check_device(X)
@@ -303,7 +258,7 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
     T, C, dim = X.shape
     if scale.numel() < 1 or base.numel() != C:
         raise ValueError(f"scale must have 1 entry and base {C}, got {scale.numel()} and {base.numel()}")
-    tiles = tiles or hc_tiles(C * dim, C, dim, T, dispatch.launch_backend(X))
+    tiles = tiles or dispatch.hc_tiles(C * dim, C, dim, T, dispatch.launch_backend(X))
     part = _mix_partials(X, fn, C, tiles)
     y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
     if T:
@@ -312,13 +267,13 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
         _hc_finalize_kernel[(T,)](
             part, X, scale.float().contiguous(), base.float().contiguous(), y, y, y,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps), 1,
-            C=C, CP=_pow2_ceil(C), NBLK_P=_pow2_ceil(nblk), BLOCK_D=tiles.block_d, HEAD=True,
+            C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk), BLOCK_D=tiles.block_d, HEAD=True,
             num_warps=tiles.num_warps_d)
     return y
 
 
 def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X: Tensor | None = None,
-                   tiles: HcTiles | None = None) -> Tensor:
+                   tiles: dispatch.HcTiles | None = None) -> Tensor:
     """HyperConnection.post in one launch: out [T, dim], X [T, C, dim], post [T, C], comb [T, C, C] ->
     X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every program reads its whole
     [C, dim-block] of X before writing the same block)."""
@@ -338,11 +293,11 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X:
     y = torch.empty(T, C, dim, device=X.device, dtype=torch.float32) if out_X is None else out_X
     if y.shape != (T, C, dim) or y.dtype != torch.float32 or y.stride(2) != 1:
         raise ValueError("out_X must be an fp32 [T, C, dim] tensor with unit stride on dim")
-    tiles = tiles or hc_tiles(C * dim, (2 + C) * C, dim, T, dispatch.launch_backend(X))
+    tiles = tiles or dispatch.hc_tiles(C * dim, (2 + C) * C, dim, T, dispatch.launch_backend(X))
     if T:
         _hc_post_kernel[(T, triton.cdiv(dim, tiles.block_d))](
             out, X, post, comb, y, dim, out.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
-            C=C, CP=_pow2_ceil(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d)
+            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d)
     return y
 
 

@@ -1,0 +1,200 @@
+"""Fused hyper-connection kernels (ds4station/kernels/hc.py) against the reference model's own math
+(engine/model.py: HyperConnection.pre / .post, hc_mix, sinkhorn, DS4Model.head) at small odd shapes, with
+every buffer the launchers allocate poisoned with NaN, split-K over several (and ragged) chunks, Sinkhorn at
+1 and 20 iterations, in-place hc_post, and the launch count per call."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ds4station.engine.config import TINY
+from ds4station.engine.model import DS4Model, HyperConnection, rms_norm, sinkhorn
+from ds4station.kernels import hc
+from ds4station.kernels.dispatch import HcTiles, hc_tiles
+from ds4station.kernels.hc import hc_head_pre_triton, hc_post_triton, hc_pre_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+# Forces split-K (K = 4 * 96 = 384 -> 3 chunks of 128, padded to 4 in the finalize; 4 * 256 -> 8 chunks) and
+# ragged dim blocks (96 = 64 + 32) so the masks are exercised; None = the launcher's own tiles.
+SPLIT = HcTiles(block_k=64, chunk_k=128, block_d=64, num_warps=1, num_warps_d=1)
+RAGGED_K = HcTiles(block_k=256, chunk_k=256, block_d=128, num_warps=1, num_warps_d=1)  # 384 = 256 + 128
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.empty the launchers make (partials and outputs) starts as NaN, so an element a kernel
+    fails to write shows up in the comparison."""
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _weights(T: int, C: int, dim: int, m: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    X = torch.randn(T, C, dim, generator=gen) * 3
+    fn = torch.randn(m, C * dim, generator=gen) * 0.2  # mix entries of a few units: non-trivial sigmoids
+    scale = torch.rand(3, generator=gen) + 0.5
+    base = torch.randn(m, generator=gen)
+    return tuple(t.to(DEVICE) for t in (X, fn, scale, base))
+
+
+@pytest.mark.parametrize(("T", "dim", "seed", "iters", "tiles"), [
+    (1, 96, 0, 20, None), (3, 96, 1, 20, SPLIT), (3, 96, 2, 1, RAGGED_K), (1, 256, 3, 1, SPLIT),
+    (3, 256, 4, 20, None), (1, 256, 5, 20, SPLIT)])
+def test_hc_pre_matches_model(poisoned_empty: None, T: int, dim: int, seed: int, iters: int,
+                              tiles: HcTiles | None) -> None:
+    C = 4
+    X, fn, scale, base = _weights(T, C, dim, (2 + C) * C, seed)
+    cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C, hc_sinkhorn_iters=iters)
+    want = HyperConnection(fn, scale, base, cfg).pre(X)
+    got = hc_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, iters, tiles=tiles)
+    for g, w, name in zip(got, want, ("x", "post", "comb"), strict=True):
+        assert g.shape == w.shape, name
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, n=name: f"{n}: {m}")  # noqa: B023
+    # Every Sinkhorn round ends with the column normalisation: columns sum to 1 (up to the eps terms).
+    torch.testing.assert_close(got[2].sum(-2), torch.ones(T, C, device=DEVICE), rtol=0, atol=1e-5)
+
+
+def test_sinkhorn_iteration_count_matters() -> None:
+    """1 and 20 iterations give different combs, each matching model.sinkhorn at its own count (so the
+    kernel's loop bound is the argument, not a constant)."""
+    X, fn, scale, base = _weights(1, 4, 96, 24, 7)
+    fn = fn * 5  # peaked logits: the row normalisation rounds move the matrix visibly
+    combs = {}
+    for iters in (1, 20):
+        _, _, combs[iters] = hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, iters)
+        cfg = dataclasses.replace(TINY, dim=96, hc_sinkhorn_iters=iters)
+        torch.testing.assert_close(combs[iters], HyperConnection(fn, scale, base, cfg).pre(X)[2], **TOL)
+    assert (combs[1] - combs[20]).abs().max() > 1e-3
+    logits = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(sinkhorn(logits, 1, 1e-6).sum(-2), torch.ones(2, 4), rtol=0, atol=1e-5)
+
+
+def test_hc_pre_padded_streams(poisoned_empty: None) -> None:
+    """C = 3 is padded to 4 lanes in registers: the padding must not leak into softmax / Sinkhorn / sums."""
+    C, dim = 3, 40
+    X, fn, scale, base = _weights(2, C, dim, (2 + C) * C, 8)
+    cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C)
+    want = HyperConnection(fn, scale, base, cfg).pre(X)
+    got = hc_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                        tiles=HcTiles(block_k=32, chunk_k=64, block_d=16, num_warps=1, num_warps_d=1))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.parametrize(("T", "dim", "seed", "tiles"), [(1, 96, 0, SPLIT), (3, 96, 1, None),
+                                                         (3, 256, 2, SPLIT), (1, 256, 3, None)])
+def test_hc_post_matches_model(poisoned_empty: None, T: int, dim: int, seed: int, tiles: HcTiles | None) -> None:
+    C = 4
+    gen = torch.Generator().manual_seed(100 + seed)
+    out = (torch.randn(T, dim, generator=gen) * 2).to(DEVICE)
+    X = torch.randn(T, C, dim, generator=gen).to(DEVICE)
+    post = (2 * torch.rand(T, C, generator=gen)).to(DEVICE)
+    comb = sinkhorn(torch.randn(T, C, C, generator=gen), 20, 1e-6).to(DEVICE)
+    want = HyperConnection.post(out, X, post, comb)
+    got = hc_post_triton(out, X, post, comb, tiles=tiles)
+    torch.testing.assert_close(got, want, **TOL)
+    # In place over X (what a CUDA-graph decode step does with its static residual buffer).
+    Xi = X.clone()
+    assert hc_post_triton(out, Xi, post, comb, out_X=Xi, tiles=tiles) is Xi
+    torch.testing.assert_close(Xi, want, **TOL)
+
+
+@pytest.mark.parametrize(("T", "dim", "seed", "tiles"), [(1, 96, 0, None), (3, 96, 1, SPLIT),
+                                                         (3, 256, 2, None), (1, 256, 3, RAGGED_K)])
+def test_hc_head_pre_matches_model_head(poisoned_empty: None, T: int, dim: int, seed: int,
+                                        tiles: HcTiles | None) -> None:
+    """DS4Model.head with an identity output matrix returns rms_norm(h) * output_norm, h = our hc_head_pre."""
+    C = 4
+    X, fn, scale, base = _weights(T, C, dim, C, seed)
+    scale = scale[:1]
+    base = base[:C]
+    norm = (torch.rand(dim, generator=torch.Generator().manual_seed(seed)) + 0.5).to(DEVICE)
+    cfg = dataclasses.replace(TINY, dim=dim, vocab_size=dim)
+    weights = {"output_hc_fn.weight": fn, "output_hc_scale.weight": scale, "output_hc_base.weight": base,
+               "output_norm.weight": norm, "output.weight": torch.eye(dim, device=DEVICE)}
+    model = DS4Model(cfg, weights, range(0), embed=False, output=True)
+    h = hc_head_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, tiles=tiles)
+    torch.testing.assert_close(rms_norm(h, norm, cfg.rms_eps), model.head(X), **TOL)
+    torch.testing.assert_close(h, hc.hc_head_pre_ref(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps), **TOL)
+
+
+class _Counting:
+    """Stands in for a @triton.jit kernel and counts its launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: object) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+def test_launches_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = {}
+    for name in ("_hc_mix_partial_kernel", "_hc_finalize_kernel", "_hc_post_kernel"):
+        counters[name] = _Counting(getattr(hc, name))
+        monkeypatch.setattr(hc, name, counters[name])
+
+    def total() -> int:
+        return sum(c.launches for c in counters.values())
+
+    X, fn, scale, base = _weights(1, 4, 32, 24, 9)
+    x, post, comb = hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 20, tiles=SPLIT)
+    assert total() == 2
+    hc_post_triton(x, X, post, comb)
+    assert total() == 3
+    hc_head_pre_triton(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
+    assert total() == 5
+    assert counters["_hc_post_kernel"].launches == 1
+
+
+def test_public_ops_use_reference_on_cpu() -> None:
+    X, fn, scale, base = (t.cpu() for t in _weights(2, 4, 32, 24, 10))
+    cfg = dataclasses.replace(TINY, dim=32)
+    want = HyperConnection(fn, scale, base, cfg).pre(X)
+    got = hc.hc_pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(hc.hc_post(got[0], X, got[1], got[2]), HyperConnection.post(got[0], X, *got[1:]))
+    assert hc.hc_head_pre(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6).shape == (2, 32)
+
+
+def test_launchers_reject_bad_shapes() -> None:
+    X, fn, scale, base = _weights(1, 4, 32, 24, 11)
+    with pytest.raises(ValueError, match="fn must be"):
+        hc_pre_triton(X, fn[:, :-1], scale, base, 1e-6, 1e-6, 20)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 0)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        hc_post_triton(X[:, 0], X, torch.ones(1, 3, device=DEVICE), torch.ones(1, 4, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 20, tiles=HcTiles(64, 96, 32, 1, 1))
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip64", "hip32", "cpu"])
+@pytest.mark.parametrize(("t", "dim"), [(1, 4096), (7, 4096), (2048, 4096), (3, 96)])
+def test_tiles_are_consistent(backend: str, t: int, dim: int) -> None:
+    k, m = 4 * dim, 24
+    tiles = hc_tiles(k, m, dim, t, backend)  # type: ignore[arg-type]
+    assert tiles.chunk_k % tiles.block_k == 0
+    nblk = -(-k // tiles.chunk_k)
+    assert 1 <= nblk <= 256
+    assert (nblk - 1) * tiles.chunk_k < k  # no empty chunk
+    if backend != "cpu" and t >= 256:
+        assert nblk == 1  # prefill: one chunk per token, the token programs fill the GPU
+    assert 1 <= tiles.num_warps <= 8 and 1 <= tiles.num_warps_d <= 8
+    if backend == "hip64":  # wave64: half the warps of wave32 for the same tile
+        w32 = hc_tiles(k, m, dim, t, "hip32")
+        assert tiles.num_warps <= w32.num_warps
