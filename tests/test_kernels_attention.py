@@ -1,0 +1,194 @@
+"""Decode attention kernel (ds4station/kernels/attention.py) against its torch reference, the reference
+model's sink_attention (engine/model.py) and GpuStage._attend (engine/gpu.py), at small odd shapes: window
+only, shared compressed rows and indexed rows (with masked, out-of-range ids and NaN garbage in masked rows),
+all-masked parts, fp32 and fp16 keys, split-K over many ragged key blocks, poisoned outputs, two launches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4station.engine.gpu import GpuStage
+from ds4station.engine.model import sink_attention
+from ds4station.kernels import attention as attn_k
+from ds4station.kernels.attention import (
+    AttentionTiles,
+    attention_decode,
+    attention_decode_ref,
+    attention_decode_triton,
+    attention_tiles,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+# Several ragged key blocks (a block straddles window and compressed keys), head blocks smaller than H and a
+# ragged last head-dim step (96 = 64 + 32), and combine steps smaller than the split count.
+SPLIT = AttentionTiles(block_h=2, block_n=4, block_d=64, num_warps=1, block_s=4, block_dc=64, num_warps_c=1)
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every float torch.empty the launcher makes (partials, output) starts as NaN."""
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _case(H: int, D: int, nw: int, nc: int, indexed: bool, dtype: torch.dtype, seed: int,
+          p_mask: float = 0.3) -> dict:
+    """q, window keys + mask, compressed keys (a 50-row table + ids when indexed) + mask, sinks. Masked
+    compressed entries hold garbage the kernel must never touch: out-of-range ids, NaN rows."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(H, D, generator=gen)
+    kw = torch.randn(nw, D, generator=gen)
+    mask_w = torch.rand(nw, generator=gen) > p_mask
+    mask_w[-1] = True  # the query's own position
+    sinks = torch.randn(H, generator=gen) * 2
+    kc = mask_c = ids = None
+    if nc:
+        mask_c = torch.rand(nc, generator=gen) > p_mask
+        if indexed:
+            kc = torch.randn(50, D, generator=gen)
+            ids = torch.randint(0, 50, (nc,), generator=gen)
+            ids[~mask_c] = torch.tensor([-3, 10**6])[torch.arange(int((~mask_c).sum())) % 2]
+        else:
+            kc = torch.randn(nc, D, generator=gen)
+            kc[~mask_c] = float("nan")
+    kw, kc = kw.to(dtype), None if kc is None else kc.to(dtype)
+    out = {"q": q, "kw": kw, "mask_w": mask_w, "kc": kc, "mask_c": mask_c, "sinks": sinks, "ids": ids}
+    return {k: None if v is None else v.to(DEVICE) for k, v in out.items()}
+
+
+def _run(c: dict, tiles: AttentionTiles | None = None) -> torch.Tensor:
+    H, D = c["q"].shape
+    out = torch.full((H, D), float("nan"), device=DEVICE)
+    got = attention_decode_triton(c["q"], c["kw"], c["mask_w"], c["kc"], c["mask_c"], c["sinks"], D**-0.5,
+                                  ids=c["ids"], out=out, tiles=tiles)
+    assert got.data_ptr() == out.data_ptr()
+    return got
+
+
+def _ref(c: dict) -> torch.Tensor:
+    D = c["q"].shape[1]
+    return attention_decode_ref(c["q"], c["kw"], c["mask_w"], c["kc"], c["mask_c"], c["sinks"], D**-0.5,
+                                ids=c["ids"])
+
+
+@pytest.mark.parametrize(("D", "nc", "indexed", "dtype", "tiles"), [
+    (64, 0, False, torch.float32, None), (96, 5, False, torch.float32, SPLIT), (96, 37, False, torch.float16, None),
+    (64, 37, True, torch.float32, SPLIT), (96, 5, True, torch.float16, None), (96, 37, True, torch.float16, SPLIT)])
+def test_attention_matches_reference(poisoned_empty: None, D: int, nc: int, indexed: bool, dtype: torch.dtype,
+                                     tiles: AttentionTiles | None) -> None:
+    c = _case(4, D, 9, nc, indexed, dtype, seed=D + nc + indexed)
+    got = _run(c, tiles)
+    torch.testing.assert_close(got, _ref(c), **TOL)
+
+
+def test_reference_is_model_sink_attention() -> None:
+    """With valid rows only, the reference is sink_attention over [kw ; rows] exactly (and the kernel too)."""
+    c = _case(4, 64, 9, 6, True, torch.float32, seed=1, p_mask=-1.0)  # nothing masked
+    keys = torch.cat((c["kw"], c["kc"][c["ids"]]))
+    allowed = torch.cat((c["mask_w"], c["mask_c"]))[None]
+    want = sink_attention(c["q"][None], keys, allowed, c["sinks"], 64**-0.5)[0]
+    torch.testing.assert_close(_ref(c), want, rtol=0, atol=0)
+    torch.testing.assert_close(_run(c), want, **TOL)
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+def test_matches_gpu_stage_attend(indexed: bool) -> None:
+    """GpuStage._attend's decode call (one query, [1, ...] masks) gives the same output; masked ids in range
+    (the GPU stage dereferences them) and finite rows (it multiplies p = 0 by them)."""
+    c = _case(4, 96, 9, 37, indexed, torch.float32, seed=11)
+    if indexed:
+        c["ids"] = c["ids"].clamp(0, 49)
+    else:
+        c["kc"] = torch.nan_to_num(c["kc"])
+    kc = c["ids"][None] if indexed else c["kc"]
+    want = GpuStage._attend(None, c["q"][None], c["kw"], c["mask_w"][None], c["kc"], kc,  # type: ignore[arg-type]
+                            c["mask_c"][None], c["sinks"], indexed)[0]
+    torch.testing.assert_close(_run(c, SPLIT), want, **TOL)
+
+
+def test_all_masked_parts(poisoned_empty: None) -> None:
+    """An all-masked compressed part equals window-only attention; with every key masked only the sink is
+    left in the softmax and the output is 0 (as in sink_attention)."""
+    c = _case(4, 96, 9, 37, True, torch.float16, seed=5)
+    c["mask_c"] = torch.zeros_like(c["mask_c"])
+    window_only = dict(c, kc=None, mask_c=None, ids=None)
+    got = _run(c, SPLIT)
+    torch.testing.assert_close(got, _run(window_only, SPLIT), **TOL)
+    torch.testing.assert_close(got, _ref(window_only), **TOL)
+    c["mask_w"] = torch.zeros_like(c["mask_w"])
+    torch.testing.assert_close(_run(c, SPLIT), torch.zeros(4, 96, device=DEVICE), rtol=0, atol=0)
+
+
+def test_int_masks_and_large_logits() -> None:
+    """Masks given as int8 (nonzero = attend), and logits far above the sinks (softmax stable)."""
+    c = _case(4, 64, 9, 5, False, torch.float32, seed=6)
+    c["q"] = c["q"] * 40
+    want = _ref(c)
+    c["mask_w"], c["mask_c"] = c["mask_w"].to(torch.int8) * 3, c["mask_c"].to(torch.int8)
+    got = _run(c, SPLIT)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+class _Counting:
+    """Stands in for a @triton.jit kernel and counts its launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: object) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+def test_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    counters = {n: _Counting(getattr(attn_k, n)) for n in ("_attn_split_kernel", "_attn_combine_kernel")}
+    for n, c in counters.items():
+        monkeypatch.setattr(attn_k, n, c)
+    _run(_case(2, 64, 3, 5, True, torch.float32, seed=7))
+    assert [c.launches for c in counters.values()] == [1, 1]
+
+
+def test_public_op_uses_reference_on_cpu() -> None:
+    c = {k: None if v is None else v.cpu() for k, v in _case(4, 64, 9, 5, True, torch.float32, seed=8).items()}
+    got = attention_decode(c["q"], c["kw"], c["mask_w"], c["kc"], c["mask_c"], c["sinks"], 0.125, ids=c["ids"])
+    want = attention_decode_ref(c["q"], c["kw"], c["mask_w"], c["kc"], c["mask_c"], c["sinks"], 0.125, ids=c["ids"])
+    assert torch.equal(got, want)
+
+
+def test_rejects_bad_arguments() -> None:
+    c = _case(4, 64, 9, 5, False, torch.float32, seed=9)
+    with pytest.raises(ValueError, match="q must be"):
+        attention_decode_triton(c["q"][None], c["kw"], c["mask_w"], None, None, c["sinks"], 0.1)
+    with pytest.raises(ValueError, match="kw must be"):
+        attention_decode_triton(c["q"], c["kw"][:, :-1], c["mask_w"], None, None, c["sinks"], 0.1)
+    with pytest.raises(ValueError, match="mask_c must be"):
+        attention_decode_triton(c["q"], c["kw"], c["mask_w"], c["kc"], c["mask_c"][:-1], c["sinks"], 0.1)
+    with pytest.raises(ValueError, match="sinks must be"):
+        attention_decode_triton(c["q"], c["kw"], c["mask_w"], None, None, c["sinks"][:3], 0.1)
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        attention_decode_triton(c["q"], c["kw"].double(), c["mask_w"], None, None, c["sinks"], 0.1)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip64", "hip32", "cpu"])
+@pytest.mark.parametrize(("H", "D", "n"), [(64, 512, 128), (64, 512, 640), (64, 512, 128 + 8192), (4, 96, 46)])
+def test_attention_tiles(backend: str, H: int, D: int, n: int) -> None:
+    t = attention_tiles(H, D, n, backend)  # type: ignore[arg-type]
+    for v in (t.block_h, t.block_n, t.block_d, t.block_s, t.block_dc):
+        assert v >= 1 and v & (v - 1) == 0
+    assert 1 <= t.num_warps <= 8 and 1 <= t.num_warps_c <= 8
+    if backend != "cpu":
+        lanes = 64 if backend == "hip64" else 32
+        assert t.block_h * t.block_n * t.block_d <= t.num_warps * lanes * 64  # <= 64 fp32 per lane
+        assert -(-n // t.block_n) <= 130  # partials stay bounded on long compressed lists
+        if backend == "hip64":
+            assert t.num_warps <= attention_tiles(H, D, n, "hip32").num_warps
