@@ -37,13 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
-        if "tui" in COMMANDS:
-            return importlib.import_module(COMMANDS["tui"][0]).run(args)
-        parser.print_help()
-        return 0
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = ["tui", *argv]  # `ds4station [--model PATH ...]` opens the control panel
+    args = build_parser().parse_args(argv)
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except KeyboardInterrupt:

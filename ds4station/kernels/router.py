@@ -116,7 +116,7 @@ def _router_kernel(logits_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, wts_p
     hit = (ids[:, None] == offs[None, :]) & k_ok[:, None]
     w = tl.sum(tl.where(hit, p[None, :], 0.0), axis=1)
     if NORM:
-        w = w
+        w = w / tl.sum(w, axis=0)
     tl.store(ids_ptr + t * K + offs_k, ids.to(tl.int64), mask=k_ok)
     tl.store(wts_ptr + t * K + offs_k, w * scale, mask=k_ok)
 
@@ -148,7 +148,8 @@ def router_triton(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, t
         raise ValueError(f"k must be in 1..{E} (the number of experts), got {k}")
     if tid2eid is not None:
         if tokens is None or tokens.shape != (T,):
-            raise ValueError(f"hash routing needs tokens [T={T}], got {None if tokens is None else tuple(tokens.shape)}")
+            got = None if tokens is None else tuple(tokens.shape)
+            raise ValueError(f"hash routing needs tokens [T={T}], got {got}")
         if tid2eid.dim() != 2 or tid2eid.shape[1] != k:
             raise ValueError(f"tid2eid must be [vocab, k={k}], got {tuple(tid2eid.shape)}")
         if tid2eid.stride(1) != 1:
