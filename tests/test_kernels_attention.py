@@ -11,13 +11,8 @@ import torch
 from ds4station.engine.gpu import GpuStage
 from ds4station.engine.model import sink_attention
 from ds4station.kernels import attention as attn_k
-from ds4station.kernels.attention import (
-    AttentionTiles,
-    attention_decode,
-    attention_decode_ref,
-    attention_decode_triton,
-    attention_tiles,
-)
+from ds4station.kernels.attention import attention_decode, attention_decode_ref, attention_decode_triton
+from ds4station.kernels.dispatch import AttentionTiles, attention_tiles
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"rtol": 1e-5, "atol": 1e-5}

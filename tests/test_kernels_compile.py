@@ -19,7 +19,7 @@ import pytest
 from ds4station.kernels import compile_check, dispatch
 
 FAMILIES = ("q8_0_matvec", "q8_0_matmul", "iq2_xxs_matvec", "q2_k_matvec", "moe_", "moe_prefill", "act_quant",
-            "rms_norm", "rope", "hc_mix_partial", "hc_finalize", "hc_post")
+            "rms_norm", "rope", "hc_mix_partial", "hc_finalize", "hc_post", "router", "attn_split", "attn_combine")
 TARGETS = [t.name for t in dispatch.COMPILE_TARGETS]
 
 

@@ -19,16 +19,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
 from ds4station.kernels import hc as hc_k
 from ds4station.kernels import moe as moe_k
 from ds4station.kernels import ops
+from ds4station.kernels.attention import attention_decode
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q8_0 import PackedQ8_0
+from ds4station.kernels.router import router
 
 from .config import ModelConfig
 from .kv import DEFAULT_CHUNK, Frontier, KVCache
@@ -343,6 +344,11 @@ class GpuStage:
         Queries go in blocks so the logits never exceed SCRATCH_BYTES."""
         T, H, D = q.shape
         scale = D ** -0.5
+        if T == 1:  # decode: split-K sink attention kernel (indexed rows are gathered inside it)
+            if kc is None:
+                return attention_decode(q[0], kw, aw[0], None, None, sinks, scale)[None]
+            return attention_decode(q[0], kw, aw[0], comp if indexed else kc, ac[0], sinks, scale,
+                                    ids=kc[0] if indexed else None)[None]
         n_keys = kw.shape[0] + (0 if kc is None else kc.shape[-1] if indexed else kc.shape[0])
         per_query = 4 * (H * max(n_keys, 1) + (kc.shape[-1] * D if indexed else 0))  # logits + gathered rows
         qb = max(1, SCRATCH_BYTES // per_query)
@@ -372,13 +378,10 @@ class GpuStage:
         return torch.cat(out)
 
     def _moe(self, L: GpuLayer, xn: Tensor, tokens: Tensor) -> Tensor:
-        cfg = self.cfg
-        p = torch.sqrt(F.softplus(L.gate_inp(xn)))  # [T, E]
-        ids = L.tid2eid[tokens] if L.tid2eid is not None else (p + L.bias).topk(cfg.n_experts_used, dim=-1).indices
-        wts = p.gather(1, ids)
-        if cfg.expert_weights_norm:
-            wts = wts / wts.sum(-1, keepdim=True)
-        y = L.experts(xn, ids, wts * cfg.expert_weights_scale)
+        cfg = self.cfg  # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
+        ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
+                          cfg.expert_weights_scale)
+        y = L.experts(xn, ids, wts)
         if L.shared is not None:
             g, u, d = L.shared
             y = y + d(swiglu(g(xn), u(xn), cfg.swiglu_clamp_shared[L.layer]))

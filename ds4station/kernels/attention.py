@@ -27,8 +27,6 @@ Tile choice: `attention_tiles` (to move into dispatch.py with the other tables).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -40,41 +38,6 @@ Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------------------------------------
 # Tiles (belongs in dispatch.py).
-
-
-@dataclass(frozen=True)
-class AttentionTiles:
-    block_h: int  # heads per split program (they share every key load: MQA)
-    block_n: int  # keys per split program (one split = one key block)
-    block_d: int  # head-dim elements per step of the split program's two passes
-    num_warps: int
-    block_s: int  # partials per step of the combine
-    block_dc: int  # head-dim elements per combine program
-    num_warps_c: int
-
-
-def attention_tiles(h: int, d: int, n_keys: int, backend: dispatch.Backend) -> AttentionTiles:
-    """Tiles for decode attention of h heads of dim d over n_keys keys (window + compressed).
-
-    A split program's working tile is [block_h, block_n, block_d]; it is kept at ~64 fp32 values per lane
-    whatever the warp size. Short key lists (DS4: 128 window + up to 512 indexed rows) use 16-key splits,
-    ~40 x 4 programs; longer lists (the ratio-128 layers at long context) widen the key block so the
-    partials stay at ~64 splits x H x D (they are written and read once: at most a few MB)."""
-    hp = triton.next_power_of_2(max(1, h))
-    dp = triton.next_power_of_2(max(1, d))
-    if backend == "cpu":  # the interpreter runs programs one after another: few, wide ones
-        return AttentionTiles(block_h=min(64, hp), block_n=min(64, triton.next_power_of_2(max(1, n_keys))),
-                              block_d=min(128, dp), num_warps=1, block_s=64, block_dc=min(512, dp), num_warps_c=1)
-    lanes = 64 if backend == "hip64" else 32
-    block_h = min(16, hp)
-    block_n = 16 if n_keys <= 1024 else min(128, triton.next_power_of_2(triton.cdiv(n_keys, 64)))
-    budget = 8 * 32 * 64  # fp32 values of the split tile: 8 wave32 warps (4 wave64) at 64 per lane
-    block_d = max(8, min(dp, budget // (block_h * block_n)))
-    num_warps = max(1, min(8, block_h * block_n * block_d // (lanes * 64)))
-    block_s, block_dc = 32, min(128, dp)
-    num_warps_c = max(1, min(8, block_s * block_dc // (lanes * 32)))
-    return AttentionTiles(block_h=block_h, block_n=block_n, block_d=block_d, num_warps=num_warps,
-                          block_s=block_s, block_dc=block_dc, num_warps_c=num_warps_c)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -212,7 +175,7 @@ def _mask(t: Tensor, n: int, name: str) -> Tensor:
 
 def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | None, mask_c: Tensor | None,
                             sinks: Tensor, scale: float, ids: Tensor | None = None, *, out: Tensor | None = None,
-                            tiles: AttentionTiles | None = None) -> Tensor:
+                            tiles: dispatch.AttentionTiles | None = None) -> Tensor:
     """The Triton launcher of `attention_decode`, two launches.
 
     q [H, D]; window keys kw [Nw, D] with mask_w [Nw] (bool or int, nonzero = attend); compressed keys
@@ -248,7 +211,7 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | 
         out = torch.empty(H, D, dtype=torch.float32, device=q.device)
     elif out.shape != (H, D) or out.dtype != torch.float32 or out.stride(1) != 1:
         raise ValueError(f"out must be fp32 [H={H}, D={D}] with unit stride on D")
-    tiles = tiles or attention_tiles(H, D, nw + nc, dispatch.launch_backend(q))
+    tiles = tiles or dispatch.attention_tiles(H, D, nw + nc, dispatch.launch_backend(q))
     # At least one split, so an empty key list still writes out (all zeros: only the sink in the softmax).
     n_split = max(1, triton.cdiv(nw + nc, tiles.block_n))
     m = torch.empty(n_split, H, dtype=torch.float32, device=q.device)

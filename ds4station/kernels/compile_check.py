@@ -61,7 +61,7 @@ class Report:
 
 def _specs(target: CompileTarget) -> list[KernelSpec]:
     """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
-    from ds4station.kernels import act_quant, hc, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0
+    from ds4station.kernels import act_quant, attention, hc, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0, router
 
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
@@ -198,6 +198,8 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
              "stride_yt"),
             mo.down.num_warps, mo.down.num_stages, decode=True))
     specs += _hc_specs(hc, backend)
+    specs += _router_specs(router, backend)
+    specs += _attention_specs(attention, backend)
     return specs
 
 
@@ -235,6 +237,53 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
             {"C": C, "CP": C, "BLOCK_D": tl_.block_d},
             ("o_ptr", "x_ptr", "y_ptr", "DIM", "stride_ot", "stride_xt", "stride_xc", "stride_yt", "stride_yc"),
             tl_.num_warps_d, 1, decode=t == 1))
+    return out
+
+
+def _router_specs(router, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
+    """MoE router (kernels/router.py) at DS4's shape: 256 experts, top-6, biased and hash layers."""
+    E, k = 256, 6
+    rt = dispatch.router_tiles(E, backend)
+    out = []
+    for hashed in (False, True):
+        out.append(KernelSpec(
+            f"router E{E} k{k}{' hash' if hashed else ''}", router._router_kernel,
+            {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "tid2eid_ptr": "*i64", "tokens_ptr": "*i64",
+             "ids_ptr": "*i64", "wts_ptr": "*fp32", "E": "i32", "stride_lt": "i32", "stride_tid": "i32",
+             "scale": "fp32", "K": "constexpr", "K_P": "constexpr", "BLOCK_E": "constexpr", "HAS_BIAS": "constexpr",
+             "HASH": "constexpr", "NORM": "constexpr"},
+            {"K": k, "K_P": _pow2(k), "BLOCK_E": rt.block_e, "HAS_BIAS": not hashed, "HASH": hashed, "NORM": True},
+            ("logits_ptr", "bias_ptr", "tid2eid_ptr", "tokens_ptr", "ids_ptr", "wts_ptr", "E", "stride_lt"),
+            rt.num_warps, 1, decode=True))
+    return out
+
+
+def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
+    """Decode attention (kernels/attention.py) at DS4's shape, 64 heads x 512: window only (128 keys), an
+    indexed ratio-4 layer (128 + 512 gathered rows) and a ratio-128 layer at 1M context (128 + 8192 rows);
+    fp32 and fp16 KV."""
+    H, D = 64, 512
+    out = []
+    for label, nc, indexed in (("window", 0, False), ("indexed r4", 512, True), ("r128 1M", 8192, False)):
+        t = dispatch.attention_tiles(H, D, 128 + nc, backend)
+        for kv in ("fp32", "fp16"):
+            out.append(KernelSpec(
+                f"attn_split {label} {kv}", attention._attn_split_kernel,
+                {"q_ptr": "*fp32", "kw_ptr": f"*{kv}", "mw_ptr": "*i1", "kc_ptr": f"*{kv}", "mc_ptr": "*i1",
+                 "ids_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "H": "i32", "D": "i32",
+                 "NW": "i32", "NC": "i32", "stride_q": "i32", "stride_kw": "i32", "stride_kc": "i32",
+                 "scale": "fp32", "INDEXED": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+                 "BLOCK_D": "constexpr"},
+                {"INDEXED": indexed, "BLOCK_H": t.block_h, "BLOCK_N": t.block_n, "BLOCK_D": t.block_d},
+                ("q_ptr", "kw_ptr", "kc_ptr", "ids_ptr", "m_ptr", "l_ptr", "acc_ptr", "D", "stride_q", "stride_kw",
+                 "stride_kc"),
+                t.num_warps, 1, decode=True))
+        out.append(KernelSpec(
+            f"attn_combine {label}", attention._attn_combine_kernel,
+            {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
+             "S": "i32", "H": "i32", "D": "i32", "stride_o": "i32", "BLOCK_S": "constexpr", "BLOCK_DC": "constexpr"},
+            {"BLOCK_S": t.block_s, "BLOCK_DC": t.block_dc},
+            ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr", "out_ptr", "D", "stride_o"), t.num_warps_c, 1, decode=True))
     return out
 
 
@@ -330,7 +379,8 @@ def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = 
         for spec in _specs(target):
             if any(wanted) and not any(w in spec.name for w in wanted):
                 continue
-            key = (spec.fn, tuple(sorted(spec.constexprs.items())), spec.num_warps, spec.num_stages)
+            key = (spec.fn, tuple(sorted(spec.constexprs.items())), tuple(spec.signature.items()), spec.num_warps,
+                   spec.num_stages)
             if key in seen:  # same binary as a spec already compiled (shapes differ only in runtime ints)
                 continue
             seen.add(key)

@@ -279,3 +279,55 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
     num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
     num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
     return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d)
+
+
+@dataclass(frozen=True)
+class RouterTiles:
+    block_e: int  # the padded expert row, all in registers
+    num_warps: int
+
+
+def router_tiles(n_experts: int, backend: Backend) -> RouterTiles:
+    """One program per token over the whole expert row. Each of the k selection rounds is a max and an
+    argmax across the row, so cross-warp reductions cost more than the few values per lane: ~8 values per
+    lane, at most 4 warps (E = 256 is one warp on every backend: 8 lanes' worth on wave32, 4 on wave64)."""
+    block_e = max(2, _pow2_ceil(n_experts))
+    if backend == "cpu":
+        return RouterTiles(block_e=block_e, num_warps=1)
+    lanes = 64 if backend == "hip64" else 32
+    return RouterTiles(block_e=block_e, num_warps=max(1, min(4, block_e // (lanes * 8))))
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    block_h: int  # heads per split program (they share every key load: MQA)
+    block_n: int  # keys per split program (one split = one key block)
+    block_d: int  # head-dim elements per step of the split program's two passes
+    num_warps: int
+    block_s: int  # partials per step of the combine
+    block_dc: int  # head-dim elements per combine program
+    num_warps_c: int
+
+
+def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionTiles:
+    """Tiles for decode attention of h heads of dim d over n_keys keys (window + compressed).
+
+    A split program's working tile is [block_h, block_n, block_d]; it is kept at ~64 fp32 values per lane
+    whatever the warp size. Short key lists (DS4: 128 window + up to 512 indexed rows) use 16-key splits,
+    ~40 x 4 programs; longer lists (the ratio-128 layers at long context) widen the key block so the
+    partials stay at ~64 splits x H x D (they are written and read once: at most a few MB)."""
+    hp = _pow2_ceil(max(1, h))
+    dp = _pow2_ceil(max(1, d))
+    if backend == "cpu":  # the interpreter runs programs one after another: few, wide ones
+        return AttentionTiles(block_h=min(64, hp), block_n=min(64, _pow2_ceil(max(1, n_keys))),
+                              block_d=min(128, dp), num_warps=1, block_s=64, block_dc=min(512, dp), num_warps_c=1)
+    lanes = 64 if backend == "hip64" else 32
+    block_h = min(16, hp)
+    block_n = 16 if n_keys <= 1024 else min(128, _pow2_ceil(_cdiv(n_keys, 64)))
+    budget = 8 * 32 * 64  # fp32 values of the split tile: 8 wave32 warps (4 wave64) at 64 per lane
+    block_d = max(8, min(dp, budget // (block_h * block_n)))
+    num_warps = max(1, min(8, block_h * block_n * block_d // (lanes * 64)))
+    block_s, block_dc = 32, min(128, dp)
+    num_warps_c = max(1, min(8, block_s * block_dc // (lanes * 32)))
+    return AttentionTiles(block_h=block_h, block_n=block_n, block_d=block_d, num_warps=num_warps,
+                          block_s=block_s, block_dc=block_dc, num_warps_c=num_warps_c)

@@ -19,8 +19,6 @@ Tile choice: `router_tiles` (to move into dispatch.py with the other tables).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -33,23 +31,6 @@ Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------------------------------------
 # Tiles (belongs in dispatch.py).
-
-
-@dataclass(frozen=True)
-class RouterTiles:
-    block_e: int  # the padded expert row, all in registers
-    num_warps: int
-
-
-def router_tiles(n_experts: int, backend: dispatch.Backend) -> RouterTiles:
-    """One program per token over the whole expert row. Each of the k selection rounds is a max and an
-    argmax across the row, so cross-warp reductions cost more than the few values per lane: ~8 values per
-    lane, at most 4 warps (E = 256 is one warp on every backend: 8 lanes' worth on wave32, 4 on wave64)."""
-    block_e = max(2, triton.next_power_of_2(n_experts))
-    if backend == "cpu":
-        return RouterTiles(block_e=block_e, num_warps=1)
-    lanes = 64 if backend == "hip64" else 32
-    return RouterTiles(block_e=block_e, num_warps=max(1, min(4, block_e // (lanes * 8))))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -135,7 +116,7 @@ def router(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, tokens: 
 
 def router_triton(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, tokens: Tensor | None, k: int,
                   norm: bool, scale: float, *, out: tuple[Tensor, Tensor] | None = None,
-                  tiles: RouterTiles | None = None) -> tuple[Tensor, Tensor]:
+                  tiles: dispatch.RouterTiles | None = None) -> tuple[Tensor, Tensor]:
     """The Triton launcher of `router`: logits [T, E] (any float dtype, math in fp32), bias [E] or None,
     tid2eid [vocab, k] (int32/int64) with tokens [T] on hash layers (then bias is ignored) -> ids [T, k]
     int64 and weights [T, k] fp32, written into `out` when given. One launch, grid (T,)."""
@@ -169,7 +150,7 @@ def router_triton(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, t
             raise ValueError("out tensors must be contiguous")
     if T == 0:
         return ids, wts
-    tiles = tiles or router_tiles(E, dispatch.launch_backend(logits))
+    tiles = tiles or dispatch.router_tiles(E, dispatch.launch_backend(logits))
     hashed = tid2eid is not None
     _router_kernel[(T,)](
         logits, bias if bias is not None and not hashed else logits, tid2eid if hashed else ids,
