@@ -99,3 +99,21 @@ def test_random_weights_do_not_depend_on_access_order() -> None:
         assert torch.equal(getattr(x, "data", x), getattr(y, "data", y)), n
     assert not torch.equal(RandomWeights(TINY, device="cpu", seed=3)["blk.2.attn_q_b.weight"].data,
                            first["blk.2.attn_q_b.weight"].data)
+
+
+def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
+    """The GPU code path itself, every Triton launch (Q8_0 matvec and tl.dot matmul, fused MoE decode and
+    grouped prefill, hyper-connections, router, decode attention), run by the Triton interpreter on a slice
+    with a hash-routed ratio-4 + indexer layer and a biased ratio-16 layer, against the reference slice."""
+    from ds4station.kernels import dispatch
+
+    cfg, layers = tiny.config, range(2, 4)
+    tokens = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(9))
+    ref = DS4Model(cfg, {n: q.dequantize() for n, q in tiny.load(layers).items()}, layers, round_trips=OFF)
+    want = ref.forward(tokens)
+    stage = GpuStage(cfg, tiny.load(layers), layers, device="cpu", round_trips=OFF, int_dot=False)
+    cache = stage.new_cache(64, chunk=12)
+    with dispatch.interpreted_kernels():
+        got = [stage.prefill(tokens[:12], cache), stage.decode(int(tokens[12]), cache, graph=False)]
+    _close(got[0], want[11], 2e-2)  # prefill feeds fp16 into tl.dot
+    _close(got[1], want[12], 1e-3)  # fp32 decode kernels, over KV the fp16 prefill wrote

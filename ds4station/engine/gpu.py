@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from ds4station.kernels import dispatch, ops
 from ds4station.kernels import hc as hc_k
 from ds4station.kernels import moe as moe_k
-from ds4station.kernels import ops
 from ds4station.kernels.attention import attention_decode
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.moe_prefill import moe_prefill
@@ -98,7 +98,8 @@ class Linear:
                 return (x.to(self.dense.dtype) @ self.dense.T).float()
             xg = x.to(self.dense.dtype).view(x.shape[0], self.groups, self.k)
             return torch.einsum("mgk,gnk->mgn", xg, self.dense.view(self.groups, -1, self.k)).flatten(1).float()
-        return ops.linear(x if x.is_cuda else x.float(), self.packed, self.groups, out_dtype=torch.float32)
+        return ops.linear(x if dispatch.use_triton(x) else x.float(), self.packed, self.groups,
+                          out_dtype=torch.float32)
 
 
 def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K:
@@ -127,7 +128,7 @@ class Experts:
     def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor) -> Tensor:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32."""
         few = xn.shape[0] <= ops.MAX_MATVEC_ROWS
-        if xn.is_cuda:  # no host synchronisation on either path
+        if dispatch.use_triton(xn):  # no host synchronisation on either path
             if few:
                 return moe_k.moe_decode(xn, self.gate, self.up, self.down, ids, wts, self.clamp,
                                         int_dot=self.int_dot)

@@ -16,6 +16,8 @@ Rules that shape the numbers (see docs/PERFORMANCE.md):
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -69,9 +71,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+_KERNELS_ON_CPU = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """The public ops run Triton on a GPU tensor and the torch reference on a CPU tensor."""
-    return t.is_cuda
+    """The public ops run Triton on a GPU tensor and the torch reference on a CPU tensor, except inside
+    `interpreted_kernels()`, where CPU tensors go through the kernels in the Triton interpreter."""
+    return t.is_cuda or (_KERNELS_ON_CPU and interpreting())
+
+
+@contextmanager
+def interpreted_kernels() -> Iterator[None]:
+    """Run the engine's Triton kernels on CPU tensors in the interpreter (TRITON_INTERPRET=1): lets tests
+    drive the GPU code path, kernel launches included, end to end on a machine without a GPU."""
+    global _KERNELS_ON_CPU
+    if not interpreting():
+        raise RuntimeError("interpreted_kernels() needs TRITON_INTERPRET=1 set before triton is imported")
+    before, _KERNELS_ON_CPU = _KERNELS_ON_CPU, True
+    try:
+        yield
+    finally:
+        _KERNELS_ON_CPU = before
 
 
 def launch_backend(t: torch.Tensor) -> Backend:
