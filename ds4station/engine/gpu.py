@@ -27,6 +27,7 @@ from ds4station.kernels import moe as moe_k
 from ds4station.kernels.attention import attention_decode
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.moe_prefill import moe_prefill
+from ds4station.kernels.norm import rms_norm, rope_
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q8_0 import PackedQ8_0
 from ds4station.kernels.router import router
@@ -41,7 +42,6 @@ from .model import (
     fp4_e2m1_roundtrip,
     fp8_e4m3_roundtrip,
     hadamard,
-    rms_norm,
     swiglu,
 )
 from .quants import QTensor
@@ -287,7 +287,7 @@ class GpuStage:
             kv_s = torch.cat((kv_s[:, :r, :d], kv_s[:, r:, d:]), dim=1)
             sc_s = torch.cat((sc_s[:, :r, :d], sc_s[:, r:, d:]), dim=1)
         pooled = (sc_s.softmax(dim=1) * kv_s).sum(1)
-        new = finish(rope(rms_norm(pooled, c.norm, self.cfg.rms_eps), blocks * r)).to(rows.dtype)
+        new = finish(_rope(rope, rms_norm(pooled, c.norm, self.cfg.rms_eps), blocks * r)).to(rows.dtype)
         if keep is not None:
             new = torch.where(keep[:, None], new, rows[blocks])
         rows[blocks] = new
@@ -301,7 +301,7 @@ class GpuStage:
         if n_blocks == 0:
             z = torch.zeros(T, k, dtype=torch.long, device=xn.device)
             return z, z.bool()
-        q = self._index_round_trip(L.rope(L.index_q_b(qr).view(T, cfg.index_heads, cfg.index_dim), st.pos))
+        q = self._index_round_trip(_rope(L.rope, L.index_q_b(qr).view(T, cfg.index_heads, cfg.index_dim), st.pos))
         w = L.index_proj(xn) * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)  # [T, IH]
         keys = kv.index_keys
         score = torch.empty(T, n_blocks, device=xn.device)
@@ -319,8 +319,8 @@ class GpuStage:
         cfg, T = self.cfg, xn.shape[0]
         H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
         qr = rms_norm(L.q_a(xn), L.q_a_norm, eps)
-        q = L.rope(rms_norm(L.q_b(qr).view(T, H, D), None, eps), st.pos)
-        kv.write_raw(st.pos, self._kv_round_trip(L.rope(rms_norm(L.kv(xn), L.kv_norm, eps), st.pos)))
+        q = _rope(L.rope, rms_norm(L.q_b(qr).view(T, H, D), None, eps), st.pos)
+        kv.write_raw(st.pos, self._kv_round_trip(_rope(L.rope, rms_norm(L.kv(xn), L.kv_norm, eps), st.pos)))
         raw_pos = st.pos[0] - (W - 1) + torch.arange(W + T - 1, device=xn.device)  # static count
         keys_w = kv.read_raw(raw_pos.clamp(min=0))
         allow_w = (raw_pos[None] <= st.pos[:, None]) & (raw_pos[None] > st.pos[:, None] - W) & (raw_pos[None] >= 0)
@@ -335,7 +335,7 @@ class GpuStage:
                 keys_c = kv.comp[:n_blocks]
                 allow_c = (torch.arange(n_blocks, device=xn.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
         o = self._attend(q, keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed=L.index_comp is not None)
-        o = L.rope(o, st.pos, inverse=True)
+        o = _rope(L.rope, o, st.pos, inverse=True)
         return L.out_b(L.out_a(o.reshape(T, -1)))
 
     def _attend(self, q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
@@ -445,6 +445,14 @@ class GpuStage:
         """Release the decode graphs captured for a cache (when its session ends)."""
         for key in [k for k in self._graphs if k[0] == id(cache)]:
             del self._graphs[key]
+
+
+def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
+    """Interleaved partial RoPE of x [T, ..., D] at positions pos [T], rotating x in place (every caller
+    passes a fresh tensor); the fused kernel on a GPU."""
+    x = x.contiguous()
+    rope_(x.view(-1, x.shape[-1]), pos, rope.inv_freq, x[0].numel() // x.shape[-1], inverse)
+    return x
 
 
 class _DecodeGraph:
