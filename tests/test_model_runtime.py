@@ -84,3 +84,20 @@ def test_load_reports_progress_in_weight_bytes(gguf_path) -> None:
     totals = {t for _, t in seen}
     assert len(totals) == 1 and seen[-1][0] == seen[-1][1] == totals.pop() > 0
     assert all(a[0] < b[0] for a, b in zip(seen, seen[1:], strict=False))  # grows with every tensor
+
+
+def test_fast_engine_serves_the_same_model(gguf_path) -> None:
+    """Engine.load(fast=True) runs the kernel stage (engine/gpu.py; the default on a GPU) behind the same
+    Session interface: its logits follow the reference engine's through prefill, decode and a rollback."""
+    from ds4station.engine.gpu import GpuStage
+
+    ref, fast = Engine.load(gguf_path, ctx=128), Engine.load(gguf_path, ctx=128, fast=True)
+    assert isinstance(fast.model, GpuStage)
+    a, b = ref.new_session(), fast.new_session()
+    prompt = [0, *range(5, 45)]
+    for step in (prompt, [7], [9], [11]):
+        la, lb = a.extend(step), b.extend(step)
+        assert (la - lb).abs().max() < 2e-2 * la.abs().max()  # FP8/FP4 round trips amplify 1e-6 differences
+    assert b.truncate(len(prompt)) and b.tokens == prompt
+    lb = b.extend([7])
+    assert a.truncate(len(prompt)) and (a.extend([7]) - lb).abs().max() < 2e-2 * lb.abs().max()

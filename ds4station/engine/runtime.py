@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,10 +20,33 @@ import torch
 from .config import ModelConfig
 from .kv import DEFAULT_CHUNK, KVCache
 from .model import DS4Model, RoundTrips
+from .quants import QTensor
 from .sampler import Sampler, SamplingParams, StopScanner
 
 if TYPE_CHECKING:
+    from .gpu import GpuStage
     from .tokenizer import Tokenizer
+
+
+class _Progress(Mapping[str, QTensor]):
+    """The file's tensors, reporting `progress(bytes handed out, total bytes)` as each one is taken."""
+
+    def __init__(self, tensors: dict[str, QTensor], progress: Callable[[int, int], None] | None) -> None:
+        self.tensors, self.progress = tensors, progress
+        self.total, self.done = sum(q.nbytes for q in tensors.values()), 0
+
+    def __getitem__(self, name: str) -> QTensor:
+        q = self.tensors[name]
+        self.done += q.nbytes
+        if self.progress is not None:
+            self.progress(self.done, self.total)
+        return q
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
 
 class Session:
@@ -30,8 +54,13 @@ class Session:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.cache: KVCache = engine.model.new_cache(engine.ctx, chunk=engine.chunk, rollback=engine.rollback,
-                                                     dtype=engine.kv_dtype)
+        model = engine.model
+        if isinstance(model, DS4Model):
+            self.cache: KVCache = model.new_cache(engine.ctx, chunk=engine.chunk, rollback=engine.rollback,
+                                                  dtype=engine.kv_dtype)
+        else:  # the fast stage captures decode graphs over this cache: release them with the session
+            self.cache = model.new_cache(engine.ctx, chunk=engine.chunk, rollback=engine.rollback)
+            weakref.finalize(self, model.drop_graphs, self.cache)
         self.tokens: list[int] = []
 
     def extend(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
@@ -40,12 +69,18 @@ class Session:
             raise ValueError("extend needs at least one token")
         chunk = self.cache.chunk if chunk is None else max(1, min(chunk, self.cache.chunk))
         ids = torch.as_tensor(list(tokens), dtype=torch.long, device=self.engine.model.device)
-        logits = None
+        model, logits = self.engine.model, None
         for s in range(0, ids.numel(), chunk):
-            logits = self.engine.model.forward(ids[s: s + chunk], self.cache, last_only=True)
-            self.tokens += ids[s: s + chunk].tolist()
+            part = ids[s: s + chunk]
+            if isinstance(model, DS4Model):
+                logits = model.forward(part, self.cache, last_only=True)[0]
+            elif part.numel() == 1:  # the fast stage: one decode step (a CUDA-graph replay on a GPU)
+                logits = model.decode(int(part[0]), self.cache)
+            else:
+                logits = model.prefill(part, self.cache)
+            self.tokens += part.tolist()
         assert logits is not None
-        return logits[0]
+        return logits
 
     def truncate(self, n: int) -> bool:
         """Keep only the first n tokens; False (state unchanged) when the KV cannot roll back that far."""
@@ -76,7 +111,7 @@ class GenerationStats:
 
 
 class Engine:
-    def __init__(self, model: DS4Model, tokenizer: Tokenizer, ctx: int, *, chunk: int = DEFAULT_CHUNK,
+    def __init__(self, model: DS4Model | GpuStage, tokenizer: Tokenizer, ctx: int, *, chunk: int = DEFAULT_CHUNK,
                  rollback: int = 0, kv_dtype: torch.dtype = torch.float32) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, model.cfg
         self.ctx, self.chunk, self.rollback, self.kv_dtype = ctx, chunk, rollback, kv_dtype
@@ -84,8 +119,11 @@ class Engine:
     @classmethod
     def load(cls, path: str | os.PathLike[str], ctx: int = 4096, device: str | torch.device = "cpu", *,
              chunk: int = DEFAULT_CHUNK, rollback: int = 0, round_trips: RoundTrips = RoundTrips(),
-             progress: Callable[[int, int], None] | None = None) -> Engine:
-        """Load a GGUF; `progress(loaded_bytes, total_bytes)` is called as tensors are read (for /status)."""
+             progress: Callable[[int, int], None] | None = None, fast: bool | None = None) -> Engine:
+        """Load a GGUF; `progress(loaded_bytes, total_bytes)` is called as tensors are read (for /status).
+
+        `fast` (default: on a GPU) runs the kernel stage (engine/gpu.py: weights stay quantised, decode is a
+        CUDA graph); otherwise the fp32 reference model with dequantised weights."""
         from .gguf import GGUFFile
         from .tokenizer import Tokenizer
 
@@ -93,16 +131,15 @@ class Engine:
         cfg: ModelConfig = gf.config
         if ctx > cfg.context_length:
             raise ValueError(f"--ctx {ctx} exceeds the model's context length {cfg.context_length}")
-        tensors = gf.load()
-        total, done = sum(q.nbytes for q in tensors.values()), 0
-        weights = {}
-        for name, q in tensors.items():
-            weights[name] = q.dequantize().to(device)
-            done += q.nbytes
-            if progress is not None:
-                progress(done, total)
-        model = DS4Model(cfg, weights, round_trips=round_trips)
-        return cls(model, Tokenizer.from_metadata(gf.metadata), ctx, chunk=chunk, rollback=rollback)
+        tensors = _Progress(gf.load(), progress)
+        tokenizer = Tokenizer.from_metadata(gf.metadata)
+        if torch.device(device).type == "cuda" if fast is None else fast:
+            from .gpu import GpuStage
+
+            stage = GpuStage(cfg, tensors, device=device, round_trips=round_trips)  # repacks each tensor once
+            return cls(stage, tokenizer, ctx, chunk=chunk, rollback=rollback)
+        weights = {name: tensors[name].dequantize().to(device) for name in tensors}
+        return cls(DS4Model(cfg, weights, round_trips=round_trips), tokenizer, ctx, chunk=chunk, rollback=rollback)
 
     def new_session(self) -> Session:
         return Session(self)
