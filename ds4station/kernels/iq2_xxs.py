@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+
+if TYPE_CHECKING:
+    from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.act_quant import _dp4a
 
 QK_K = 256
@@ -281,6 +285,21 @@ def transpose_groups(x: torch.Tensor, sub: int) -> torch.Tensor:
     return x.reshape(m, k // sub, sub).transpose(1, 2).contiguous()
 
 
+def matvec_launch(x: torch.Tensor, w: PackedIQ2XXS | PackedQ2K, qtype: str, out: torch.Tensor | None,
+                  out_dtype: torch.dtype | None, tiles: dispatch.MatvecTiles | None
+                  ) -> tuple[int, dispatch.MatvecTiles, torch.Tensor, tuple[int]]:
+    """What a 2-bit decode matvec launch needs: rows M, tiles, the output [M, N] and the grid."""
+    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
+    m = x.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"{qtype}_matvec takes 1-8 activation rows, got {m}")
+    tiles = tiles or dispatch.matvec_tiles(qtype, w.n, w.k, m, dispatch.launch_backend(x))
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
+    return m, tiles, out, (triton.cdiv(w.n, tiles.block_n),)
+
+
 def iq2_xxs_matvec(
     x: torch.Tensor,
     w: PackedIQ2XXS,
@@ -289,15 +308,7 @@ def iq2_xxs_matvec(
     tiles: dispatch.MatvecTiles | None = None,
 ) -> torch.Tensor:
     """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
-    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
-    m = x.shape[0]
-    if not 1 <= m <= 8:
-        raise ValueError(f"iq2_xxs_matvec takes 1-8 activation rows, got {m}")
-    tiles = tiles or dispatch.matvec_tiles("iq2_xxs", w.n, w.k, m, dispatch.launch_backend(x))
-    if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
-    grid = (triton.cdiv(w.n, tiles.block_n),)
+    m, tiles, out, grid = matvec_launch(x, w, "iq2_xxs", out, out_dtype, tiles)
     _iq2_xxs_matvec_kernel[grid](
         transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device).view(torch.int32), out,
         w.n, w.k, out.stride(0),

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import transpose_groups
+from ds4station.kernels.iq2_xxs import matvec_launch, transpose_groups
 
 QK_K = 256
 BLOCK_BYTES_Q2_K = 84
@@ -198,15 +198,7 @@ def q2_k_matvec(
     tiles: dispatch.MatvecTiles | None = None,
 ) -> torch.Tensor:
     """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
-    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
-    m = x.shape[0]
-    if not 1 <= m <= 8:
-        raise ValueError(f"q2_k_matvec takes 1-8 activation rows, got {m}")
-    tiles = tiles or dispatch.matvec_tiles("q2_k", w.n, w.k, m, dispatch.launch_backend(x))
-    if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
-    grid = (triton.cdiv(w.n, tiles.block_n),)
+    m, tiles, out, grid = matvec_launch(x, w, "q2_k", out, out_dtype, tiles)
     _q2_k_matvec_kernel[grid](
         transpose_groups(x, 16), w.qs.view(torch.int32), w.sc, w.dm.view(torch.int32), out, w.n, w.k, out.stride(0),
         M=m, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 16,

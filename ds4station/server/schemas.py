@@ -226,24 +226,10 @@ class CompletionRequest(SamplingFields):
 # OpenAI Responses API (Codex CLI)
 
 
-class RespFunctionTool(Strict):
+class RespFunctionTool(FunctionSpec):
+    """A Responses API function tool: the function's fields at the top level, beside `type`."""
+
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, v: str) -> str:
-        return _check_tool_name(v)
-
-    @field_validator("parameters")
-    @classmethod
-    def _params(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            _check_schema(v, "parameters")
-        return v
 
 
 class RespReasoning(Strict):
