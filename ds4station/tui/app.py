@@ -81,6 +81,7 @@ class Ds4StationApp(App[None]):
         self.history = GpuHistory()
         self.server: ServerProcess | None = None
         self.last_view: ServerView | None = None
+        self._stopped_pids: set[int | None] = set()  # servers stopped here: late poll results about them are stale
         self.requests: dict[int, dict[str, Any]] = {}  # finished requests seen, by id, for the live plots
         self.server_log: collections.deque[str] = collections.deque(maxlen=500)  # the lines the log panel shows
         self.launched: Plan | None = None  # the plan the running server was started with
@@ -219,8 +220,9 @@ class Ds4StationApp(App[None]):
         if message.readings:
             dash.query_one(GpuPanel).show(message.readings)
         view = message.server
-        if view is not None and view.state == "stopped" and self.server is None:
-            view = self.last_view  # a stop finished while this poll ran: ServerStopped already rendered
+        if view is not None and self.server is None and view.pid in self._stopped_pids:
+            # a stop finished while this poll ran: its view is stale, ServerStopped already rendered the end
+            view = self.last_view
         self.last_view = view if view is not None else self.last_view
         if view is None:
             return
@@ -301,6 +303,7 @@ class Ds4StationApp(App[None]):
         server = self.server
         self.server = None
         if server is not None:
+            self._stopped_pids.add(server.pid)
             view = ServerView("stopped", server.base_url, server.api_key, None,
                               reason=f"exit code {message.returncode}")
             self.last_view = view
