@@ -10,6 +10,7 @@ from ds4station.engine.demo import make_model
 from ds4station.engine.gguf import GGUFFile
 from ds4station.engine.gpu import GpuStage
 from ds4station.engine.model import OFF, DS4Model, RoundTrips
+from ds4station.kernels import dispatch
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -63,7 +64,11 @@ def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:
         assert torch.allclose(la, lb, rtol=0, atol=1e-5 * lb.abs().max().item())
     for i in stage.layers:
         if a[i].comp is not None:
-            assert torch.allclose(a[i].comp[:9], b[i].comp[:9], atol=1e-6)
+            close = torch.isclose(a[i].comp[:9], b[i].comp[:9], rtol=0, atol=1e-5)
+            # Decode and prefill attend by different code (summation order), so the rows agree to fp32
+            # rounding; with the round trips such a difference can also move one FP8 value across a rounding
+            # boundary (one e4m3 step).
+            assert close.all() if rt == OFF else close.float().mean() > 0.99, (i, close.float().mean())
 
 
 def test_missing_weight_is_named(tiny: GGUFFile) -> None:
@@ -101,11 +106,11 @@ def test_random_weights_do_not_depend_on_access_order() -> None:
                            first["blk.2.attn_q_b.weight"].data)
 
 
+@pytest.mark.skipif(not dispatch.interpreting(), reason="on a GPU the cuda cases above run the same kernels")
 def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
     """The GPU code path itself, every Triton launch (Q8_0 matvec and tl.dot matmul, fused MoE decode and
     grouped prefill, hyper-connections, router, decode attention), run by the Triton interpreter on a slice
     with a hash-routed ratio-4 + indexer layer and a biased ratio-16 layer, against the reference slice."""
-    from ds4station.kernels import dispatch
 
     cfg, layers = tiny.config, range(2, 4)
     tokens = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(9))

@@ -87,10 +87,10 @@ def test_attention_matches_reference(poisoned_empty: None, D: int, nc: int, inde
 
 @pytest.mark.parametrize(("backend", "nc", "indexed"), [("cuda", 300, True), ("hip64", 1100, False)])
 def test_gpu_tiles_in_interpreter(poisoned_empty: None, backend: str, nc: int, indexed: bool) -> None:
-    """The tiles a GPU launch would pick (16-key splits; wider key blocks past 1024 keys), run here."""
+    """The tiles a GPU launch would pick (the tl.dot form on CUDA; wider key blocks past 1024 keys), run here."""
     c = _case(4, 96, 9, nc, indexed, torch.float16, seed=nc)
     tiles = attention_tiles(4, 96, 9 + nc, backend)  # type: ignore[arg-type]
-    assert -(-(9 + nc) // tiles.block_n) > 16  # many splits, combined in several steps
+    assert -(-(9 + nc) // tiles.block_n) > 8  # many splits
     torch.testing.assert_close(_run(c, tiles), _ref(c), **TOL)
 
 
@@ -106,7 +106,7 @@ def test_reference_is_model_sink_attention() -> None:
 
 @pytest.mark.parametrize("indexed", [False, True])
 def test_matches_gpu_stage_attend(indexed: bool) -> None:
-    """GpuStage._attend's decode call (one query, [1, ...] masks) gives the same output; masked ids in range
+    """GpuStage._attend (the prefill path) on one query gives the same output; masked ids in range
     (the GPU stage dereferences them) and finite rows (it multiplies p = 0 by them)."""
     c = _case(4, 96, 9, 37, indexed, torch.float32, seed=11)
     if indexed:
@@ -114,8 +114,8 @@ def test_matches_gpu_stage_attend(indexed: bool) -> None:
     else:
         c["kc"] = torch.nan_to_num(c["kc"])
     kc = c["ids"][None] if indexed else c["kc"]
-    want = GpuStage._attend(None, c["q"][None], c["kw"], c["mask_w"][None], c["kc"], kc,  # type: ignore[arg-type]
-                            c["mask_c"][None], c["sinks"], indexed)[0]
+    want = GpuStage._attend(c["q"][None], c["kw"], c["mask_w"][None], c["kc"], kc, c["mask_c"][None], c["sinks"],
+                            indexed)[0]
     torch.testing.assert_close(_run(c, SPLIT), want, **TOL)
 
 
@@ -192,7 +192,81 @@ def test_attention_tiles(backend: str, H: int, D: int, n: int) -> None:
     assert 1 <= t.num_warps <= 8 and 1 <= t.num_warps_c <= 8
     if backend != "cpu":
         lanes = 64 if backend == "hip64" else 32
-        assert t.block_h * t.block_n * t.block_d <= t.num_warps * lanes * 64  # <= 64 fp32 per lane
+        if t.block_dv:  # tl.dot form: all heads per program; the logit tile stays <= 64 fp32 per lane
+            assert t.block_h >= H and t.block_h * t.block_n <= t.num_warps * lanes * 64
+        else:
+            assert t.block_h * t.block_n * t.block_d <= t.num_warps * lanes * 64  # <= 64 fp32 per lane
         assert -(-n // t.block_n) <= 130  # partials stay bounded on long compressed lists
         if backend == "hip64":
             assert t.num_warps <= attention_tiles(H, D, n, "hip32").num_warps
+
+
+@pytest.mark.parametrize("dot", [False, True], ids=["fma", "tl.dot"])
+@pytest.mark.parametrize("layer", ["indexed", "ratio", "window"])
+def test_positional_masks_from_the_ring_and_position(poisoned_empty: None, dot: bool, layer: str) -> None:
+    """Decode's masks derived in the kernel from the position: the window read from the raw ring (slots wrap,
+    positions below 0 masked) and shared compressed rows visible by ratio; both split kernels, odd heads."""
+    H, D = 5, 96
+    gen = torch.Generator().manual_seed(11)
+    q, sinks = torch.randn(H, D, generator=gen), torch.randn(H, generator=gen)
+    ring, comp = torch.randn(40, D, generator=gen), torch.randn(30, D, generator=gen)
+    ids = torch.randint(0, 30, (13,), generator=gen)
+    valid = torch.rand(13, generator=gen) > 0.3
+    kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:20], mask_c=None, ratio=4),
+          "window": dict(kc=None, mask_c=None)}[layer]
+    kc, mc = kw.pop("kc"), kw.pop("mask_c")
+    tiles = (AttentionTiles(block_h=16, block_n=16, block_d=32, num_warps=1, block_s=4, block_dc=64, num_warps_c=1,
+                            block_dv=64, precision="ieee") if dot else SPLIT)
+    for p in (9, 57):  # early (window reaches below position 0) and wrapped around the 40-slot ring
+        t = [x if x is None or x.dim() == 0 else x.to(DEVICE) for x in (q, ring, kc, mc, sinks)]
+        pos = torch.tensor([p], device=DEVICE)
+        extra = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        got = attention_decode_triton(t[0], t[1], None, t[2], t[3], t[4], D ** -0.5, pos=pos, window=16, tiles=tiles,
+                                      **extra)
+        want = attention_decode_ref(t[0], t[1], None, t[2], t[3], t[4], D ** -0.5, pos=pos, window=16, **extra)
+        assert not got.isnan().any()
+        assert torch.allclose(got.cpu(), want.cpu(), **TOL), (got.cpu() - want.cpu()).abs().max()
+
+
+def test_positional_masks_need_the_position() -> None:
+    q, ring = torch.zeros(2, 32), torch.zeros(8, 32)
+    with pytest.raises(ValueError, match="position"):
+        attention_decode_triton(q, ring, None, None, None, torch.zeros(2), 1.0, window=4)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "cuda", "hip64"])
+@pytest.mark.parametrize("layer", ["indexed", "ratio", "window"])
+def test_prefill_attention_matches_per_query_reference(poisoned_empty: None, backend: str, layer: str) -> None:
+    """The prefill kernel (each query its own window from the ring, its own indexed rows or the causal share of
+    the compressed rows) against the decode reference run query by query, with each backend's tiles."""
+    from ds4station.kernels.attention import attention_prefill_ref, attention_prefill_triton
+    from ds4station.kernels.dispatch import attention_prefill_tiles
+
+    H, D, T, W = 5, 96, 7, 16
+    gen = torch.Generator().manual_seed(13)
+    q, sinks = torch.randn(T, H, D, generator=gen), torch.randn(H, generator=gen)
+    ring, comp = torch.randn(40, D, generator=gen), torch.randn(30, D, generator=gen)
+    pos = torch.arange(3, 3 + T)  # the first queries' windows reach below position 0
+    ids, valid = torch.randint(0, 30, (T, 13), generator=gen), torch.rand(T, 13, generator=gen) > 0.3
+    valid[0] = False  # a query with no compressed row at all
+    kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:6], mask_c=None, ids=None, ratio=2),
+          "window": dict(kc=None, mask_c=None, ids=None)}[layer]
+    kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    args = (q.to(DEVICE), ring.to(DEVICE))
+    common = dict(sinks=sinks.to(DEVICE), scale=D ** -0.5, pos=pos.to(DEVICE), window=W)
+    got = attention_prefill_triton(*args, **common, **kw, tiles=attention_prefill_tiles(H, D, backend))
+    want = attention_prefill_ref(*args, **common, **kw)
+    assert not got.isnan().any()
+    assert torch.allclose(got.cpu(), want.cpu(), **TOL), (got.cpu() - want.cpu()).abs().max()
+
+
+def test_prefill_attention_rejects_bad_input() -> None:
+    from ds4station.kernels.attention import attention_prefill_triton
+
+    q, ring, pos = torch.zeros(3, 2, 32), torch.zeros(8, 32), torch.arange(3)
+    with pytest.raises(ValueError, match="window"):
+        attention_prefill_triton(q, ring, None, None, torch.zeros(2), 1.0, None, pos, window=9)
+    with pytest.raises(ValueError, match="ratio"):
+        attention_prefill_triton(q, ring, torch.zeros(4, 32), None, torch.zeros(2), 1.0, None, pos, window=4)
+    with pytest.raises(ValueError, match="pos"):
+        attention_prefill_triton(q, ring, None, None, torch.zeros(2), 1.0, None, pos[:2], window=4)

@@ -24,26 +24,23 @@ from gguf import GGMLQuantizationType as Q
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels import hc as hc_k
 from ds4station.kernels import moe as moe_k
-from ds4station.kernels.attention import attention_decode
+from ds4station.kernels.attention import attention_decode, attention_prefill
+from ds4station.kernels.compressor import Finish, compress_blocks, compress_decode
+from ds4station.kernels.f16 import f16_matvec
+from ds4station.kernels.indexer import index_topk
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.moe_prefill import moe_prefill
-from ds4station.kernels.norm import rms_norm, rope_
+from ds4station.kernels.norm import rms_norm, rope_, swiglu
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q8_0 import PackedQ8_0
 from ds4station.kernels.router import router
+from ds4station.kernels.rows import finish_rows
 
 from .config import ModelConfig
 from .kv import DEFAULT_CHUNK, Frontier, KVCache
 from .layout import model_tensors
-from .model import (
-    HyperConnection,
-    Rope,
-    RoundTrips,
-    fp4_e2m1_roundtrip,
-    fp8_e4m3_roundtrip,
-    hadamard,
-    swiglu,
-)
+from .model import HyperConnection, Rope, RoundTrips
+from .model import swiglu as swiglu_pair
 from .quants import QTensor
 
 Tensor = torch.Tensor
@@ -73,6 +70,14 @@ def _dense(w: Weight, device: torch.device, dtype: torch.dtype) -> Tensor:
     return t.to(device=device, dtype=dtype)
 
 
+def _cat_rows(ws: list[Weight]) -> Weight:
+    """Weights of one type and width stacked by rows: projections of the same input become one matvec."""
+    qs = [_q(w) for w in ws]
+    if len({(q.qtype, q.shape[-1]) for q in qs}) != 1 or any(len(q.shape) != 2 for q in qs):
+        raise ValueError("only 2-D weights of one type and width can be stacked")
+    return QTensor(torch.cat([q.data.view(-1) for q in qs]), qs[0].qtype, (sum(q.shape[0] for q in qs), qs[0].shape[1]))
+
+
 class Linear:
     """y = x @ W^T in fp32, with W in the form its kernel reads. `groups` = G splits W's rows into G
     groups, group g reading x[:, g*K:(g+1)*K] (the grouped attention output projection)."""
@@ -95,6 +100,8 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.dense is not None:
             if self.groups == 1:
+                if self.dense.dtype == torch.float16 and x.shape[0] <= ops.MAX_MATVEC_ROWS and dispatch.use_triton(x):
+                    return f16_matvec(x, self.dense)
                 return (x.to(self.dense.dtype) @ self.dense.T).float()
             xg = x.to(self.dense.dtype).view(x.shape[0], self.groups, self.k)
             return torch.einsum("mgk,gnk->mgn", xg, self.dense.view(self.groups, -1, self.k)).flatten(1).float()
@@ -140,7 +147,7 @@ class Experts:
         for e in ids.unique().tolist():
             t, slot = torch.where(ids == e)
             g, u, d = (ops.dequantize(moe_k._expert(w, e)) for w in (self.gate, self.up, self.down))
-            h = swiglu(xn[t] @ g.T, xn[t] @ u.T, self.clamp or 0.0) * wts[t, slot, None]
+            h = swiglu_pair(xn[t] @ g.T, xn[t] @ u.T, self.clamp or 0.0) * wts[t, slot, None]
             y.index_add_(0, t, h @ d.T)
         return y
 
@@ -148,21 +155,22 @@ class Experts:
 # ---- one layer's weights -----------------------------------------------------------------------------------
 @dataclass
 class CompressorW:
-    kv: Linear
-    gate: Linear
-    ape: Tensor  # [r, coff*d] fp32
-    norm: Tensor  # [d]
-    ratio: int
-    d: int
+    """A compressor: its kv and score projections are columns [offset, offset + width) and
+    [offset + width, offset + 2 * width) of the layer's fused projection of the attention input."""
 
-    @property
-    def coff(self) -> int:
-        return self.kv.n // self.d
+    ape: Tensor  # [r, width] fp32
+    ratio: int
+    width: int  # coff * d
+    offset: int
+    fin: Finish
 
 
 class GpuLayer:
+    """One layer's weights in kernel form. Projections of the same input are stacked into one matvec: q_a
+    and kv (Q8_0), the compressors' kv / gate and the indexer's head weights (F16), shared gate and up."""
+
     def __init__(self, cfg: ModelConfig, i: int, w: Mapping[str, Weight], dev: torch.device,
-                 int_dot: bool | None = None) -> None:
+                 int_dot: bool | None = None, rt: RoundTrips = RoundTrips()) -> None:
         p = f"blk.{i}"
 
         def f32(name: str) -> Tensor:
@@ -171,34 +179,47 @@ class GpuLayer:
         def lin(name: str, groups: int = 1) -> Linear:
             return Linear(w[f"{p}.{name}.weight"], dev, groups)
 
+        def stacked(*names: str) -> Linear:
+            return Linear(_cat_rows([w[f"{p}.{n}.weight"] for n in names]), dev)
+
         self.layer, self.ratio = i, cfg.ratio(i)
         self.hc_attn = HyperConnection(f32("hc_attn_fn.weight"), f32("hc_attn_scale.weight"),
                                        f32("hc_attn_base.weight"), cfg)
         self.hc_ffn = HyperConnection(f32("hc_ffn_fn.weight"), f32("hc_ffn_scale.weight"),
                                       f32("hc_ffn_base.weight"), cfg)
         self.attn_norm, self.ffn_norm = f32("attn_norm.weight"), f32("ffn_norm.weight")
-        self.q_a, self.q_a_norm, self.q_b = lin("attn_q_a"), f32("attn_q_a_norm.weight"), lin("attn_q_b")
-        self.kv, self.kv_norm = lin("attn_kv"), f32("attn_kv_a_norm.weight")
+        self.q_lora = cfg.q_lora_rank
+        self.q_kv = stacked("attn_q_a", "attn_kv")  # -> [q_lora | head_dim]
+        self.q_a_norm, self.q_b = f32("attn_q_a_norm.weight"), lin("attn_q_b")
+        self.kv_norm = f32("attn_kv_a_norm.weight")
         self.sinks = f32("attn_sinks.weight")
         self.out_a, self.out_b = lin("attn_output_a", cfg.o_groups), lin("attn_output_b")
         self.rope = Rope(cfg, compressed=self.ratio > 0, device=dev)
-        self.comp = self.index_comp = None
+        self.comp = self.index_comp = self.proj = None
         if self.ratio:
-            self.comp = CompressorW(lin("attn_compressor_kv"), lin("attn_compressor_gate"),
-                                    f32("attn_compressor_ape.weight"), f32("attn_compressor_norm.weight"),
-                                    self.ratio, cfg.head_dim)
-        if cfg.has_indexer(i):
-            self.index_comp = CompressorW(lin("indexer_compressor_kv"), lin("indexer_compressor_gate"),
-                                          f32("indexer_compressor_ape.weight"), f32("indexer_compressor_norm.weight"),
-                                          4, cfg.index_dim)
-            self.index_q_b, self.index_proj = lin("indexer.attn_q_b"), lin("indexer.proj")
+            names = ["attn_compressor_kv", "attn_compressor_gate"]
+            kv_rt = "fp8" if rt.fp8_kv else None
+            self.comp = CompressorW(f32("attn_compressor_ape.weight"), self.ratio, cfg.compressor_width(i), 0,
+                                    Finish(f32("attn_compressor_norm.weight"), cfg.rms_eps, self.rope.inv_freq,
+                                           kv_rt, cfg.nope_dim))
+            if cfg.has_indexer(i):
+                names += ["indexer_compressor_kv", "indexer_compressor_gate", "indexer.proj"]
+                fp4 = rt.indexer_fp4
+                self.index_comp = CompressorW(f32("indexer_compressor_ape.weight"), 4, 2 * cfg.index_dim,
+                                              2 * self.comp.width,
+                                              Finish(f32("indexer_compressor_norm.weight"), cfg.rms_eps,
+                                                     self.rope.inv_freq, "fp4" if fp4 else None, 0, fp4))
+                self.index_w = 2 * (self.comp.width + self.index_comp.width)  # indexer head weights column
+                self.index_q_b = lin("indexer.attn_q_b")
+            self.proj = stacked(*names)
         self.gate_inp = lin("ffn_gate_inp")
         self.tid2eid = _dense(w[f"{p}.ffn_gate_tid2eid.weight"], dev, torch.int32).long() \
             if cfg.is_hash_layer(i) else None
         self.bias = None if cfg.is_hash_layer(i) else f32("exp_probs_b.bias")
         self.experts = Experts(w[f"{p}.ffn_gate_exps.weight"], w[f"{p}.ffn_up_exps.weight"],
                                w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev, int_dot)
-        self.shared = tuple(lin(f"ffn_{k}_shexp") for k in ("gate", "up", "down")) if cfg.n_shared_experts else None
+        self.shared = (stacked("ffn_gate_shexp", "ffn_up_shexp"), lin("ffn_down_shexp")) \
+            if cfg.n_shared_experts else None
 
 
 # ---- the stage -----------------------------------------------------------------------------------------------
@@ -237,7 +258,7 @@ class GpuStage:
         dev = self.device
         self.token_embd = _dense(weights["token_embd.weight"], dev, torch.float16 if dev.type == "cuda"
                                  else torch.float32) if embed else None
-        self.blocks = [GpuLayer(cfg, i, weights, dev, int_dot) for i in self.layers]
+        self.blocks = [GpuLayer(cfg, i, weights, dev, int_dot, round_trips) for i in self.layers]
         if output:
             self.out_hc = HyperConnection(*(_dense(weights[f"output_hc_{k}.weight"], dev, torch.float32)
                                             for k in ("fn", "scale", "base")), cfg)
@@ -258,98 +279,80 @@ class GpuStage:
         x = hc_k.hc_head_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps)
         return self.output(rms_norm(x, self.output_norm, cfg.rms_eps))
 
-    def _kv_round_trip(self, x: Tensor) -> Tensor:
-        if not self.rt.fp8_kv:
-            return x
-        nope = self.cfg.nope_dim
-        return torch.cat((fp8_e4m3_roundtrip(x[..., :nope]), x[..., nope:]), dim=-1)
-
-    def _index_round_trip(self, x: Tensor) -> Tensor:
-        return fp4_e2m1_roundtrip(hadamard(x)) if self.rt.indexer_fp4 else x
-
-    def _compress(self, c: CompressorW, rope: Rope, xn: Tensor, st: Step, frontier: Frontier, rows: Tensor,
-                  finish) -> None:
-        """Project into the frontier and write the rows of blocks closing at these positions. Decode
-        always pools the current block and keeps the result only if the block closes (no host branch)."""
-        r, d, coff = c.ratio, c.d, c.coff
-        kv = c.kv(xn)
-        score = c.gate(xn) + c.ape[st.pos % r]
-        frontier.write(st.pos, kv, score)
+    def _compress(self, c: CompressorW, proj: Tensor, st: Step, frontier: Frontier, rows: Tensor) -> None:
+        """Write these positions' projections into the frontier and pool the blocks they close (one kernel;
+        decode decides on the device whether its block closes)."""
+        kv, sc = proj[:, c.offset:c.offset + c.width], proj[:, c.offset + c.width:c.offset + 2 * c.width]
         if st.decode:
-            blocks, keep = st.pos // r, (st.pos + 1) % r == 0  # [1], [1]
-        else:
-            blocks, keep = torch.arange(st.p0 // r, st.p1 // r, device=xn.device), None
-            if blocks.numel() == 0:
-                return
-        src = blocks[:, None] * r - (coff - 1) * r + torch.arange(coff * r, device=xn.device)
-        kv_s, sc_s = frontier.read(src)  # [B, coff*r, coff*d]
-        if coff == 2:
-            kv_s = torch.cat((kv_s[:, :r, :d], kv_s[:, r:, d:]), dim=1)
-            sc_s = torch.cat((sc_s[:, :r, :d], sc_s[:, r:, d:]), dim=1)
-        pooled = (sc_s.softmax(dim=1) * kv_s).sum(1)
-        new = finish(_rope(rope, rms_norm(pooled, c.norm, self.cfg.rms_eps), blocks * r)).to(rows.dtype)
-        if keep is not None:
-            new = torch.where(keep[:, None], new, rows[blocks])
-        rows[blocks] = new
+            compress_decode(kv, sc, c.ape, st.pos, frontier.kv, frontier.score, rows, c.ratio, c.fin)
+            return
+        frontier.write(st.pos, kv, sc + c.ape[st.pos % c.ratio])
+        b0 = st.p0 // c.ratio
+        compress_blocks(frontier.kv, frontier.score, rows, b0, st.p1 // c.ratio - b0, c.ratio, c.fin)
 
-    def _index(self, L: GpuLayer, xn: Tensor, qr: Tensor, st: Step, kv) -> tuple[Tensor, Tensor]:
+    def _index(self, L: GpuLayer, proj: Tensor, qr: Tensor, st: Step, kv) -> tuple[Tensor, Tensor]:
         """Lightning indexer -> (selected block ids [T, k], valid [T, k])."""
-        cfg, T = self.cfg, xn.shape[0]
-        self._compress(L.index_comp, L.rope, xn, st, kv.index_frontier, kv.index_keys, self._index_round_trip)
+        cfg, T = self.cfg, qr.shape[0]
+        self._compress(L.index_comp, proj, st, kv.index_frontier, kv.index_keys)
         n_blocks = st.bucket // 4 if st.decode else st.p1 // 4
-        k = min(cfg.index_topk, max(n_blocks, 1))
         if n_blocks == 0:
-            z = torch.zeros(T, k, dtype=torch.long, device=xn.device)
+            z = torch.zeros(T, 1, dtype=torch.long, device=qr.device)
             return z, z.bool()
-        q = self._index_round_trip(_rope(L.rope, L.index_q_b(qr).view(T, cfg.index_heads, cfg.index_dim), st.pos))
-        w = L.index_proj(xn) * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)  # [T, IH]
-        keys = kv.index_keys
-        score = torch.empty(T, n_blocks, device=xn.device)
-        step = max(64, SCRATCH_BYTES // (4 * T * cfg.index_heads))
-        for n0 in range(0, n_blocks, step):  # bounded scratch: [T, IH, step]
-            kb = keys[n0:min(n0 + step, n_blocks)].float()
-            score[:, n0:n0 + kb.shape[0]] = torch.einsum("th,thn->tn", w, torch.einsum("thd,nd->thn", q, kb).relu())
-        visible = (torch.arange(n_blocks, device=xn.device)[None] + 1) * 4 <= st.pos[:, None] + 1
-        # Stable sort, not topk: tied scores (every head's relu at 0) pick the earlier block, as the reference does.
-        masked = score.masked_fill(~visible, float("-inf"))
-        top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]
-        return top, visible.gather(1, top)
+        fp4 = self.rt.indexer_fp4
+        q = finish_rows(L.index_q_b(qr).view(T * cfg.index_heads, cfg.index_dim), st.pos, cfg.index_heads,
+                        inv_freq=L.rope.inv_freq, hadamard=fp4, rt="fp4" if fp4 else None)
+        w = proj[:, L.index_w:L.index_w + cfg.index_heads] * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
+        # fp16 dot operands are exact for FP4-round-tripped queries and keys, and only then
+        return index_topk(q.view(T, cfg.index_heads, cfg.index_dim), w, kv.index_keys, n_blocks, st.pos, 4,
+                          cfg.index_topk, fp16_dot=fp4)
 
     def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
         cfg, T = self.cfg, xn.shape[0]
         H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
-        qr = rms_norm(L.q_a(xn), L.q_a_norm, eps)
-        q = _rope(L.rope, rms_norm(L.q_b(qr).view(T, H, D), None, eps), st.pos)
-        kv.write_raw(st.pos, self._kv_round_trip(_rope(L.rope, rms_norm(L.kv(xn), L.kv_norm, eps), st.pos)))
-        raw_pos = st.pos[0] - (W - 1) + torch.arange(W + T - 1, device=xn.device)  # static count
-        keys_w = kv.read_raw(raw_pos.clamp(min=0))
-        allow_w = (raw_pos[None] <= st.pos[:, None]) & (raw_pos[None] > st.pos[:, None] - W) & (raw_pos[None] >= 0)
-        keys_c = allow_c = None
+        q_kv = L.q_kv(xn)
+        qr = rms_norm(q_kv[:, :L.q_lora], L.q_a_norm, eps)
+        q = finish_rows(L.q_b(qr).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
+        finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=eps, inv_freq=L.rope.inv_freq,
+                    rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw)
+        proj = L.proj(xn) if L.comp is not None else None
         if L.comp is not None:
-            self._compress(L.comp, L.rope, xn, st, kv.comp_frontier, kv.comp, self._kv_round_trip)
-            if L.index_comp is not None:
-                top, valid = self._index(L, xn, qr, st, kv)
-                keys_c, allow_c = top, valid  # per-query rows, gathered per query block below
-            else:
-                n_blocks = (st.bucket if st.decode else st.p1) // L.ratio
+            self._compress(L.comp, proj, st, kv.comp_frontier, kv.comp)
+        indexed = L.index_comp is not None
+        ids = valid = None
+        if indexed:
+            ids, valid = self._index(L, proj, qr, st, kv)  # per-query row ids into kv.comp
+        if st.decode:  # the kernel derives the window and the visible compressed rows from the position
+            n_blocks = st.bucket // L.ratio if L.ratio else 0
+            kc = kv.comp if indexed else kv.comp[:n_blocks] if n_blocks else None
+            o = attention_decode(q.view(H, D), kv.raw, None, kc, valid[0] if indexed else None, L.sinks, D ** -0.5,
+                                 ids=ids[0] if indexed else None, pos=st.pos, window=W,
+                                 ratio=0 if indexed else L.ratio)[None]
+        elif dispatch.use_triton(xn):  # prefill kernel: each query's own window and rows, online softmax
+            kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
+            o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
+                                  0 if indexed else L.ratio)
+        else:
+            raw_pos = st.p0 - (W - 1) + torch.arange(W + T - 1, device=xn.device)
+            keys_w = kv.read_raw(raw_pos.clamp(min=0))
+            allow_w = (raw_pos[None] <= st.pos[:, None]) & (raw_pos[None] > st.pos[:, None] - W) & (raw_pos[None] >= 0)
+            keys_c, allow_c = ids, valid
+            if L.comp is not None and not indexed:
+                n_blocks = st.p1 // L.ratio
                 keys_c = kv.comp[:n_blocks]
                 allow_c = (torch.arange(n_blocks, device=xn.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
-        o = self._attend(q, keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed=L.index_comp is not None)
+            o = self._attend(q.view(T, H, D), keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed)
         o = _rope(L.rope, o, st.pos, inverse=True)
         return L.out_b(L.out_a(o.reshape(T, -1)))
 
-    def _attend(self, q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
+    @staticmethod
+    def _attend(q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
                 sinks: Tensor, indexed: bool) -> Tensor:
-        """Sink attention of q [T, H, D] over shared window keys kw [Nw, D] (mask aw [T, Nw]) and compressed
-        rows: shared kc [Nc, D] (mask ac [T, Nc]) or, indexed, per-query row ids kc [T, k] into comp.
-        Queries go in blocks so the logits never exceed SCRATCH_BYTES."""
+        """Prefill sink attention in torch (the CPU path; GPUs run kernels/attention.py's prefill kernel) of
+        q [T, H, D] over shared window keys kw [Nw, D] (mask aw [T, Nw]) and compressed rows: shared kc [Nc, D]
+        (mask ac [T, Nc]) or, indexed, per-query row ids kc [T, k] into comp. Queries go in blocks so the logits
+        never exceed SCRATCH_BYTES."""
         T, H, D = q.shape
         scale = D ** -0.5
-        if T == 1:  # decode: split-K sink attention kernel (indexed rows are gathered inside it)
-            if kc is None:
-                return attention_decode(q[0], kw, aw[0], None, None, sinks, scale)[None]
-            return attention_decode(q[0], kw, aw[0], comp if indexed else kc, ac[0], sinks, scale,
-                                    ids=kc[0] if indexed else None)[None]
         n_keys = kw.shape[0] + (0 if kc is None else kc.shape[-1] if indexed else kc.shape[0])
         per_query = 4 * (H * max(n_keys, 1) + (kc.shape[-1] * D if indexed else 0))  # logits + gathered rows
         qb = max(1, SCRATCH_BYTES // per_query)
@@ -384,8 +387,8 @@ class GpuStage:
                           cfg.expert_weights_scale)
         y = L.experts(xn, ids, wts)
         if L.shared is not None:
-            g, u, d = L.shared
-            y = y + d(swiglu(g(xn), u(xn), cfg.swiglu_clamp_shared[L.layer]))
+            gate_up, down = L.shared
+            y = y + down(swiglu(gate_up(xn), cfg.swiglu_clamp_shared[L.layer]))
         return y
 
     def run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:

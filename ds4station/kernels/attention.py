@@ -44,12 +44,28 @@ Tensor = torch.Tensor
 # Torch reference.
 
 
-def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | None, mask_c: Tensor | None,
-                         sinks: Tensor, scale: float, ids: Tensor | None = None) -> Tensor:
+def positional_masks(kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
+                     pos: Tensor | None, window: int, ratio: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The window keys and masks the kernel derives from the position (see attention_decode_triton):
+    window > 0: kw is the raw ring and key n is position pos - window + 1 + n (masked below 0);
+    ratio > 0: compressed row c is visible iff (c + 1) * ratio <= pos + 1."""
+    if window:
+        p = pos.reshape(-1)[0] - (window - 1) + torch.arange(window, device=kw.device)
+        kw, mask_w = kw[p.clamp(min=0) % kw.shape[0]], p >= 0
+    if ratio and kc is not None:
+        mask_c = (torch.arange(kc.shape[0], device=kc.device) + 1) * ratio <= pos.reshape(-1)[0] + 1
+    return kw, mask_w, mask_c
+
+
+def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
+                         sinks: Tensor, scale: float, ids: Tensor | None = None, *, pos: Tensor | None = None,
+                         window: int = 0, ratio: int = 0) -> Tensor:
     """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32.
     Masked compressed entries are zeroed before the call: their ids may be out of range and their rows
     arbitrary, and sink_attention multiplies p = 0 by the key (0 * inf would be NaN)."""
     from ds4station.engine.model import sink_attention
+
+    kw, mask_w, mask_c = positional_masks(kw, mask_w, kc, mask_c, pos, window, ratio)
 
     keys, allowed = kw.float(), mask_w.bool()
     if kc is not None:
@@ -68,9 +84,10 @@ def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | Non
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr,
-                       H, D, NW, NC, stride_q, stride_kw, stride_kc, scale,
-                       INDEXED: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                       H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, scale,
+                       INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Partials of key block `split` for heads [hb * BLOCK_H, ...): m, l [S, H] and acc [S, H, D]."""
     split = tl.program_id(0)
     hb = tl.program_id(1)
@@ -82,13 +99,24 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, m_ptr, l_
     in_w = n < NW
     c = n - NW
     in_c = (n >= NW) & (c < NC)
-    ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
-    ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
+    if RING or RATIO > 0:
+        p = tl.load(pos_ptr).to(tl.int64)
+    if RING:  # kw is the raw ring: key n is position p - (NW - 1) + n, at slot position % ring_len
+        pn = p - (NW - 1) + n
+        ok_w = in_w & (pn >= 0)
+        row_w = tl.where(ok_w, pn, 0) % ring_len
+    else:
+        ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
+        row_w = n.to(tl.int64)
+    if RATIO > 0:  # compressed row c has closed once position (c + 1) * RATIO - 1 is written
+        ok_c = in_c & ((c + 1) * RATIO <= p + 1)
+    else:
+        ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
     if INDEXED:
         row_c = tl.load(ids_ptr + c, mask=ok_c, other=0).to(tl.int64)
     else:
         row_c = c.to(tl.int64)
-    base_w = kw_ptr + n.to(tl.int64) * stride_kw
+    base_w = kw_ptr + row_w * stride_kw
     base_c = kc_ptr + row_c * stride_kc
     ok = ok_w | ok_c
     offs_d = tl.arange(0, BLOCK_D)
@@ -118,6 +146,69 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, m_ptr, l_
         k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
         o = tl.sum(e[:, :, None] * k[None, :, :], axis=1)
         tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                           H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, scale,
+                           INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
+                           PRECISION: tl.constexpr):
+    """The split step on the matrix units: grid (key blocks, value-dim blocks); every program takes ALL heads
+    (MQA: one key load serves them all), computes the logits z [BLOCK_H, BLOCK_N] = q . keys^T over the whole
+    head dim with tl.dot, and writes acc for its BLOCK_DV slice of the output dims (programs of value block 0
+    also write m and l). Same partials as `_attn_split_kernel`."""
+    split = tl.program_id(0)
+    dv = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    n = split * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_w = n < NW
+    c = n - NW
+    in_c = (n >= NW) & (c < NC)
+    if RING or RATIO > 0:
+        p = tl.load(pos_ptr).to(tl.int64)
+    if RING:
+        pn = p - (NW - 1) + n
+        ok_w = in_w & (pn >= 0)
+        row_w = tl.where(ok_w, pn, 0) % ring_len
+    else:
+        ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
+        row_w = n.to(tl.int64)
+    if RATIO > 0:
+        ok_c = in_c & ((c + 1) * RATIO <= p + 1)
+    else:
+        ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
+    if INDEXED:
+        row_c = tl.load(ids_ptr + c, mask=ok_c, other=0).to(tl.int64)
+    else:
+        row_c = c.to(tl.int64)
+    base_w = kw_ptr + row_w * stride_kw
+    base_c = kc_ptr + row_c * stride_kc
+    ok = ok_w | ok_c
+
+    z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_K):
+        d = d0 + tl.arange(0, BLOCK_K)
+        d_ok = d < D
+        qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                     other=0.0).to(tl.float32)
+        k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        z = tl.dot(qd, tl.trans(k), z, input_precision=PRECISION)
+    z = tl.where(ok[None, :], z * scale, float("-inf"))
+    m = tl.max(z, axis=1)
+    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
+    part = split * H + offs_h
+    if dv == 0:
+        tl.store(m_ptr + part, m, mask=h_ok)
+        tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
+    d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    d_ok = d < D
+    v = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    v += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    o = tl.dot(e, v, input_precision=PRECISION)
+    tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -151,12 +242,12 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, str
 # Launchers.
 
 
-def attention_decode(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | None, mask_c: Tensor | None,
-                     sinks: Tensor, scale: float, ids: Tensor | None = None) -> Tensor:
+def attention_decode(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
+                     sinks: Tensor, scale: float, ids: Tensor | None = None, **where: object) -> Tensor:
     """Decode sink attention of one query: Triton on a GPU tensor, the torch reference on CPU."""
     if dispatch.use_triton(q):
-        return attention_decode_triton(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids)
-    return attention_decode_ref(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids)
+        return attention_decode_triton(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids, **where)
+    return attention_decode_ref(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids, **where)
 
 
 def _rows(t: Tensor, name: str, d: int) -> Tensor:
@@ -173,15 +264,21 @@ def _mask(t: Tensor, n: int, name: str) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | None, mask_c: Tensor | None,
-                            sinks: Tensor, scale: float, ids: Tensor | None = None, *, out: Tensor | None = None,
+def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None,
+                            mask_c: Tensor | None, sinks: Tensor, scale: float, ids: Tensor | None = None, *,
+                            pos: Tensor | None = None, window: int = 0, ratio: int = 0, out: Tensor | None = None,
                             tiles: dispatch.AttentionTiles | None = None) -> Tensor:
     """The Triton launcher of `attention_decode`, two launches.
 
     q [H, D]; window keys kw [Nw, D] with mask_w [Nw] (bool or int, nonzero = attend); compressed keys
     kc [Nc, D] with mask_c [Nc], or, with ids [k] (int32/int64), the compressed table kc [R, D] of which rows
     ids are attended under mask_c [k] (masked ids are never dereferenced); kc None = window only. sinks [H],
-    scale the logit scale (D^-0.5). -> out [H, D] fp32 (written into `out` when given)."""
+    scale the logit scale (D^-0.5). -> out [H, D] fp32 (written into `out` when given).
+
+    Masks from the query position pos [1] (device; the decode step needs no mask tensors then):
+    window > 0 makes kw the raw ring [R, D] (row of position p at p % R) and attends positions
+    pos - window + 1 .. pos that are >= 0 (mask_w ignored); ratio > 0 (shared compressed rows only) makes
+    row c visible iff (c + 1) * ratio <= pos + 1 (mask_c ignored)."""
     if not q.is_cuda and not dispatch.interpreting():
         raise ValueError("attention_decode_triton needs GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     if q.dim() != 2:
@@ -189,8 +286,12 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | 
     H, D = q.shape
     q = q if q.stride(1) == 1 else q.contiguous()
     kw = _rows(kw, "kw", D)
-    nw = kw.shape[0]
-    mask_w = _mask(mask_w, nw, "mask_w")
+    if (window or ratio) and (pos is None or pos.numel() != 1):
+        raise ValueError("window / ratio masks need the query position pos [1]")
+    if ratio and ids is not None:
+        raise ValueError("ratio masks are for shared compressed rows; indexed rows come with their mask")
+    nw = window or kw.shape[0]
+    mask_w = kw if window else _mask(mask_w, nw, "mask_w")
     if sinks.shape != (H,):
         raise ValueError(f"sinks must be [H={H}], got {tuple(sinks.shape)}")
     sinks = sinks.float().contiguous()
@@ -198,15 +299,15 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | 
         nc, kc, mask_c, idx = 0, kw, mask_w, mask_w  # stand-ins; NC = 0 masks every compressed access
     else:
         kc = _rows(kc, "kc", D)
-        if mask_c is None:
-            raise ValueError("compressed keys need mask_c")
+        if mask_c is None and not ratio:
+            raise ValueError("compressed keys need mask_c (or ratio and pos)")
         if ids is not None:
             if ids.dim() != 1:
                 raise ValueError(f"ids must be [k], got {tuple(ids.shape)}")
             nc, idx = ids.shape[0], ids.contiguous()
         else:
             nc, idx = kc.shape[0], mask_w
-        mask_c = _mask(mask_c, nc, "mask_c")
+        mask_c = kc if ratio else _mask(mask_c, nc, "mask_c")
     if out is None:
         out = torch.empty(H, D, dtype=torch.float32, device=q.device)
     elif out.shape != (H, D) or out.dtype != torch.float32 or out.stride(1) != 1:
@@ -217,11 +318,147 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor, kc: Tensor | 
     m = torch.empty(n_split, H, dtype=torch.float32, device=q.device)
     lsum = torch.empty(n_split, H, dtype=torch.float32, device=q.device)
     acc = torch.empty(n_split, H, D, dtype=torch.float32, device=q.device)
-    _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h))](
-        q, kw, mask_w, kc, mask_c, idx, m, lsum, acc, H, D, nw, nc, q.stride(0), kw.stride(0), kc.stride(0),
-        float(scale), INDEXED=ids is not None, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-        BLOCK_D=tiles.block_d, num_warps=tiles.num_warps)
+    args = (q, kw, mask_w, kc, mask_c, idx, pos if pos is not None else q, m, lsum, acc, H, D, nw, nc, kw.shape[0],
+            q.stride(0), kw.stride(0), kc.stride(0), float(scale))
+    flags = {"INDEXED": ids is not None, "RING": window > 0, "RATIO": ratio}
+    if tiles.block_dv:  # matrix-unit form: all heads per program, grid over key blocks x value-dim blocks
+        if tiles.block_h < H:
+            raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")
+        _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv))](
+            *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d,
+            BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision, num_warps=tiles.num_warps)
+    else:
+        _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h))](
+            *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+            num_warps=tiles.num_warps)
     _attn_combine_kernel[(H, triton.cdiv(D, tiles.block_dc))](
         m, lsum, acc, sinks, out, n_split, H, D, out.stride(0),
         BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, num_warps=tiles.num_warps_c)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Prefill: every query of a chunk over its own window and compressed rows, flash-attention style.
+
+
+def attention_prefill_ref(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Tensor | None, sinks: Tensor,
+                          scale: float, ids: Tensor | None, pos: Tensor, window: int, ratio: int = 0) -> Tensor:
+    """Each query t of q [T, H, D] as `attention_decode_ref` at position pos[t] (its window from the raw ring,
+    its compressed rows: shared kc visible by `ratio`, or its own ids[t] under mask_c[t]) -> [T, H, D] fp32."""
+    return torch.stack([
+        attention_decode_ref(q[t], ring, None, kc, None if mask_c is None else mask_c[t], sinks, scale,
+                             None if ids is None else ids[t], pos=pos[t:t + 1], window=window,
+                             ratio=0 if ids is not None else ratio)
+        for t in range(q.shape[0])])
+
+
+@triton.jit
+def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_ptr, out_ptr,
+                         H, D, NW, NC, ring_len, stride_qt, stride_qh, stride_kw, stride_kc, stride_it,
+                         stride_ot, stride_oh, scale,
+                         INDEXED: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+    """Grid (T, value-dim blocks): one query, all heads, its NW window keys (ring slots of positions
+    p - NW + 1 .. p) then its NC compressed rows, in BLOCK_N steps with an online softmax; the sink joins the
+    denominator at the end. Masked keys are never loaded."""
+    t = tl.program_id(0).to(tl.int64)
+    dv = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    p = tl.load(pos_ptr + t).to(tl.int64)
+    d_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_ok = d_v < D
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    for n0 in range(0, NW + NC, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        in_w = n < NW
+        c = n - NW
+        in_c = (n >= NW) & (c < NC)
+        pn = p - (NW - 1) + n
+        ok_w = in_w & (pn >= 0)
+        row_w = tl.where(ok_w, pn, 0) % ring_len
+        if INDEXED:
+            ok_c = in_c & (tl.load(mc_ptr + t * stride_it + c, mask=in_c, other=0) != 0)
+            row_c = tl.load(ids_ptr + t * stride_it + c, mask=ok_c, other=0).to(tl.int64)
+        else:
+            ok_c = in_c & ((c + 1) * RATIO <= p + 1)
+            row_c = c.to(tl.int64)
+        base_w = kw_ptr + row_w * stride_kw
+        base_c = kc_ptr + row_c * stride_kc
+        ok = ok_w | ok_c
+        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            d_ok = d < D
+            qd = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + d[None, :],
+                         mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            z = tl.dot(qd, tl.trans(k), z, input_precision=PRECISION)
+        z = tl.where(ok[None, :], z * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        e = tl.exp(z - m_safe[:, None])
+        lsum = lsum * alpha + tl.sum(e, axis=1)
+        v = tl.load(base_w[:, None] + d_v[None, :], mask=ok_w[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        v += tl.load(base_c[:, None] + d_v[None, :], mask=ok_c[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(e, v, input_precision=PRECISION)
+        m = m_new
+    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    big = tl.maximum(m, sink)
+    w = tl.exp(m - big)  # 0 when every key was masked (m = -inf)
+    total = lsum * w + tl.exp(sink - big)
+    out = acc * (w / total)[:, None]
+    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + d_v[None, :], out,
+             mask=h_ok[:, None] & dv_ok[None, :])
+
+
+def attention_prefill(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Tensor | None, sinks: Tensor,
+                      scale: float, ids: Tensor | None, pos: Tensor, window: int, ratio: int = 0) -> Tensor:
+    if dispatch.use_triton(q):
+        return attention_prefill_triton(q, ring, kc, mask_c, sinks, scale, ids, pos, window, ratio)
+    return attention_prefill_ref(q, ring, kc, mask_c, sinks, scale, ids, pos, window, ratio)
+
+
+def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Tensor | None, sinks: Tensor,
+                             scale: float, ids: Tensor | None, pos: Tensor, window: int, ratio: int = 0, *,
+                             tiles: dispatch.AttentionTiles | None = None) -> Tensor:
+    """Prefill sink attention of a chunk, one launch, no scratch beyond the output: q [T, H, D] at positions
+    pos [T] (all already written into the raw ring [R, D], R >= window + T - 1); compressed rows either shared
+    (kc [Nc, D], row c visible to query t iff (c + 1) * ratio <= pos[t] + 1) or indexed (kc the table, ids and
+    mask_c [T, k]); kc None = window only. -> [T, H, D] fp32."""
+    if q.dim() != 3 or pos.shape != (q.shape[0],):
+        raise ValueError(f"q must be [T, H, D] with pos [T], got {tuple(q.shape)} and {tuple(pos.shape)}")
+    T, H, D = q.shape
+    ring = _rows(ring, "ring", D)
+    if window <= 0 or ring.shape[0] < window:
+        raise ValueError(f"window {window} must be in 1..{ring.shape[0]} (the ring's rows)")
+    if ids is not None and (mask_c is None or ids.shape != mask_c.shape or ids.shape[0] != T or kc is None):
+        raise ValueError("indexed rows need the table kc and ids / mask_c of shape [T, k]")
+    if ids is None and kc is not None and ratio <= 0:
+        raise ValueError("shared compressed rows need their ratio")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out
+    tiles = tiles or dispatch.attention_prefill_tiles(H, D, dispatch.launch_backend(q))
+    if kc is None:
+        nc, kc_, mc, idx, stride_it = 0, ring, ring, ring, 0
+    elif ids is not None:
+        kc_ = _rows(kc, "kc", D)
+        idx, mc = ids.contiguous(), mask_c.contiguous()
+        nc, stride_it = ids.shape[1], ids.stride(0)
+    else:
+        kc_ = _rows(kc, "kc", D)
+        nc, mc, idx, stride_it = kc_.shape[0], ring, ring, 0
+    _attn_prefill_kernel[(T, triton.cdiv(D, tiles.block_dv))](
+        q, ring, kc_, mc, idx, pos, sinks.float().contiguous(), out, H, D, window, nc, ring.shape[0],
+        q.stride(0), q.stride(1), ring.stride(0), kc_.stride(0), stride_it, out.stride(0), out.stride(1),
+        float(scale), INDEXED=ids is not None, RATIO=ratio if ids is None else 0, BLOCK_H=tiles.block_h,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision,
+        num_warps=tiles.num_warps)
     return out

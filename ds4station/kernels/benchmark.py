@@ -8,6 +8,8 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
   torch fp16 matvec on dequantised weights beside it;
 - the integer-dot Q8_0 matvec on a pre-quantised activation, and the activation quantiser's own launch
   (CUDA only);
+- the F16 decode matvec (kernels/f16.py: compressor / indexer / router projections, one fp32 row) against
+  torch's fp16 matvec x.half() @ w.T on the same rotating weights;
 - prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
   and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate.
 Every case is also checked against its torch reference (relative error printed).
@@ -173,6 +175,78 @@ def _q8_0_int_dot_case(name: str, n: int, k: int, groups: int, ws: list, copy_gb
     gbps = (n * k + n * k // 32 * 2 + groups * k * 2.25 + n * 4) / t / 1e3
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
     return Result("q8_0_matvec int8 dot", shape, 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err)
+
+
+# name, N (output rows), K: DS4's F16 projections in decode (fp32 activation in, fp32 logits out)
+F16_DECODE = [
+    ("compressor+indexer kv/gate (concat)", 2624, 4096),
+    ("indexer_q_b", 8192, 1024),
+    ("ffn_gate_inp (router)", 256, 4096),
+    ("indexer_proj", 64, 4096),
+    ("compressor kv/gate", 1024, 4096),
+]
+F16_MAX_COPIES = 1024  # small matrices (64 x 4096 = 512 KB) need many copies to rotate >= ROTATE_BYTES
+
+
+def bench_f16_decode(device: torch.device, copy_gbps: float, only: str = "", sweep: bool = False) -> list[Result]:
+    """f16_matvec at M = 1 (fp32 x -> fp32 y, one launch) against torch's fp16 matvec x.half() @ w.T (input
+    cast + cuBLAS gemv; the engine also casts the result back to fp32), both over the same rotating weight
+    copies (>= ROTATE_BYTES in total, so weights come from HBM), each launch replayed in a CUDA graph.
+    With `sweep`, also tile variants (rows x K step x warps) of each shape, to tune dispatch.f16_matvec_tiles."""
+    from ds4station.kernels.f16 import f16_matvec, f16_matvec_ref
+
+    gen = torch.Generator(device=device).manual_seed(6)
+    res = []
+    for name, n, k in F16_DECODE:
+        if only and only not in "f16_matvec" and only not in name:
+            continue
+        wbytes = 2 * n * k
+        copies = max(2, min(F16_MAX_COPIES, math.ceil(ROTATE_BYTES / wbytes)))
+        wall = torch.randn(copies, n, k, device=device, dtype=torch.float16, generator=gen) * 0.02
+        ws = [wall[i] for i in range(copies)]
+        x = torch.randn(1, k, device=device, dtype=torch.float32, generator=gen)
+        y = torch.empty(1, n, device=device, dtype=torch.float32)
+        err = _rel_err(f16_matvec(x, ws[0], out=y), f16_matvec_ref(x, ws[0]))
+        t = _graph_time_us(lambda i, x=x, y=y, ws=ws: f16_matvec(x, ws[i], out=y), copies)
+        tb = _graph_time_us(lambda i, x=x, ws=ws: x.half() @ ws[i].T, copies)
+        gbps = (wbytes + x.numel() * 4 + y.numel() * 4) / t / 1e3
+        res.append(Result("f16_matvec", f"{name} {n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps,
+                          baseline="torch x.half() @ w.T", baseline_time_us=tb,
+                          baseline_pct=100 * wbytes / tb / 1e3 / copy_gbps, rel_err=err))
+        if sweep:
+            res += _f16_sweep(name, n, k, x, y, ws, copy_gbps)
+        del wall, ws
+    return res
+
+
+def _f16_sweep(name: str, n: int, k: int, x: torch.Tensor, y: torch.Tensor, ws: list[torch.Tensor],
+               copy_gbps: float) -> list[Result]:
+    """f16_matvec_triton at tile variants: 8-64 fp16 weights per lane per step, >= 64 programs."""
+    import itertools
+
+    import triton
+
+    from ds4station.kernels import dispatch
+    from ds4station.kernels.f16 import f16_matvec_triton
+
+    backend = dispatch.launch_backend(x)
+    base = dispatch.f16_matvec_tiles(n, k, x.shape[0], backend)
+    lanes = 64 if backend == "hip64" else 32
+    res = []
+    for bn, bk, nw in itertools.product((1, 2, 4, 8, 16), (512, 1024, 2048, 4096), (2, 4, 8)):
+        tiles = dispatch.F16Tiles(block_n=bn, block_k=bk, num_warps=nw)
+        per_lane = bn * bk // (nw * lanes)
+        too_wide = bk > max(512, triton.next_power_of_2(k)) or -(-n // bn) < min(64, n)
+        if tiles == base or too_wide or not 8 <= per_lane <= 64:
+            continue
+        try:
+            t = _graph_time_us(lambda i, tiles=tiles: f16_matvec_triton(x, ws[i], out=y, tiles=tiles), len(ws))
+        except Exception as exc:  # a variant the compiler rejects is reported, not fatal
+            print(f"sweep f16 {name} {tiles}: {type(exc).__name__}: {exc}"[:300])
+            continue
+        gbps = (2 * n * k + x.numel() * 4 + y.numel() * 4) / t / 1e3
+        res.append(Result("f16 sweep", f"{name} {n}x{k} bn{bn} bk{bk} w{nw}", 1, t, gbps, 100 * gbps / copy_gbps))
+    return res
 
 
 def bench_quantize_act16(device: torch.device) -> list[Result]:
@@ -381,6 +455,7 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     results = bench_q8_0_decode(device, rows, copy_gbps, only)
     if dispatch.use_int_dot(dispatch.device_backend(device)):
         results += bench_quantize_act16(device)
+    results += bench_f16_decode(device, copy_gbps, only, sweep)
     if not only or only in "expert":
         results += bench_expert_matvecs(device, copy_gbps)
     if not only or only in "moe":

@@ -137,7 +137,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "moe_prefill_gate_up iq2_xxs 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
         {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-         "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i32", "g0": "*i64", "g1": ptr16, "g2": ptr16,
+         "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i64", "g0": "*i64", "g1": ptr16, "g2": ptr16,
          "u0": "*i64", "u1": ptr16, "u2": ptr16, **common, "stride_xt": i32, "clamp": "fp32",
          "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
          "BLOCK_K": "constexpr"},
@@ -147,7 +147,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "moe_prefill_down q2_k 4096x2048", moe_prefill._moe_prefill_down_kernel,
         {"h_ptr": ptr32, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-         "y_ptr": ptr32, "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", **common,
+         "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8", "d2": "*i32", **common,
          "QT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
@@ -200,7 +200,82 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs += _hc_specs(hc, backend)
     specs += _router_specs(router, backend)
     specs += _attention_specs(attention, backend)
+    specs += _row_specs(backend)
     return specs
+
+
+def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
+    """Row finishing (kernels/rows.py), the compressor update (kernels/compressor.py) and the shared expert's
+    SwiGLU at DS4's shapes: q heads of 512, the KV row with its FP8 round trip into the ring, indexer queries
+    of 128 with Hadamard + FP4; ratio-4 (attention and indexer) and ratio-128 compressors, decode and prefill."""
+    from ds4station.kernels import compressor, norm, rows
+
+    p32, i32 = "*fp32", "i32"
+    out = []
+    for label, d, norm_, rope, had, rt, nope, ring in (
+            ("q heads 512", 512, True, True, False, 0, 0, False),
+            ("kv 512 fp8 ring", 512, True, True, False, 1, 448, True),
+            ("index q 128 fp4", 128, False, True, True, 2, 0, False)):
+        t = dispatch.row_tiles(d, backend)
+        out.append(KernelSpec(
+            f"finish_rows {label}", rows._finish_rows_kernel,
+            {"x_ptr": p32, "pos_ptr": "*i64", "w_ptr": p32, "f_ptr": p32, "y_ptr": p32, "D": i32, "heads": i32,
+             "stride_x": i32, "stride_y": i32, "ring_len": i32, "eps": "fp32", "sign": "fp32",
+             "NORM": "constexpr", "HAS_W": "constexpr", "HALF": "constexpr", "HADAMARD": "constexpr", "RT": "constexpr",
+             "NOPE": "constexpr", "RING": "constexpr", "BLOCK_D": "constexpr", "LOG_D": "constexpr"},
+            {"NORM": norm_, "HAS_W": ring, "HALF": 32 if rope else 0, "HADAMARD": had, "RT": rt, "NOPE": nope,
+             "RING": ring, "BLOCK_D": max(64, d), "LOG_D": max(64, d).bit_length() - 1},
+            ("x_ptr", "w_ptr", "f_ptr", "y_ptr", "D", "stride_x", "stride_y"), t.num_warps, 1, decode=True))
+    for label, d, ratio, had, rt, nope in (("r4 kv 512 fp8", 512, 4, False, 1, 448),
+                                           ("r128 kv 512 fp8", 512, 128, False, 1, 448),
+                                           ("r4 index 128 fp4", 128, 4, True, 2, 0)):
+        coff = 2 if ratio == 4 else 1
+        t = dispatch.compressor_tiles(d, coff * ratio, backend)
+        for write in (True, False):
+            out.append(KernelSpec(
+                f"compress {label} {'decode' if write else 'prefill'}", compressor._compress_kernel,
+                {"kv_ptr": p32, "sc_ptr": p32, "ape_ptr": p32, "pos_ptr": "*i64", "fkv_ptr": p32, "fsc_ptr": p32,
+                 "rows_ptr": p32, "w_ptr": p32, "f_ptr": p32, "b0": i32, "Rf": i32, "W": i32, "d": i32, "eps": "fp32",
+                 "R": "constexpr", "COFF": "constexpr", "WRITE": "constexpr", "HALF": "constexpr",
+                 "HADAMARD": "constexpr", "RT": "constexpr", "NOPE": "constexpr", "BLOCK_D": "constexpr",
+                 "LOG_D": "constexpr", "BLOCK_J": "constexpr"},
+                {"R": ratio, "COFF": coff, "WRITE": write, "HALF": 32, "HADAMARD": had, "RT": rt, "NOPE": nope,
+                 "BLOCK_D": d, "LOG_D": d.bit_length() - 1, "BLOCK_J": t.block_j},
+                ("kv_ptr", "sc_ptr", "ape_ptr", "fkv_ptr", "fsc_ptr", "rows_ptr", "w_ptr", "W", "d"), t.num_warps, 1,
+                decode=write))
+    from ds4station.kernels import f16
+
+    for label, n, k in (("stacked compressor/indexer", 2624, 4096), ("indexer q_b", 8192, 1024), ("router", 256, 4096)):
+        t = dispatch.f16_matvec_tiles(n, k, 1, backend)
+        out.append(KernelSpec(
+            f"f16_matvec {label} {n}x{k}", f16._f16_matvec_kernel,
+            {"x_ptr": p32, "w_ptr": "*fp16", "y_ptr": p32, "N": i32, "K": i32, "stride_xm": i32, "stride_wn": i32,
+             "stride_ym": i32, "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+            {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+            ("x_ptr", "w_ptr", "y_ptr", "K", "stride_xm", "stride_wn", "stride_ym"), t.num_warps, t.num_stages,
+            decode=True))
+    from ds4station.kernels import indexer
+
+    for label, t_, n_keys in (("decode 8K blocks", 1, 8192), ("prefill 2K x 8K blocks", 2048, 8192)):
+        t = dispatch.indexer_tiles(t_, n_keys, 64, 128, backend)
+        out.append(KernelSpec(
+            f"indexer scores {label}", indexer._indexer_kernel,
+            {"q_ptr": p32, "w_ptr": p32, "k_ptr": p32, "pos_ptr": "*i64", "out_ptr": "*i64", "T": i32, "IH": i32,
+             "D": i32, "n0": i32, "n1": i32, "col0": i32, "stride_qt": i32, "stride_qh": i32, "stride_wt": i32,
+             "stride_k": i32, "stride_ot": i32, "ratio": i32, "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
+             "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "USE_DOT": "constexpr", "DOT_FP16": "constexpr"},
+            {"BLOCK_T": t.block_t, "BLOCK_H": t.block_h, "BLOCK_N": t.block_n, "BLOCK_D": t.block_d,
+             "USE_DOT": t.dot, "DOT_FP16": True},
+            ("q_ptr", "w_ptr", "k_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_wt", "stride_k", "stride_ot"),
+            t.num_warps, t.num_stages, decode=t_ == 1))
+    t = dispatch.row_tiles(1024, backend)
+    out.append(KernelSpec(
+        "swiglu shared expert 2048", norm._swiglu_kernel,
+        {"gu_ptr": p32, "y_ptr": p32, "F": i32, "stride_gu": i32, "stride_y": i32, "clamp": "fp32",
+         "CLAMP": "constexpr", "BLOCK": "constexpr"},
+        {"CLAMP": True, "BLOCK": t.block}, ("gu_ptr", "y_ptr", "F", "stride_gu", "stride_y"), t.num_warps, 1,
+        decode=True))
+    return out
 
 
 def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
@@ -267,17 +342,37 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
     for label, nc, indexed in (("window", 0, False), ("indexed r4", 512, True), ("r128 1M", 8192, False)):
         t = dispatch.attention_tiles(H, D, 128 + nc, backend)
         for kv in ("fp32", "fp16"):
-            out.append(KernelSpec(
-                f"attn_split {label} {kv}", attention._attn_split_kernel,
-                {"q_ptr": "*fp32", "kw_ptr": f"*{kv}", "mw_ptr": "*i1", "kc_ptr": f"*{kv}", "mc_ptr": "*i1",
-                 "ids_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "H": "i32", "D": "i32",
-                 "NW": "i32", "NC": "i32", "stride_q": "i32", "stride_kw": "i32", "stride_kc": "i32",
-                 "scale": "fp32", "INDEXED": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
-                 "BLOCK_D": "constexpr"},
-                {"INDEXED": indexed, "BLOCK_H": t.block_h, "BLOCK_N": t.block_n, "BLOCK_D": t.block_d},
-                ("q_ptr", "kw_ptr", "kc_ptr", "ids_ptr", "m_ptr", "l_ptr", "acc_ptr", "D", "stride_q", "stride_kw",
-                 "stride_kc"),
-                t.num_warps, 1, decode=True))
+            sig = {"q_ptr": "*fp32", "kw_ptr": f"*{kv}", "mw_ptr": "*i1", "kc_ptr": f"*{kv}", "mc_ptr": "*i1",
+                   "ids_ptr": "*i64", "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
+                   "H": "i32", "D": "i32", "NW": "i32", "NC": "i32", "ring_len": "i32", "stride_q": "i32",
+                   "stride_kw": "i32", "stride_kc": "i32", "scale": "fp32", "INDEXED": "constexpr",
+                   "RING": "constexpr", "RATIO": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr"}
+            consts = {"INDEXED": indexed, "RING": True, "RATIO": 128 if nc == 8192 else 0, "BLOCK_H": t.block_h,
+                      "BLOCK_N": t.block_n}
+            aligned = ("q_ptr", "kw_ptr", "kc_ptr", "ids_ptr", "m_ptr", "l_ptr", "acc_ptr", "D", "stride_q",
+                       "stride_kw", "stride_kc")
+            if t.block_dv:  # the tl.dot form (all heads per program)
+                sig.update({"BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr"})
+                consts.update({"BLOCK_K": t.block_d, "BLOCK_DV": t.block_dv, "PRECISION": t.precision})
+                fn = attention._attn_split_dot_kernel
+            else:
+                sig["BLOCK_D"] = "constexpr"
+                consts["BLOCK_D"] = t.block_d
+                fn = attention._attn_split_kernel
+            out.append(KernelSpec(f"attn_split {label} {kv}", fn, sig, consts, aligned, t.num_warps, 1, decode=True))
+        tp = dispatch.attention_prefill_tiles(H, D, backend)
+        out.append(KernelSpec(
+            f"attn_prefill {label}", attention._attn_prefill_kernel,
+            {"q_ptr": "*fp32", "kw_ptr": "*fp32", "kc_ptr": "*fp32", "mc_ptr": "*i1", "ids_ptr": "*i64",
+             "pos_ptr": "*i64", "sinks_ptr": "*fp32", "out_ptr": "*fp32", "H": "i32", "D": "i32", "NW": "i32",
+             "NC": "i32", "ring_len": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kw": "i32",
+             "stride_kc": "i32", "stride_it": "i32", "stride_ot": "i32", "stride_oh": "i32", "scale": "fp32",
+             "INDEXED": "constexpr", "RATIO": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
+             "BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr"},
+            {"INDEXED": indexed, "RATIO": 0 if indexed else 128, "BLOCK_H": tp.block_h, "BLOCK_N": tp.block_n,
+             "BLOCK_K": tp.block_d, "BLOCK_DV": tp.block_dv, "PRECISION": tp.precision},
+            ("q_ptr", "kw_ptr", "kc_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_kw", "stride_kc",
+             "stride_ot", "stride_oh"), tp.num_warps, 1))
         out.append(KernelSpec(
             f"attn_combine {label}", attention._attn_combine_kernel,
             {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",

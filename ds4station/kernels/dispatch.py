@@ -229,9 +229,10 @@ def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend) -> Matmul
 _MOE_PREFILL_TILES: dict[Backend, MatmulTiles] = {
     # Token tiles are short (a 2K-token prompt sends ~48 rows to each of 256 experts) and the 2-bit
     # dequantisation is element-wise work, so the tiles are smaller than the dense prefill matmul's.
-    # Not yet timed. From the sm_90 compiler report: 2 stages pipelined the per-element packed-word loads
-    # through 120 KB of shared memory and 4 warps needed 242-255 registers; 8 warps, 1 stage: 140, 16 KB.
-    "cuda": MatmulTiles(block_m=64, block_n=64, block_k=64, group_m=1, num_warps=8, num_stages=1),
+    # H200 sweep of 2026-11-29 (docs/PERFORMANCE.md; the per-unit tile decode): 64x64x64 with 4 warps and 1
+    # stage was the fastest of 24 (block_m 32/64/128, block_n 64/128, 4/8 warps, 1/2 stages): 16.8 ms per
+    # 2,048-token layer against 20.9 ms for 8 warps.
+    "cuda": MatmulTiles(block_m=64, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=1),
     "hip64": MatmulTiles(block_m=32, block_n=64, block_k=32, group_m=1, num_warps=4, num_stages=1),
     "hip32": MatmulTiles(block_m=32, block_n=64, block_k=32, group_m=1, num_warps=4, num_stages=1),
     "cpu": MatmulTiles(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=1, num_stages=1),
@@ -265,6 +266,47 @@ def row_tiles(width: int, backend: Backend) -> RowTiles:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def attention_prefill_tiles(h: int, d: int, backend: Backend) -> AttentionTiles:
+    """Tiles for prefill attention (one program per query and block of output dims, all heads, an online
+    softmax over key blocks; block_dv > 0 always: the tl.dot form). TF32 operands on NVIDIA tensor cores;
+    exact fp32 dots elsewhere (no TF32 on AMD; gfx906 lowers them to FMAs)."""
+    hp = max(16, _pow2_ceil(max(1, h)))
+    dp = _pow2_ceil(max(1, d))
+    if backend == "cpu":
+        return AttentionTiles(block_h=hp, block_n=64, block_d=min(128, max(16, dp)), num_warps=1, block_s=1,
+                              block_dc=1, num_warps_c=1, block_dv=min(256, max(16, dp)))
+    lanes = 64 if backend == "hip64" else 32
+    block_n, block_dv = 16 if backend == "hip64" else 32, min(128 if backend == "cuda" else 64, max(16, dp))
+    # The [heads, block_dv] accumulator at 32 fp32 per lane, leaving registers for the q / key / value tiles
+    # (at 64 per lane sm_90 needed 255 registers); AMD's FMA-lowered dots need more room: 16 per lane and
+    # 32-wide head-dim steps.
+    per_lane = 32 if backend == "cuda" else 16
+    num_warps = max(1, min(8, hp * block_dv // (lanes * per_lane)))
+    block_k = min(64 if backend == "cuda" else 32, max(16, dp))
+    return AttentionTiles(block_h=hp, block_n=block_n, block_d=block_k, num_warps=num_warps,
+                          block_s=1, block_dc=1, num_warps_c=1, block_dv=block_dv,
+                          precision="tf32" if backend == "cuda" else "ieee")
+
+
+@dataclass(frozen=True)
+class CompressorTiles:
+    block_j: int  # frontier entries per step of the pooling loop (online softmax over the block's entries)
+    num_warps: int
+
+
+def compressor_tiles(width: int, entries: int, backend: Backend) -> CompressorTiles:
+    """One program per closing block, the whole pooled row (width = head or index dim) in registers, so
+    the norm, RoPE and round trip that follow the pooling run in the same program. A step of the pooling
+    loads [block_j, width] kv and score values: ~32 fp32 values of each per lane whatever the warp size."""
+    block = _pow2_ceil(width)
+    if backend == "cpu":
+        return CompressorTiles(block_j=min(64, _pow2_ceil(entries)), num_warps=1)
+    lanes = 64 if backend == "hip64" else 32
+    num_warps = max(1, min(8, block // (lanes * 4)))
+    block_j = max(1, min(_pow2_ceil(entries), lanes * num_warps * 32 // block))
+    return CompressorTiles(block_j=block_j, num_warps=num_warps)
 
 
 @dataclass(frozen=True)
@@ -327,6 +369,8 @@ class AttentionTiles:
     block_s: int  # partials per step of the combine
     block_dc: int  # head-dim elements per combine program
     num_warps_c: int
+    block_dv: int = 0  # > 0: the tl.dot split kernel (all heads per program, this many output dims each)
+    precision: str = "ieee"  # tl.dot input precision of that kernel ("tf32" on NVIDIA tensor cores)
 
 
 def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionTiles:
@@ -341,6 +385,14 @@ def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionT
     if backend == "cpu":  # the interpreter runs programs one after another: few, wide ones
         return AttentionTiles(block_h=min(64, hp), block_n=min(64, _pow2_ceil(max(1, n_keys))),
                               block_d=min(128, dp), num_warps=1, block_s=64, block_dc=min(512, dp), num_warps_c=1)
+    if backend == "cuda":
+        # Tensor cores: every program takes all heads (one key load serves them all), 32 keys (64 beyond 1,024
+        # keys), the logits over the whole head dim by 64-wide tl.dot steps, and 128 output dims; TF32
+        # operands with fp32 accumulation (finer than the bf16 of common flash-decoding kernels).
+        block_n = 32 if n_keys <= 1024 else 64
+        return AttentionTiles(block_h=max(16, hp), block_n=block_n, block_d=min(64, max(16, dp)), num_warps=4 if
+                              block_n == 32 else 8, block_s=32, block_dc=min(128, dp), num_warps_c=4,
+                              block_dv=min(128, max(16, dp)), precision="tf32")
     lanes = 64 if backend == "hip64" else 32
     block_h = min(16, hp)
     block_n = 16 if n_keys <= 1024 else min(128, _pow2_ceil(_cdiv(n_keys, 64)))
@@ -351,3 +403,80 @@ def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionT
     num_warps_c = max(1, min(8, block_s * block_dc // (lanes * 32)))
     return AttentionTiles(block_h=block_h, block_n=block_n, block_d=block_d, num_warps=num_warps,
                           block_s=block_s, block_dc=block_dc, num_warps_c=num_warps_c)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# F16 decode matvec (fp16 weights [N, K], 1-8 fp32/fp16 activation rows, fp32 math; kernels/f16.py).
+
+
+@dataclass(frozen=True)
+class F16Tiles:
+    block_n: int  # output rows per program
+    block_k: int  # K elements per loop step
+    num_warps: int
+    num_stages: int = 1
+
+
+_F16_STEP_ELEMS = 8192  # weights per program per step (16 KB of fp16) where the row allows
+_F16_PER_LANE = 32  # fp16 weights per lane per step: 64 bytes, four 16-byte vector loads
+
+
+def f16_matvec_tiles(n: int, k: int, m: int, backend: Backend) -> F16Tiles:
+    """Tiles for y[m, n] = x[m, :] . W[n, :] with W fp16 [n, k] (bandwidth-bound, not yet timed).
+
+    Up to 8 rows per program while >= 256 programs remain (DS4: 2624 x 4096 -> 8 rows, 328 programs;
+    8192 x 1024 -> 8 rows, 1024 programs; 1024 x 4096 -> 4 rows, 256; 256 / 64 x 4096 -> 1 row, 256 / 64);
+    a step covers ~8192 weights (the whole row when K allows) and num_warps keeps ~32 fp16 (64 bytes) per
+    lane whatever the warp size. The interpreter runs programs one after another: few, wide ones.
+    """
+    kp = _pow2_ceil(max(1, k))
+    if backend == "cpu":
+        return F16Tiles(block_n=min(64, _pow2_ceil(max(1, n))), block_k=max(16, min(1024, kp)), num_warps=1)
+    lanes = 64 if backend == "hip64" else 32
+    block_n = min(8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
+    block_k = max(16, min(kp, 4096, _F16_STEP_ELEMS // block_n))
+    num_warps = max(1, min(8, block_n * block_k // (lanes * _F16_PER_LANE)))
+    return F16Tiles(block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+@dataclass(frozen=True)
+class IndexerTiles:
+    block_t: int  # queries per program; 1 = one query per program with its heads as the rows of the dot
+    block_h: int  # heads per dot step when block_t == 1 (padded heads are masked to zero)
+    block_n: int  # index keys (compressed blocks) per program
+    block_d: int  # the whole key row, padded to a power of two >= 16 (a tl.dot needs >= 16 per dim)
+    dot: bool  # block_t == 1: tl.dot [block_h, block_d] x [block_d, block_n] (True) or per-head fp32 FMA sums
+    num_warps: int
+    num_stages: int = 1
+
+
+def indexer_tiles(t: int, n_keys: int, heads: int, dim: int, backend: Backend) -> IndexerTiles:
+    """Tiles for the lightning indexer's scores of t queries x n_keys compressed blocks (heads x dim each).
+
+    Few queries (decode, t < 16): one query per program, its heads as the M rows of a tl.dot against the
+    block's keys; DS4 (64 heads x 128) decodes over 1024..8192 blocks (262,144 at 1M context), and 16..64
+    keys per program keep >= 64 programs at 1024 blocks and 128+ from 4096 on (132 SMs).
+    Prefill (t >= 16): a [block_t, block_n] score tile per program that keeps its keys and loops over the
+    heads, one [block_t, dim] x [dim, block_n] dot per head.
+    From the ahead-of-time compiles (dim 128, fp16 dot operands): sm_90 decode 64 heads x 64 keys at 4 warps
+    ~120 registers, prefill 64 x 128 at 8 warps 138, no spills; gfx906 (no matrix cores: the dot keeps its
+    operands in registers) spills above 16 x 16 (decode) / 16 x 32 (prefill) at 4 warps; gfx1100 holds
+    32 heads x 64 keys at 4 warps and a 32 x 64 prefill tile at 8 warps. Not yet timed on a GPU."""
+    block_d = max(16, _pow2_ceil(dim))
+    hp = max(16, _pow2_ceil(heads))
+    if backend == "cpu":  # the interpreter runs programs one after another: few, wide ones
+        block_n = max(16, min(128, _pow2_ceil(n_keys)))
+        if t < 16:
+            return IndexerTiles(block_t=1, block_h=min(64, hp), block_n=block_n, block_d=block_d, dot=True,
+                                num_warps=1)
+        return IndexerTiles(block_t=min(64, _pow2_ceil(t)), block_h=1, block_n=block_n, block_d=block_d, dot=True,
+                            num_warps=1)
+    if t < 16:
+        max_h, max_n = {"cuda": (64, 64), "hip32": (32, 64), "hip64": (16, 16)}[backend]
+        block_n = max(16, min(max_n, _pow2_floor(n_keys // 128)))
+        return IndexerTiles(block_t=1, block_h=min(max_h, hp), block_n=block_n, block_d=block_d, dot=True,
+                            num_warps=4)
+    block_t, block_n, num_warps, num_stages = {"cuda": (64, 128, 8, 2), "hip32": (32, 64, 8, 1),
+                                               "hip64": (16, 32, 4, 1)}[backend]
+    return IndexerTiles(block_t=min(block_t, max(16, _pow2_ceil(t))), block_h=1, block_n=block_n, block_d=block_d,
+                        dot=True, num_warps=num_warps, num_stages=num_stages)

@@ -104,7 +104,10 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
                         NBLK, K, DIM, stride_xt, stride_xc, stride_yt, rms_eps, hc_eps, iters,
                         C: tl.constexpr, CP: tl.constexpr, NBLK_P: tl.constexpr, BLOCK_D: tl.constexpr,
                         HEAD: tl.constexpr):
-    """Per token: mix = sum of partials * rsqrt(mean(Xf^2) + rms_eps); pre / post / Sinkhorn(comb); y = pre . X.
+    """Per token and block of dim (grid (T, cdiv(DIM, BLOCK_D))): mix = sum of partials * rsqrt(mean(Xf^2) +
+    rms_eps); pre; y[d-block] = pre . X[:, d-block]; the programs of d-block 0 also write post and the Sinkhorn
+    of comb. Every program re-reduces the few partials it needs (cheaper than a second launch), so the weighted
+    sum over dim is spread over many programs instead of looping in one.
     HEAD: the output head's variant (M = C, pre only, one scale, no post / comb)."""
     t = tl.program_id(0).to(tl.int64)
     if HEAD:
@@ -127,7 +130,7 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
     pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + offs_c, mask=c_ok, other=0.0)) + hc_eps
     pre = tl.where(c_ok, pre, 0.0)
 
-    if not HEAD:
+    if not HEAD and tl.program_id(1) == 0:
         mix_post = tl.sum(tl.load(rows[:, None] + C + offs_c[None, :], mask=b_ok[:, None] & c_ok[None, :],
                                   other=0.0), axis=0) * r
         post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1)
@@ -154,14 +157,12 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
             cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + t * C * C + jk, cm, mask=ok)
 
-    # y = sum_j pre[j] * X[j] over dim in blocks.
-    offs_d = tl.arange(0, BLOCK_D)
-    for d0 in range(0, DIM, BLOCK_D):
-        d = d0 + offs_d
-        d_ok = d < DIM
-        xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
-                     mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        tl.store(y_ptr + t * stride_yt + d, tl.sum(pre[:, None] * xt, axis=0), mask=d_ok)
+    # y = sum_j pre[j] * X[j] over this program's block of dim.
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < DIM
+    xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
+                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    tl.store(y_ptr + t * stride_yt + d, tl.sum(pre[:, None] * xt, axis=0), mask=d_ok)
 
 
 @triton.jit
@@ -241,7 +242,7 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
     comb = torch.empty(T, C, C, device=X.device, dtype=torch.float32)
     if T:
         nblk = part.shape[1]
-        _hc_finalize_kernel[(T,)](
+        _hc_finalize_kernel[(T, triton.cdiv(dim, tiles.block_d))](
             part, X, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps),
             int(sinkhorn_iters), C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk),
@@ -264,7 +265,7 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
     if T:
         nblk = part.shape[1]
         # post / comb pointers are unused under HEAD; y stands in for them.
-        _hc_finalize_kernel[(T,)](
+        _hc_finalize_kernel[(T, triton.cdiv(dim, tiles.block_d))](
             part, X, scale.float().contiguous(), base.float().contiguous(), y, y, y,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps), 1,
             C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk), BLOCK_D=tiles.block_d, HEAD=True,

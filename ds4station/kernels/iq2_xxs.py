@@ -239,32 +239,33 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs
 
 @triton.jit
 def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
-    """Dequantised [rows, BLOCK_K] fp16 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand).
+    """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand).
 
-    Element-wise 2-D decode: the packed word of each element's 32-group is loaded per element (lanes of a
-    group hit the same address), then its grid byte, sign bit and scale; prefill amortises this over the
-    BLOCK_M tokens of the dot."""
+    Decoded per unit of 8 weights (one grid entry): per unit one load of its 32-group's packed word, one
+    load of the grid entry as an int64 (8 magnitude bytes) and one of the block scale, then the 8 weights
+    come from shifts of those words in registers. (Element-wise loads, 3 per weight, made the tile decode
+    the bottleneck of the prefill MoE.) BLOCK_K is a multiple of 32."""
     G = K // 32
-    kk = k0 + tl.arange(0, BLOCK_K)
-    k_mask = kk < K
-    mask = n_mask[:, None] & k_mask[None, :]
-    g = kk // 32
-    j = (kk % 32) // 8
-    e = kk % 8
+    u = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # unit index along the row
+    g = u // 4
+    j = u % 4
+    mask = n_mask[:, None] & (g < G)[None, :]
     q = tl.load(qs_ptr + rows[:, None] * G + g[None, :], mask=mask, other=0)
     w0 = q.to(tl.int32)
     w1 = (q >> 32).to(tl.int32)
-    idx = (w0 >> (8 * j)[None, :]) & 255
-    gw = tl.load(grid_ptr + idx * 2 + (e >= 4).to(tl.int32)[None, :])
-    mag = ((gw >> (8 * (e % 4))[None, :]) & 255).to(tl.float32)
+    gw = tl.load(grid_ptr + ((w0 >> (8 * j)[None, :]) & 255))  # [rows, units] int64: 8 magnitudes
     s7 = (w1 >> (7 * j)[None, :]) & 127
     p = s7 ^ (s7 >> 4)
     p = p ^ (p >> 2)
     p = p ^ (p >> 1)
-    neg = (((s7 | ((p & 1) << 7)) >> e[None, :]) & 1) != 0
-    db = tl.load(d_ptr + rows[:, None] * (K // 256) + (kk // 256)[None, :], mask=mask, other=0.0).to(tl.float32)
+    signs = s7 | ((p & 1) << 7)
+    db = tl.load(d_ptr + rows[:, None] * (K // 256) + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25
-    return tl.where(neg, -mag, mag) * scale
+    e = tl.arange(0, 8)
+    mag = ((gw[:, :, None] >> (8 * e)[None, None, :].to(tl.int64)) & 255).to(tl.float32)
+    neg = ((signs[:, :, None] >> e[None, None, :]) & 1) != 0
+    w = tl.where(neg, -mag, mag) * scale[:, :, None]
+    return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 
 @triton.jit

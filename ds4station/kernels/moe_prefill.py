@@ -144,7 +144,7 @@ def moe_prefill(
         x = x.contiguous()
     tiles = tiles or dispatch.moe_prefill_tiles(t_count * n_slots, dispatch.launch_backend(x))
     order, t_exp, t_start, t_end = _schedule(ids, n_experts, tiles.block_m)
-    grid_tab = grid_words(x.device).view(torch.int32)
+    grid_tab = grid_words(x.device)  # int64 words: 8 magnitudes per load
     weights = weights.reshape(-1).float().contiguous()
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     opts = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}

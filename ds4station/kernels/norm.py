@@ -115,3 +115,40 @@ def rope_triton_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, hea
         x, pos, inv_freq.float().contiguous(), x.shape[1], x.stride(0), heads, -1.0 if inverse else 1.0,
         HALF=half, BLOCK_H=triton.next_power_of_2(half), num_warps=1)
     return x
+
+
+def swiglu_ref(gu: torch.Tensor, clamp: float) -> torch.Tensor:
+    """gu [T, 2F] = (gate | up) -> silu(gate) * up [T, F], with DeepSeek's clamp (gate <= c, up in [-c, c];
+    c <= 0 disables it), as engine/model.py's swiglu."""
+    from ds4station.engine.model import swiglu as swiglu_model
+
+    f = gu.shape[-1] // 2
+    return swiglu_model(gu[:, :f].float(), gu[:, f:].float(), clamp)
+
+
+@triton.jit
+def _swiglu_kernel(gu_ptr, y_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < F
+    g = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + row * stride_gu + F + offs, mask=mask, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, clamp)
+        u = tl.minimum(tl.maximum(u, -clamp), clamp)
+    tl.store(y_ptr + row * stride_y + offs, g / (1.0 + tl.exp(-g)) * u, mask=mask)
+
+
+def swiglu(gu: torch.Tensor, clamp: float) -> torch.Tensor:
+    """One launch on a GPU tensor (the shared expert's gate and up come from one fused matvec), else torch."""
+    if not dispatch.use_triton(gu):
+        return swiglu_ref(gu, clamp)
+    if gu.dim() != 2 or gu.shape[1] % 2 or gu.stride(-1) != 1:
+        raise ValueError(f"swiglu takes unit-stride [T, 2F] (gate | up), got {tuple(gu.shape)}")
+    f = gu.shape[1] // 2
+    y = torch.empty(gu.shape[0], f, dtype=torch.float32, device=gu.device)
+    tiles = dispatch.row_tiles(min(f, 1024), dispatch.launch_backend(gu))
+    _swiglu_kernel[(gu.shape[0], triton.cdiv(f, tiles.block))](
+        gu, y, f, gu.stride(0), y.stride(0), float(clamp), CLAMP=clamp > 0, BLOCK=tiles.block,
+        num_warps=tiles.num_warps)
+    return y

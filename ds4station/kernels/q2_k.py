@@ -165,17 +165,23 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
 @triton.jit
 def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand);
-    qs_ptr int32 words of 16 weights, sc_ptr scale bytes per word, dm_ptr int32 (d, dmin) per 256."""
+    qs_ptr int32 words of 16 weights, sc_ptr scale bytes per word, dm_ptr int32 (d, dmin) per 256.
+    Decoded per word (16 weights): one load each of the word, its scale byte and its (d, dmin), then the
+    16 codes come from shifts in registers. BLOCK_K is a multiple of 16."""
     W = K // 16
-    kk = k0 + tl.arange(0, BLOCK_K)
-    mask = n_mask[:, None] & (kk < K)[None, :]
-    word = tl.load(qs_ptr + rows[:, None] * W + (kk // 16)[None, :], mask=mask, other=0)
-    code = ((word >> (2 * (kk % 16))[None, :]) & 3).to(tl.float32)
-    sc = tl.load(sc_ptr + rows[:, None] * W + (kk // 16)[None, :], mask=mask, other=0).to(tl.int32)
-    dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (kk // 256)[None, :], mask=mask, other=0)
+    u = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    mask = n_mask[:, None] & (u < W)[None, :]
+    word = tl.load(qs_ptr + rows[:, None] * W + u[None, :], mask=mask, other=0)
+    sc = tl.load(sc_ptr + rows[:, None] * W + u[None, :], mask=mask, other=0).to(tl.int32)
+    dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (u // 16)[None, :], mask=mask, other=0)
     d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    return d * (sc & 15).to(tl.float32) * code - dmin * (sc >> 4).to(tl.float32)
+    dl = d * (sc & 15).to(tl.float32)
+    ml = dmin * (sc >> 4).to(tl.float32)
+    e = tl.arange(0, 16)
+    code = ((word[:, :, None] >> (2 * e)[None, None, :]) & 3).to(tl.float32)
+    w = dl[:, :, None] * code - ml[:, :, None]
+    return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 
 @triton.jit

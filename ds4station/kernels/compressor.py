@@ -1,0 +1,196 @@
+"""The compressor update in one launch: write a position's projections into the frontier ring, and pool each
+block that closes into its compressed row (gated softmax pooling -> RMSNorm -> RoPE -> round trip).
+
+What it computes is engine/model.py's `Compressor.__call__` after the two projections (kv = x Wkv^T and
+score = x Wgate^T, which stay in the matvec / matmul kernels): the frontier rings `fkv`, `fsc` [Rf, W] hold
+each position's kv and score + ape[pos % r] (W = coff * d; coff = 2 for the overlapping ratio-4 compressors,
+whose block i pools block i-1's entries on channels [:d] and its own on channels [d:]). A closed block b
+pools, per channel, softmax over its coff * r entries of score, weighted sum of kv (positions < 0 weigh
+nothing), then kernels/rows.py's `finish_row`: RMSNorm with the compressor's weight, RoPE at position b * r,
+and the layer's round trip (FP8 on the non-RoPE dims for attention rows, Hadamard + FP4 for indexer keys).
+The result goes to rows[b].
+
+- `compress_decode(kv, sc, ape, pos, fkv, fsc, rows, ...)`: one token at device position pos[0]: writes the
+  frontier slot, and pools block pos // r only if pos closes it, decided on the device (the pooling loop has
+  zero trips otherwise), so a decode step needs no host branch and can be replayed from a CUDA graph.
+- `compress_blocks(fkv, fsc, rows, b0, n, ...)`: prefill: pools blocks b0 .. b0 + n - 1 from a frontier that
+  already holds their positions, one program per block.
+Each is one launch with one program per pooled block; `compress_*_ref` run the model's torch code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+from ds4station.kernels.rows import _RT, finish_row
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Finish:
+    """How a compressor finishes its pooled rows."""
+
+    norm: Tensor  # [d] RMSNorm weight
+    eps: float
+    inv_freq: Tensor  # RoPE frequencies (the compressed-layer YaRN ones)
+    rt: str | None = None  # "fp8" (attention rows), "fp4" (indexer keys, after a Hadamard) or None
+    nope: int = 0  # dims the FP8 round trip covers
+    hadamard: bool = False
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Torch reference (the model's code, on the same frontier layout).
+
+
+def _pool_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, blocks: Tensor, ratio: int, fin: Finish) -> None:
+    from ds4station.engine.kv import Frontier
+
+    from .rows import finish_rows_ref
+
+    d = rows.shape[1]
+    coff = fkv.shape[1] // d
+    fr = Frontier.__new__(Frontier)
+    fr.rows, fr.kv, fr.score = fkv.shape[0], fkv, fsc
+    src = blocks[:, None] * ratio - (coff - 1) * ratio + torch.arange(coff * ratio, device=fkv.device)
+    kv_s, sc_s = fr.read(src)
+    if coff == 2:
+        kv_s = torch.cat((kv_s[:, :ratio, :d], kv_s[:, ratio:, d:]), dim=1)
+        sc_s = torch.cat((sc_s[:, :ratio, :d], sc_s[:, ratio:, d:]), dim=1)
+    pooled = (sc_s.softmax(dim=1) * kv_s).sum(1)
+    out = finish_rows_ref(pooled, blocks * ratio, 1, norm=True, weight=fin.norm, eps=fin.eps, inv_freq=fin.inv_freq,
+                          hadamard=fin.hadamard, rt=fin.rt, nope=fin.nope)
+    rows[blocks] = out.to(rows.dtype)
+
+
+def compress_decode_ref(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
+                        ratio: int, fin: Finish) -> None:
+    p = int(pos[0])
+    slot = p % fkv.shape[0]
+    fkv[slot] = kv[0].float()
+    fsc[slot] = sc[0].float() + ape[p % ratio]
+    if (p + 1) % ratio == 0:
+        _pool_ref(fkv, fsc, rows, torch.tensor([p // ratio], device=fkv.device), ratio, fin)
+
+
+def compress_blocks_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
+    if n > 0:
+        _pool_ref(fkv, fsc, rows, torch.arange(b0, b0 + n, device=fkv.device), ratio, fin)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel.
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, fkv_ptr, fsc_ptr, rows_ptr, w_ptr, f_ptr,
+                     b0, Rf, W, d, eps,
+                     R: tl.constexpr, COFF: tl.constexpr, WRITE: tl.constexpr, HALF: tl.constexpr,
+                     HADAMARD: tl.constexpr, RT: tl.constexpr, NOPE: tl.constexpr, BLOCK_D: tl.constexpr,
+                     LOG_D: tl.constexpr, BLOCK_J: tl.constexpr):
+    offs = tl.arange(0, BLOCK_D)
+    dmask = offs < d
+    if WRITE:
+        pos = tl.load(pos_ptr).to(tl.int64)
+        slot = pos % Rf
+        for c in tl.static_range(COFF):
+            kv_w = tl.load(kv_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
+            sc_w = tl.load(sc_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
+            sc_w += tl.load(ape_ptr + (pos % R) * W + c * d + offs, mask=dmask, other=0.0)
+            tl.store(fkv_ptr + slot * W + c * d + offs, kv_w, mask=dmask)
+            tl.store(fsc_ptr + slot * W + c * d + offs, sc_w, mask=dmask)
+        tl.debug_barrier()  # the pooling below reads the slot just written (same program)
+        closing = (pos + 1) % R == 0
+        smask = dmask & (((tl.zeros((BLOCK_D,), tl.int64) + pos + 1) % R) == 0)
+        b = pos // R
+        n_entries = tl.where(closing, COFF * R, 0)
+    else:
+        smask = dmask
+        b = (b0 + tl.program_id(0)).to(tl.int64)
+        n_entries = COFF * R
+    # Online softmax over the block's entries, per channel (m starts finite: leading entries may all be -inf).
+    m = tl.full((BLOCK_D,), -1e30, tl.float32)
+    den = tl.zeros((BLOCK_D,), tl.float32)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for j0 in range(0, n_entries, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        src = b * R - (COFF - 1) * R + j
+        valid = (src >= 0) & (j < COFF * R)
+        slot_j = tl.where(valid, src, 0) % Rf
+        ch = tl.where((j >= R) & (COFF == 2), d, 0)
+        ptr = slot_j[:, None] * W + ch[:, None] + offs[None, :]
+        mask = valid[:, None] & dmask[None, :]
+        kv = tl.load(fkv_ptr + ptr, mask=mask, other=0.0)
+        sc = tl.load(fsc_ptr + ptr, mask=mask, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[None, :])
+        den = den * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p * kv, axis=0)
+        m = m_new
+    pooled = tl.where(dmask & (den > 0), acc / tl.where(den > 0, den, 1.0), 0.0)
+    y = finish_row(pooled, offs, d, (b * R).to(tl.float32), w_ptr, eps, f_ptr, 1.0, True, True, HALF, HADAMARD, RT,
+                   NOPE, BLOCK_D, LOG_D)
+    tl.store(rows_ptr + b * d + offs, y.to(rows_ptr.dtype.element_ty), mask=smask)
+
+
+def _check(fkv: Tensor, fsc: Tensor, rows: Tensor, ratio: int, fin: Finish) -> tuple[int, int]:
+    d = rows.shape[1]
+    W = fkv.shape[1]
+    if W % d or W // d not in (1, 2) or fsc.shape != fkv.shape:
+        raise ValueError(f"frontier {tuple(fkv.shape)} / {tuple(fsc.shape)} does not hold 1 or 2 x {d} channels")
+    if (W // d == 2) != (ratio == 4):
+        raise ValueError(f"ratio {ratio} with {W // d} x {d} frontier channels: overlapping (2x) means ratio 4")
+    if fkv.shape[0] < (W // d) * ratio:
+        raise ValueError(f"frontier ring of {fkv.shape[0]} rows cannot hold a block of {(W // d) * ratio}")
+    if fkv.dtype != torch.float32 or fsc.dtype != torch.float32 or not (fkv.is_contiguous() and fsc.is_contiguous()):
+        raise ValueError("frontier rings are contiguous float32")
+    if not rows.is_contiguous() or fin.norm.numel() != d:
+        raise ValueError(f"rows must be contiguous [n, {d}] with a norm weight of {d}")
+    return d, W // d
+
+
+def _launch(grid: int, kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
+            b0: int, ratio: int, fin: Finish, write: bool) -> None:
+    d, coff = _check(fkv, fsc, rows, ratio, fin)
+    block = max(64 if fin.rt == "fp8" else 32, triton.next_power_of_2(d))
+    if fin.hadamard and block != d:
+        raise ValueError(f"the Hadamard rotation needs a power-of-two row, got {d}")
+    tiles = dispatch.compressor_tiles(d, coff * ratio, dispatch.launch_backend(fkv))
+    _compress_kernel[(grid,)](
+        kv, sc, ape, pos, fkv, fsc, rows, fin.norm, fin.inv_freq, b0, fkv.shape[0], fkv.shape[1], d, float(fin.eps),
+        R=ratio, COFF=coff, WRITE=write, HALF=fin.inv_freq.numel(), HADAMARD=fin.hadamard, RT=_RT[fin.rt],
+        NOPE=fin.nope, BLOCK_D=block, LOG_D=block.bit_length() - 1, BLOCK_J=tiles.block_j, num_warps=tiles.num_warps)
+
+
+def compress_decode_triton(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
+                           ratio: int, fin: Finish) -> None:
+    """kv, sc [1, W] (rows of a projection output; unit stride within the row), ape [r, W] fp32, pos [1]."""
+    W = fkv.shape[1]
+    if kv.shape[-1] != W or sc.shape[-1] != W or kv.stride(-1) != 1 or sc.stride(-1) != 1:
+        raise ValueError(f"projections must be unit-stride rows of {W}")
+    if tuple(ape.shape) != (ratio, W) or not ape.is_contiguous() or ape.dtype != torch.float32:
+        raise ValueError(f"ape must be contiguous float32 [{ratio}, {W}], got {tuple(ape.shape)}")
+    _launch(1, kv, sc, ape, pos, fkv, fsc, rows, 0, ratio, fin, write=True)
+
+
+def compress_blocks_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
+    if n > 0:
+        _launch(n, fkv, fsc, fkv, fkv, fkv, fsc, rows, b0, ratio, fin, write=False)
+
+
+def compress_decode(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
+                    ratio: int, fin: Finish) -> None:
+    """Triton on a GPU tensor, the torch reference on CPU (which reads pos back to the host)."""
+    f = compress_decode_triton if dispatch.use_triton(fkv) else compress_decode_ref
+    f(kv, sc, ape, pos, fkv, fsc, rows, ratio, fin)
+
+
+def compress_blocks(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
+    f = compress_blocks_triton if dispatch.use_triton(fkv) else compress_blocks_ref
+    f(fkv, fsc, rows, b0, n, ratio, fin)

@@ -1,0 +1,242 @@
+"""Lightning indexer: per query, the top-k visible compressed blocks by weighted-ReLU score, on the GPU.
+
+Owns the Triton version of the scoring and selection of engine/model.py's `Indexer.__call__` and
+engine/gpu.py's `GpuStage._index`, from the index queries q [T, IH, Dq] (fp32; DS4: 64 x 128), the per-query
+head weights w [T, IH] (fp32, already scaled), the compressed index keys `keys` [R, Dq] (the cache: fp32 or
+fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
+
+    score[t, i] = sum_h w[t, h] * relu(q[t, h] . keys[i])                        i < n_blocks
+    visible[t, i] = (i + 1) * ratio <= pos[t] + 1
+    ids[t] = the k = min(k, n_blocks) highest visible scores, ties to the LOWER block index (the
+             reference's stable descending sort with the invisible blocks at -inf; invisible blocks fill the
+             row, lowest index first, when fewer than k are visible), valid[t, j] = visible[t, ids[t, j]]
+
+- `index_topk_triton(q, w, keys, n_blocks, pos, ratio, k) -> (ids [T, k] int64, valid [T, k] bool)`:
+  `_indexer_kernel` (grid (cdiv(n, BLOCK_N), cdiv(T, BLOCK_T))) writes one int64 sort key per (t, i),
+      key = (ordered(score) << 32) | (2^31 - 1 - i),   ordered(b) = b if b >= 0 else b ^ 0x7FFFFFFF
+  on the fp32 bits b of the score, and INT32_MIN as the high half for an invisible
+  block (below every score, -inf included). The key is unique per block and orders by score descending,
+  then index ascending, so `torch.topk(keys, k)` is exactly the stable sort's selection (sorted: in the same
+  order too), and the ids come back from the low half. The selection runs in column blocks of `step` blocks
+  into a [T, k + step] int64 scratch (<= SCRATCH_BYTES) holding the running top k: a 1M-token context has
+  262,144 blocks, and a [T = 2048, n] key matrix would be 4 GB. One kernel launch and one topk per column
+  block; decode (T = 1) is a single column block.
+  Per program (BLOCK_T queries x BLOCK_N keys, the keys loaded once): BLOCK_T = 1 puts the query's heads in
+  the M rows of one tl.dot per BLOCK_H heads (or, with tiles.dot False, per-head fp32 FMA sums); BLOCK_T > 1
+  loops over the heads with one [BLOCK_T, Dq] x [Dq, BLOCK_N] tl.dot each. The weighted ReLU sum is fp32.
+  The dot operands are fp16 with fp32 accumulation (`fp16_dot`, the default): exact for DS4's indexer, whose
+  q and keys went through the FP4 e2m1 round trip (power-of-two block scales, so every value is an fp16 and
+  every product exact in fp32); fp16_dot=False dots in fp32 with input_precision="ieee" (never TF32).
+
+Nothing is read back to the host (n_blocks, ratio, k and step are host ints; the shapes depend only on
+them), so the launcher can be captured in a CUDA graph. `index_topk` picks Triton for GPU tensors and the
+torch reference for CPU tensors, like kernels/norm.py; `index_topk_triton` also takes CPU tensors under
+TRITON_INTERPRET. Tile choice: `dispatch.indexer_tiles`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+
+Tensor = torch.Tensor
+
+_LOW = 2147483647  # the low half of a sort key is _LOW - block index
+SCRATCH_BYTES = 256 << 20  # bound on the [T, k + step] int64 key scratch of one column block (engine/gpu.py's)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Torch reference.
+
+
+def _k_eff(k: int, n_blocks: int) -> int:
+    """Selected entries per query: min(k, n_blocks), and one (all invalid) when there are no blocks yet."""
+    return min(k, max(n_blocks, 1))
+
+
+def index_topk_ref(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
+                   k: int) -> tuple[Tensor, Tensor]:
+    """GpuStage._index's scoring and selection: scores in column blocks of bounded scratch, invisible blocks
+    at -inf, a stable descending sort (ties to the lower block), the first min(k, n_blocks)."""
+    T, IH = w.shape
+    kk = _k_eff(k, n_blocks)
+    if n_blocks == 0:
+        z = torch.zeros(T, kk, dtype=torch.long, device=q.device)
+        return z, z.bool()
+    qf, wf = q.float(), w.float()
+    score = torch.empty(T, n_blocks, device=q.device)
+    step = max(64, SCRATCH_BYTES // (4 * max(T, 1) * IH))
+    for n0 in range(0, n_blocks, step):
+        kb = keys[n0:min(n0 + step, n_blocks)].float()
+        score[:, n0:n0 + kb.shape[0]] = torch.einsum("th,thn->tn", wf, torch.einsum("thd,nd->thn", qf, kb).relu())
+    visible = (torch.arange(n_blocks, device=q.device)[None] + 1) * ratio <= pos[:, None] + 1
+    masked = score.masked_fill(~visible, float("-inf"))
+    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :kk]
+    return top, visible.gather(1, top)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel.
+
+
+@triton.jit
+def _sort_key(score, idx, vis):
+    """int64 keys ordering by score descending, then block index ascending: the score's fp32 bits made
+    monotone in the high half, INT32_MIN there for an invisible block (below any score); 2^31 - 1 - idx in
+    the low half. A score is never -0.0 (which would sort below +0.0): the sums start at +0.0, and
+    +0.0 + -0.0 = +0.0."""
+    bits = score.to(tl.int32, bitcast=True)
+    hi = tl.where(vis, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF), -2147483648).to(tl.int64)
+    return (hi << 32) | (2147483647 - idx)
+
+
+@triton.jit
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col0,
+                    stride_qt, stride_qh, stride_wt, stride_k, stride_ot, ratio,
+                    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                    USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
+    """Sort keys of blocks [n0 + pid0 * BLOCK_N, ...) < n1 for queries [pid1 * BLOCK_T, ...) < T, written to
+    out[t, col0 + (i - n0)]."""
+    offs_n = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n1
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    kraw = tl.load(k_ptr + offs_n[:, None] * stride_k + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                   other=0.0)  # [BLOCK_N, BLOCK_D], loaded once for every head and query of the program
+    if DOT_FP16:
+        kt = kraw.to(tl.float16)
+    else:
+        kt = kraw.to(tl.float32)
+    if BLOCK_T == 1:
+        t = tl.program_id(1).to(tl.int64)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if USE_DOT:  # the query's heads are the M rows of the dot; padded heads have q = 0 and w = 0
+            ktt = tl.trans(kt)
+            for h0 in range(0, IH, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                h_ok = offs_h < IH
+                qt = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
+                             mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+                if DOT_FP16:
+                    s = tl.dot(qt.to(tl.float16), ktt, out_dtype=tl.float32)
+                else:
+                    s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee", out_dtype=tl.float32)
+                wv = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+                acc += tl.sum(tl.maximum(s, 0.0) * wv[:, None], axis=0)
+        else:  # per-head fp32 FMA reductions over the key row
+            kf = kraw.to(tl.float32)
+            for h in range(0, IH):
+                qv = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
+                s = tl.sum(kf * qv[None, :], axis=1)
+                wh = tl.load(w_ptr + t * stride_wt + h).to(tl.float32)
+                acc += tl.maximum(s, 0.0) * wh
+        p = tl.load(pos_ptr + t).to(tl.int64)
+        vis = n_ok & ((offs_n + 1) * ratio <= p + 1)
+        tl.store(out_ptr + t * stride_ot + col0 + (offs_n - n0), _sort_key(acc, offs_n, vis), mask=n_ok)
+    else:
+        offs_t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        ktt = tl.trans(kt)
+        acc2 = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(0, IH):
+            qt = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                         mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
+            if DOT_FP16:
+                s2 = tl.dot(qt.to(tl.float16), ktt, out_dtype=tl.float32)
+            else:
+                s2 = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee", out_dtype=tl.float32)
+            wv = tl.load(w_ptr + offs_t * stride_wt + h, mask=t_ok, other=0.0).to(tl.float32)
+            acc2 += tl.maximum(s2, 0.0) * wv[:, None]
+        p2 = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
+        vis2 = n_ok[None, :] & ((offs_n[None, :] + 1) * ratio <= p2[:, None] + 1)
+        tl.store(out_ptr + offs_t[:, None] * stride_ot + col0 + (offs_n[None, :] - n0),
+                 _sort_key(acc2, offs_n[None, :], vis2), mask=t_ok[:, None] & n_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers.
+
+
+def _column_step(t: int, k: int, n_blocks: int, block_n: int, step: int | None = None) -> int:
+    """Blocks per column block of the selection: the given `step` or the most that keep the [t, k + step]
+    int64 scratch within SCRATCH_BYTES (a multiple of block_n), at least k (the first column block alone
+    fills the running top k) and at most n_blocks."""
+    if step is None:
+        step = SCRATCH_BYTES // (8 * max(t, 1)) - k
+        step = step // block_n * block_n if step >= block_n else step
+    return min(max(step, k), n_blocks)
+
+
+def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
+               k: int, *, fp16_dot: bool = True) -> tuple[Tensor, Tensor]:
+    """Top-min(k, n_blocks) visible index blocks per query: Triton on a GPU tensor, the torch reference on
+    CPU. `fp16_dot`: see index_topk_triton (DS4 with the indexer's FP4 round trip: True, exact)."""
+    if dispatch.use_triton(q):
+        return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot)
+    return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k)
+
+
+def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int, k: int, *,
+                      fp16_dot: bool = True, step: int | None = None,
+                      tiles: dispatch.IndexerTiles | None = None) -> tuple[Tensor, Tensor]:
+    """The Triton launcher of `index_topk`.
+
+    q [T, IH, Dq] and w [T, IH] (any float dtype, fp32 math), keys [R >= n_blocks, Dq] fp32 or fp16 (only
+    the first n_blocks rows are read), pos [T] integer -> ids [T, k'] int64 and valid [T, k'] bool with
+    k' = min(k, max(n_blocks, 1)); n_blocks == 0 gives zeros (all invalid), as GpuStage._index. The ids
+    come in descending score order, ties by ascending block (the reference's order), invalid ones last.
+    `fp16_dot`: dot operands in fp16 (fp32 accumulation); exact only when q and keys hold fp16 values (DS4's
+    FP4 round trip guarantees it); False: fp32 dots (input_precision="ieee"). `step`: blocks per column
+    block of the selection (default: the largest that keeps the [T, k' + step] int64 scratch within
+    SCRATCH_BYTES; at least k')."""
+    if not q.is_cuda and not dispatch.interpreting():
+        raise ValueError("index_topk_triton needs GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, IH, Dq], got {tuple(q.shape)}")
+    T, IH, D = q.shape
+    if w.shape != (T, IH):
+        raise ValueError(f"w must be [T={T}, IH={IH}], got {tuple(w.shape)}")
+    if keys.dim() != 2 or keys.shape[1] != D:
+        raise ValueError(f"keys must be [R, Dq={D}], got {tuple(keys.shape)}")
+    if keys.dtype not in (torch.float32, torch.float16):
+        raise ValueError(f"keys must be fp32 or fp16, got {keys.dtype}")
+    if not 0 <= n_blocks <= keys.shape[0]:
+        raise ValueError(f"n_blocks must be in 0..{keys.shape[0]} (the rows of keys), got {n_blocks}")
+    if pos.shape != (T,):
+        raise ValueError(f"pos must be [T={T}], got {tuple(pos.shape)}")
+    if k < 1 or ratio < 1:
+        raise ValueError(f"k and ratio must be >= 1, got k={k}, ratio={ratio}")
+    if step is not None and step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    kk = _k_eff(k, n_blocks)
+    if n_blocks == 0 or T == 0:
+        z = torch.zeros(T, kk, dtype=torch.long, device=q.device)
+        return z, z.bool()
+    tiles = tiles or dispatch.indexer_tiles(T, n_blocks, IH, D, dispatch.launch_backend(q))
+    if tiles.block_d < D:
+        raise ValueError(f"tiles.block_d={tiles.block_d} is below Dq={D}")
+    q = q if q.stride(2) == 1 else q.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    keys = keys if keys.stride(1) == 1 else keys[:n_blocks].contiguous()
+    pos = pos.contiguous()
+    step = _column_step(T, kk, n_blocks, tiles.block_n, step)
+    buf = torch.empty(T, kk + step, dtype=torch.int64, device=q.device)  # [running top k | column block]
+    for n0 in range(0, n_blocks, step):
+        n1 = min(n0 + step, n_blocks)
+        grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(T, tiles.block_t))
+        _indexer_kernel[grid](
+            q, w, keys, pos, buf, T, IH, D, n0, n1, kk, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
+            buf.stride(0), ratio, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
+            BLOCK_D=tiles.block_d, USE_DOT=tiles.dot, DOT_FP16=fp16_dot, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
+        last = n1 == n_blocks
+        cand = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
+        top = torch.topk(cand, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
+        if not last:
+            buf[:, :kk].copy_(top)
+    ids = _LOW - (top & 0xFFFFFFFF)
+    valid = (ids + 1) * ratio <= pos[:, None].long() + 1
+    return ids, valid

@@ -1,0 +1,308 @@
+"""Lightning-indexer score + top-k kernel (ds4station/kernels/indexer.py) against its torch reference and the
+model's selection rule (engine/model.py Indexer / engine/gpu.py GpuStage._index): odd shapes, no blocks yet,
+k above n_blocks, queries that see none / some / all blocks, exact ties (lowest visible block wins), several
+column blocks of the running selection, fp16 keys, strided inputs, every tile path (heads as dot rows,
+per-head FMA, query blocks, fp32 ieee dots), poisoned scratch, no host synchronisation in decode.
+
+The data are small integers (q, keys) and multiples of 1/4 (w), so every score is exact in fp32 whatever the
+summation order and in fp16 dot operands: the kernel and the reference must agree exactly, ties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4station.kernels import dispatch
+from ds4station.kernels import indexer as indexer_k
+from ds4station.kernels.dispatch import IndexerTiles, indexer_tiles
+from ds4station.kernels.indexer import SCRATCH_BYTES, _column_step, index_topk, index_topk_ref, index_topk_triton
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RATIO = 4
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.empty the launcher makes starts poisoned: NaN floats, and int64 at its maximum, which
+    would win every top-k (and decode to a negative id) if the kernel left a scratch key unwritten."""
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.int64:
+            t.fill_(torch.iinfo(torch.int64).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def _case(T: int, IH: int, D: int, n: int, seed: int, kdtype: torch.dtype = torch.float32,
+          extra_rows: int = 3) -> dict:
+    """Integer q / keys, w in quarters, positions from 'sees nothing' (pos < RATIO - 1) to 'sees all n'.
+    The cache rows past n_blocks are NaN: the kernel must never read them."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-3, 4, (T, IH, D), generator=gen).float()
+    w = torch.randint(-4, 9, (T, IH), generator=gen).float() / 4
+    keys = torch.randint(-3, 4, (n + extra_rows, D), generator=gen).float()
+    keys[n:] = float("nan")
+    pos = torch.randint(0, RATIO * n + RATIO, (T,), generator=gen)
+    if T > 1:
+        pos[0] = 1  # sees no block
+        pos[-1] = RATIO * n + 1  # sees every block
+    return {"q": q.to(DEVICE), "w": w.to(DEVICE), "keys": keys.to(kdtype).to(DEVICE), "n_blocks": n,
+            "pos": pos.to(DEVICE), "ratio": RATIO}
+
+
+def _model_mask(c: dict, k: int) -> torch.Tensor:
+    """The selection as engine/model.py's Indexer states it: allowed [T, n] = chosen & visible."""
+    n, pos = c["n_blocks"], c["pos"]
+    visible = (torch.arange(n, device=pos.device)[None] + 1) * RATIO <= pos[:, None] + 1
+    keys = c["keys"][:n].float()
+    score = torch.einsum("th,thn->tn", c["w"], torch.einsum("thd,nd->thn", c["q"], keys).relu())
+    top = torch.sort(score.masked_fill(~visible, float("-inf")), dim=-1, descending=True, stable=True).indices
+    chosen = torch.zeros_like(visible).scatter_(1, top[:, :min(k, n)], True)
+    return chosen & visible
+
+
+def _check(c: dict, k: int, ids: torch.Tensor, valid: torch.Tensor) -> None:
+    T, n = c["q"].shape[0], c["n_blocks"]
+    kk = min(k, max(n, 1))
+    assert ids.shape == valid.shape == (T, kk) and ids.dtype == torch.int64 and valid.dtype == torch.bool
+    want_ids, want_valid = index_topk_ref(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k)
+    # The caller's contract: the same set of valid blocks (and as many valid entries) as the reference ...
+    assert torch.equal(valid.sum(1), want_valid.sum(1))
+    for t in range(T):
+        assert set(ids[t][valid[t]].tolist()) == set(want_ids[t][want_valid[t]].tolist())
+    if n:
+        assert ((ids >= 0) & (ids < n)).all()
+        got_mask = torch.zeros(T, n, dtype=torch.bool, device=ids.device).scatter_(1, ids, valid)
+        assert torch.equal(got_mask, _model_mask(c, k))
+        assert len(set(ids[0].tolist())) == kk  # distinct blocks, the invalid fill included
+    # ... and, stronger, the reference's own order (score descending, ties by block, invisible ones last).
+    assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid)
+
+
+@pytest.mark.parametrize(("T", "IH", "D", "n", "k", "kdtype"), [
+    (1, 3, 32, 37, 16, torch.float32), (1, 4, 64, 37, 64, torch.float16), (1, 3, 32, 7, 4, torch.float32),
+    (1, 4, 32, 1, 4, torch.float16), (5, 4, 64, 37, 4, torch.float32), (5, 3, 32, 37, 16, torch.float16),
+    (5, 4, 32, 7, 64, torch.float32), (5, 3, 64, 1, 16, torch.float32), (5, 4, 32, 0, 16, torch.float32),
+    (1, 3, 32, 0, 4, torch.float16), (20, 3, 32, 37, 16, torch.float16)])
+def test_index_topk_matches_reference(poisoned_empty: None, T: int, IH: int, D: int, n: int, k: int,
+                                      kdtype: torch.dtype) -> None:
+    for seed in (0, 1):
+        c = _case(T, IH, D, n, seed=seed * 100 + T + IH + D + n + k, kdtype=kdtype)
+        ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k)
+        _check(c, k, ids, valid)
+
+
+# Every kernel path at small tiles: heads as dot rows in several head chunks, per-head FMA, query blocks
+# (padded), and fp32 ieee dots instead of fp16 operands.
+_TILES = {
+    "heads-dot": IndexerTiles(block_t=1, block_h=16, block_n=16, block_d=32, dot=True, num_warps=1),
+    "heads-fma": IndexerTiles(block_t=1, block_h=16, block_n=16, block_d=32, dot=False, num_warps=1),
+    "query-block": IndexerTiles(block_t=16, block_h=1, block_n=16, block_d=32, dot=True, num_warps=1),
+}
+
+
+@pytest.mark.parametrize("path", sorted(_TILES))
+@pytest.mark.parametrize("fp16_dot", [True, False])
+def test_tile_paths(poisoned_empty: None, path: str, fp16_dot: bool) -> None:
+    T = 1 if _TILES[path].block_t == 1 else 5
+    c = _case(T, 20, 24, 37, seed=7 + fp16_dot, kdtype=torch.float16)  # 20 heads: two chunks of 16
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 8, fp16_dot=fp16_dot,
+                                   tiles=_TILES[path])
+    _check(c, 8, ids, valid)
+
+
+@pytest.mark.parametrize("path", sorted(_TILES))
+def test_fp16_dot_precision(path: str) -> None:
+    """Block 1 outscores block 0 by 2^-12 relative, below fp16 resolution: fp32 (ieee) dots and the FMA path
+    pick block 1; fp16 dot operands round both scores to 1, a tie, so block 0 (why fp16_dot=True needs q and
+    keys that are fp16 values, as DS4's FP4 round trip makes them)."""
+    T = 1 if _TILES[path].block_t == 1 else 2
+    q = torch.zeros(T, 3, 16, device=DEVICE)
+    q[:, 1, 0], q[:, 1, 1] = 1.0, 1.0 + 2.0**-12
+    w = torch.zeros(T, 3, device=DEVICE)
+    w[:, 1] = 1.0
+    keys = torch.eye(16, device=DEVICE)[:2]
+    pos = torch.full((T,), 100, device=DEVICE)
+    for fp16_dot in (False, True):
+        ids, valid = index_topk_triton(q, w, keys, 2, pos, RATIO, 1, fp16_dot=fp16_dot, tiles=_TILES[path])
+        exact = not fp16_dot or not _TILES[path].dot
+        assert ids.flatten().tolist() == [1 if exact else 0] * T and valid.all()
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_exact_ties_pick_lowest_visible_blocks(poisoned_empty: None, T: int) -> None:
+    """Every q . key < 0, so every head's ReLU is 0 and every score is 0 (w of either sign: +-0): the
+    selection is the lowest visible blocks, then the lowest invisible ones as invalid fill."""
+    IH, D, n, k = 4, 32, 37, 6
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randint(1, 4, (T, IH, D), generator=gen).float().to(DEVICE)
+    keys = -torch.randint(1, 4, (n, D), generator=gen).float().to(DEVICE)
+    w = (torch.randint(-4, 5, (T, IH), generator=gen).float() / 4).to(DEVICE)
+    pos = torch.tensor([2, 9, 23, 150, 80][:T], device=DEVICE)  # sees 0, 2, 6, 37, 20 blocks
+    tiles = None if T == 1 else _TILES["query-block"]
+    ids, valid = index_topk_triton(q, w, keys, n, pos, RATIO, k, step=10, tiles=tiles)
+    for t in range(T):
+        v = min(n, (int(pos[t]) + 1) // RATIO)
+        assert ids[t].tolist() == list(range(k)) and valid[t].tolist() == [i < v for i in range(k)]
+    want_ids, want_valid = index_topk_ref(q, w, keys, n, pos, RATIO, k)
+    assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid)
+
+
+class _Counting:
+    """Stands in for a @triton.jit kernel and counts its launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: object) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("T", "k", "step", "launches"), [(1, 4, 5, 8), (5, 4, 3, 10), (5, 16, 9, 3),
+                                                         (1, 16, None, 1)])
+def test_column_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch, T: int, k: int, step: int | None,
+                       launches: int) -> None:
+    """A small `step` runs the running top-k over several column blocks (a step below k is raised to k)."""
+    counter = _Counting(indexer_k._indexer_kernel)
+    monkeypatch.setattr(indexer_k, "_indexer_kernel", counter)
+    c = _case(T, 3, 32, 37, seed=step or 0, kdtype=torch.float16)
+    tiles = None if T == 1 else _TILES["query-block"]
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, k, step=step, tiles=tiles)
+    assert counter.launches == launches
+    _check(c, k, ids, valid)
+
+
+def test_strided_inputs() -> None:
+    """q with a non-unit inner stride, w and keys with row strides above their widths (column slices of
+    wider tensors), pos a strided column."""
+    T, IH, D, n = 5, 3, 32, 37
+    c = _case(T, IH, D, n, seed=21)
+    q_t = c["q"].transpose(1, 2).contiguous().transpose(1, 2)  # [T, IH, D] with stride(2) == IH
+    wide = torch.full((n + 2, D + 8), float("nan"), device=DEVICE)
+    wide[:, :D] = c["keys"][: n + 2]
+    w_wide = torch.zeros(T, IH + 2, device=DEVICE)
+    w_wide[:, :IH] = c["w"]
+    pos2 = torch.stack((c["pos"], -c["pos"]), dim=1)
+    ids, valid = index_topk_triton(q_t, w_wide[:, :IH], wide[:, :D], n, pos2[:, 0], RATIO, 8,
+                                   tiles=_TILES["query-block"])
+    _check(c, 8, ids, valid)
+
+
+def test_decode_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode (T = 1) reads nothing back to the host: no .item() / .tolist() / tensor truth value / int()."""
+    c = _case(1, 4, 32, 37, seed=3, kdtype=torch.float16)
+    want = index_topk_ref(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
+
+    def forbidden(*args: object, **kwargs: object) -> object:
+        raise AssertionError("host synchronisation in the indexer launcher")
+
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+            m.setattr(torch.Tensor, name, forbidden)
+        ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
+    assert torch.equal(ids, want[0]) and torch.equal(valid, want[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+def test_decode_captures_in_cuda_graph() -> None:
+    c = _case(1, 64, 128, 1024, seed=4, kdtype=torch.float16)
+    args = (c["q"], c["w"], c["keys"], 1024, c["pos"], RATIO, 512)
+    index_topk_triton(*args)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, valid = index_topk_triton(*args)
+    c["q"].copy_(torch.randint(-3, 4, c["q"].shape, device=DEVICE).float())
+    c["pos"].fill_(2000)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = index_topk_ref(*args)
+    assert torch.equal(ids, want[0]) and torch.equal(valid, want[1])
+
+
+@pytest.mark.parametrize(("backend", "T"), [("cuda", 1), ("cuda", 20), ("hip64", 1), ("hip32", 20)])
+def test_gpu_tiles_in_interpreter(backend: str, T: int) -> None:
+    """The tiles a GPU launch would pick, run here on small shapes."""
+    c = _case(T, 4, 32, 37, seed=T, kdtype=torch.float16)
+    tiles = indexer_tiles(T, 37, 4, 32, backend)  # type: ignore[arg-type]
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16, tiles=tiles)
+    _check(c, 16, ids, valid)
+
+
+def test_public_index_topk_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU tensors go to the reference, except inside interpreted_kernels() where they take the kernel."""
+    counter = _Counting(indexer_k._indexer_kernel)
+    monkeypatch.setattr(indexer_k, "_indexer_kernel", counter)
+    c = {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in _case(5, 3, 32, 37, seed=9).items()}
+    args = (c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
+    want = index_topk_ref(*args)
+    got = index_topk(*args)
+    assert counter.launches == 0 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if dispatch.interpreting():
+        with dispatch.interpreted_kernels():
+            got = index_topk(*args)
+        assert counter.launches == 1 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_no_blocks_and_no_queries() -> None:
+    """n_blocks == 0: GpuStage._index's convention, zeros [T, 1] all invalid; T == 0: empty results."""
+    c = _case(3, 3, 32, 0, seed=1)
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 0, c["pos"], RATIO, 16)
+    assert ids.shape == (3, 1) and not ids.any() and not valid.any()
+    c = _case(3, 3, 32, 7, seed=1)
+    ids, valid = index_topk_triton(c["q"][:0], c["w"][:0], c["keys"], 7, c["pos"][:0], RATIO, 16)
+    assert ids.shape == valid.shape == (0, 7)
+
+
+def test_rejects_bad_arguments() -> None:
+    c = _case(2, 3, 32, 7, seed=2)
+    q, w, keys, pos = c["q"], c["w"], c["keys"], c["pos"]
+    with pytest.raises(ValueError, match="q must be"):
+        index_topk_triton(q[0], w, keys, 7, pos, RATIO, 4)
+    with pytest.raises(ValueError, match="w must be"):
+        index_topk_triton(q, w[:, :2], keys, 7, pos, RATIO, 4)
+    with pytest.raises(ValueError, match="keys must be"):
+        index_topk_triton(q, w, keys[:, :16], 7, pos, RATIO, 4)
+    with pytest.raises(ValueError, match="fp32 or fp16"):
+        index_topk_triton(q, w, keys.double(), 7, pos, RATIO, 4)
+    with pytest.raises(ValueError, match="n_blocks must be"):
+        index_topk_triton(q, w, keys, 11, pos, RATIO, 4)
+    with pytest.raises(ValueError, match="pos must be"):
+        index_topk_triton(q, w, keys, 7, pos[:1], RATIO, 4)
+    with pytest.raises(ValueError, match="k and ratio"):
+        index_topk_triton(q, w, keys, 7, pos, RATIO, 0)
+    with pytest.raises(ValueError, match="step must be"):
+        index_topk_triton(q, w, keys, 7, pos, RATIO, 4, step=0)
+    with pytest.raises(ValueError, match="block_d"):
+        index_topk_triton(q, w, keys, 7, pos, RATIO, 4, tiles=IndexerTiles(1, 16, 16, 16, True, 1))
+
+
+def test_column_step_bounds_the_scratch() -> None:
+    """DS4 prefill (T = 2048, k = 512) at 1M context (262,144 blocks): the [T, k + step] int64 scratch stays
+    within SCRATCH_BYTES; decode is one column block; a step is never below k nor above n_blocks."""
+    step = _column_step(2048, 512, 262_144, 128)
+    assert 2048 * (512 + step) * 8 <= SCRATCH_BYTES and step % 128 == 0 and step >= 8192
+    assert _column_step(1, 512, 262_144, 64) == 262_144
+    assert _column_step(5, 16, 37, 16, step=3) == 16 and _column_step(5, 16, 37, 16, step=100) == 37
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip64", "hip32", "cpu"])
+@pytest.mark.parametrize(("T", "n", "IH", "D"), [(1, 1024, 64, 128), (1, 8192, 64, 128), (2048, 8192, 64, 128),
+                                                 (5, 37, 3, 32), (20, 7, 4, 64)])
+def test_indexer_tiles(backend: str, T: int, n: int, IH: int, D: int) -> None:
+    t = indexer_tiles(T, n, IH, D, backend)  # type: ignore[arg-type]
+    for v in (t.block_t, t.block_h, t.block_n, t.block_d):
+        assert v >= 1 and v & (v - 1) == 0
+    assert t.block_d >= max(D, 16) and t.block_n >= 16 and 1 <= t.num_warps <= 8 and t.num_stages >= 1
+    if t.block_t == 1:
+        assert T < 16 and t.block_h >= 16
+    else:
+        assert t.block_t >= 16 and t.dot
+    if backend == "cuda" and T == 1 and n >= 1024:
+        assert -(-n // t.block_n) >= 64  # enough programs for 132 SMs at decode
