@@ -44,11 +44,31 @@ def test_prefill_and_decode_match_reference(tiny: GGUFFile, reference, device: s
     # those 1e-6 differences can move an FP8 / FP4 value across a rounding boundary (an FP4 step is 1/4 to
     # 1/2 of a block's scale), which then changes an indexer choice: bounded, but not at fp32 rounding.
     # On a GPU weights and activations of F16 tensors are fp16.
-    tol = 2e-5 if device == "cpu" and rt == OFF else 2e-2
+    # Measured on the H200 (docs/PERFORMANCE.md): exact mode 1-2e-3; with the round trips 0.11 (CPU stage under
+    # torch 2.11) to 0.23 (GPU) when such a flip changes a block choice, so that case only bounds the damage.
+    tol = 2e-5 if device == "cpu" and rt == OFF else 2e-2 if rt == OFF else 0.3
     _close(stage.prefill(tokens[:90], cache), want[89], tol)
     for j in range(90, 100):
         _close(stage.decode(int(tokens[j]), cache), want[j], tol)
     assert cache.length == 100
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_tokens_match_reference(tiny: GGUFFile, device: str) -> None:
+    """Greedy generation (exact numerics) gives the reference model's tokens; on CUDA through graph decode."""
+    cfg = tiny.config
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    ref = DS4Model(cfg, {n: q.dequantize() for n, q in tiny.load().items()}, round_trips=OFF)
+    rc = ref.new_cache(64, chunk=64)
+    want = [int(ref.forward(prompt, rc, last_only=True)[0].argmax())]
+    for _ in range(11):
+        want.append(int(ref.forward([want[-1]], rc, last_only=True)[0].argmax()))
+    stage = GpuStage(cfg, tiny.load(), device=device, round_trips=OFF, int_dot=False)
+    cache = stage.new_cache(64, chunk=64)
+    got = [int(stage.prefill(prompt, cache).argmax())]
+    for _ in range(11):
+        got.append(int(stage.decode(got[-1], cache).argmax()))  # read before the next step reuses the buffer
+    assert got == want
 
 
 def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:

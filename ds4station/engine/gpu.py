@@ -427,7 +427,8 @@ class GpuStage:
     @torch.inference_mode()
     def decode(self, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
         """One token -> logits [vocab]. On CUDA the step replays a captured graph (one per cache and
-        position bucket); `graph=False` runs the same ops eagerly."""
+        position bucket); `graph=False` runs the same ops eagerly. The graph's logits are its static output
+        buffer: read (or copy) them before the next decode step overwrites them."""
         cache.check_room(1)
         use_graph = self.device.type == "cuda" if graph is None else graph
         bucket = self.bucket(cache)
