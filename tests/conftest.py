@@ -28,6 +28,47 @@ def _one_thread_per_worker() -> None:
     torch.set_num_threads(1)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every torch.empty a kernel launcher makes starts poisoned: NaN floats, and int64 at its maximum (which
+    would win every top-k and decode to a negative id), so an element a kernel fails to write shows up."""
+    import torch
+
+    real_empty = torch.empty
+
+    def empty(*args: object, **kwargs: object) -> torch.Tensor:
+        t = real_empty(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype == torch.int64:
+            t.fill_(torch.iinfo(torch.int64).max)
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+class LaunchCounter:
+    """Stands in for a @triton.jit kernel and counts its launches."""
+
+    def __init__(self, kernel: object) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid: object) -> object:
+        self.launches += 1
+        return self.kernel[grid]  # type: ignore[index]
+
+
+@pytest.fixture
+def count_launches(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """count_launches(module, "_kernel_name") -> a LaunchCounter patched in for that kernel."""
+    def install(module: object, name: str) -> LaunchCounter:
+        counter = LaunchCounter(getattr(module, name))
+        monkeypatch.setattr(module, name, counter)
+        return counter
+
+    return install
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is None or exitstatus != 0:

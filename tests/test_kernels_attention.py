@@ -24,20 +24,6 @@ TOL_DEFAULT = {"rtol": 3e-3, "atol": 3e-3} if DEVICE == "cuda" else TOL
 SPLIT = AttentionTiles(block_h=2, block_n=4, block_d=64, num_warps=1, block_s=4, block_dc=64, num_warps_c=1)
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float torch.empty the launcher makes (partials, output) starts as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _case(H: int, D: int, nw: int, nc: int, indexed: bool, dtype: torch.dtype, seed: int,
           p_mask: float = 0.3) -> dict:
     """q, window keys + mask, compressed keys (a 50-row table + ids when indexed) + mask, sinks. Masked
@@ -146,23 +132,10 @@ def test_int_masks_and_large_logits() -> None:
     torch.testing.assert_close(got, want, **TOL)
 
 
-class _Counting:
-    """Stands in for a @triton.jit kernel and counts its launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid: object) -> object:
-        self.launches += 1
-        return self.kernel[grid]  # type: ignore[index]
-
-
-def test_two_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_launches(count_launches) -> None:  # type: ignore[no-untyped-def]
     """One split launch (the FMA or, with CUDA's tiles, the tl.dot form) and one combine."""
     names = ("_attn_split_kernel", "_attn_split_dot_kernel", "_attn_combine_kernel")
-    counters = {n: _Counting(getattr(attn_k, n)) for n in names}
-    for n, c in counters.items():
-        monkeypatch.setattr(attn_k, n, c)
+    counters = {n: count_launches(attn_k, n) for n in names}
     _run(_case(2, 64, 3, 5, True, torch.float32, seed=7))
     split, split_dot, combine = (c.launches for c in counters.values())
     assert split + split_dot == 1 and combine == 1

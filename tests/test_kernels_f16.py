@@ -15,20 +15,6 @@ from ds4station.kernels.f16 import f16_matvec, f16_matvec_ref, f16_matvec_triton
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every float torch.empty the launcher makes (the output) starts as NaN."""
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)

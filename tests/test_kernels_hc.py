@@ -25,21 +25,6 @@ SPLIT = HcTiles(block_k=64, chunk_k=128, block_d=64, num_warps=1, num_warps_d=1)
 RAGGED_K = HcTiles(block_k=256, chunk_k=256, block_d=128, num_warps=1, num_warps_d=1)  # 384 = 256 + 128
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every torch.empty the launchers make (partials and outputs) starts as NaN, so an element a kernel
-    fails to write shows up in the comparison."""
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _weights(T: int, C: int, dim: int, m: int, seed: int) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator().manual_seed(seed)
     X = torch.randn(T, C, dim, generator=gen) * 3
@@ -130,22 +115,10 @@ def test_hc_head_pre_matches_model_head(poisoned_empty: None, T: int, dim: int, 
     torch.testing.assert_close(h, hc.hc_head_pre_ref(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps), **TOL)
 
 
-class _Counting:
-    """Stands in for a @triton.jit kernel and counts its launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid: object) -> object:
-        self.launches += 1
-        return self.kernel[grid]  # type: ignore[index]
-
-
-def test_launches_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launches_per_call(count_launches) -> None:  # type: ignore[no-untyped-def]
     counters = {}
     for name in ("_hc_mix_partial_kernel", "_hc_finalize_kernel", "_hc_post_kernel"):
-        counters[name] = _Counting(getattr(hc, name))
-        monkeypatch.setattr(hc, name, counters[name])
+        counters[name] = count_launches(hc, name)
 
     def total() -> int:
         return sum(c.launches for c in counters.values())

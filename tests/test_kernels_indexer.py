@@ -21,23 +21,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RATIO = 4
 
 
-@pytest.fixture
-def poisoned_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every torch.empty the launcher makes starts poisoned: NaN floats, and int64 at its maximum, which
-    would win every top-k (and decode to a negative id) if the kernel left a scratch key unwritten."""
-    real_empty = torch.empty
-
-    def empty(*args: object, **kwargs: object) -> torch.Tensor:
-        t = real_empty(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype == torch.int64:
-            t.fill_(torch.iinfo(torch.int64).max)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-
-
 def _case(T: int, IH: int, D: int, n: int, seed: int, kdtype: torch.dtype = torch.float32,
           extra_rows: int = 3) -> dict:
     """Integer q / keys, w in quarters, positions from 'sees nothing' (pos < RATIO - 1) to 'sees all n'.
@@ -153,24 +136,12 @@ def test_exact_ties_pick_lowest_visible_blocks(poisoned_empty: None, T: int) -> 
     assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid)
 
 
-class _Counting:
-    """Stands in for a @triton.jit kernel and counts its launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid: object) -> object:
-        self.launches += 1
-        return self.kernel[grid]  # type: ignore[index]
-
-
 @pytest.mark.parametrize(("T", "k", "step", "launches"), [(1, 4, 5, 8), (5, 4, 3, 10), (5, 16, 9, 3),
                                                          (1, 16, None, 1)])
-def test_column_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch, T: int, k: int, step: int | None,
+def test_column_blocks(poisoned_empty: None, count_launches, T: int, k: int, step: int | None,  # type: ignore[no-untyped-def]
                        launches: int) -> None:
     """A small `step` runs the running top-k over several column blocks (a step below k is raised to k)."""
-    counter = _Counting(indexer_k._indexer_kernel)
-    monkeypatch.setattr(indexer_k, "_indexer_kernel", counter)
+    counter = count_launches(indexer_k, "_indexer_kernel")
     c = _case(T, 3, 32, 37, seed=step or 0, kdtype=torch.float16)
     tiles = None if T == 1 else _TILES["query-block"]
     ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, k, step=step, tiles=tiles)
@@ -235,10 +206,9 @@ def test_gpu_tiles_in_interpreter(backend: str, T: int) -> None:
     _check(c, 16, ids, valid)
 
 
-def test_public_index_topk_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_public_index_topk_dispatch(count_launches) -> None:  # type: ignore[no-untyped-def]
     """CPU tensors go to the reference, except inside interpreted_kernels() where they take the kernel."""
-    counter = _Counting(indexer_k._indexer_kernel)
-    monkeypatch.setattr(indexer_k, "_indexer_kernel", counter)
+    counter = count_launches(indexer_k, "_indexer_kernel")
     c = {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in _case(5, 3, 32, 37, seed=9).items()}
     args = (c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
     want = index_topk_ref(*args)

@@ -96,20 +96,8 @@ def test_router_softplus_tails() -> None:
     torch.testing.assert_close(wts, want_wts, rtol=1e-5, atol=0.0)
 
 
-class _Counting:
-    """Stands in for a @triton.jit kernel and counts its launches."""
-
-    def __init__(self, kernel: object) -> None:
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid: object) -> object:
-        self.launches += 1
-        return self.kernel[grid]  # type: ignore[index]
-
-
-def test_one_launch_and_empty(monkeypatch: pytest.MonkeyPatch) -> None:
-    counter = _Counting(router_k._router_kernel)
-    monkeypatch.setattr(router_k, "_router_kernel", counter)
+def test_one_launch_and_empty(count_launches) -> None:  # type: ignore[no-untyped-def]
+    counter = count_launches(router_k, "_router_kernel")
     logits, bias, _, _ = _inputs(6, 8, 3, seed=3)
     router_triton(logits, bias, None, None, 3, True, 1.0)
     assert counter.launches == 1

@@ -84,6 +84,49 @@ def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tenso
 
 
 @triton.jit
+def _key_block(n, p, NW, NC, ring_len, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, stride_kw, stride_kc,
+               INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr):
+    """Key entries n of the virtual list [window ; compressed] -> (row pointers into kw and kc, which of them
+    are attended). Window: entries n < NW, read from kw directly under mask mw or, RING, from the raw ring at
+    position p - (NW - 1) + n (masked below 0). Compressed: entries c = n - NW < NC, visible under mask mc or,
+    RATIO, iff (c + 1) * RATIO <= p + 1; INDEXED rows are kc[ids[c]]. Masked ids are never dereferenced, and
+    each key is loaded from exactly one source (complementary masks), so a block may straddle the two."""
+    in_w = n < NW
+    c = n - NW
+    in_c = (n >= NW) & (c < NC)
+    if RING:
+        pn = p - (NW - 1) + n
+        ok_w = in_w & (pn >= 0)
+        row_w = tl.where(ok_w, pn, 0) % ring_len
+    else:
+        ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
+        row_w = n.to(tl.int64)
+    if RATIO > 0:
+        ok_c = in_c & ((c + 1) * RATIO <= p + 1)
+    else:
+        ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
+    if INDEXED:
+        row_c = tl.load(ids_ptr + c, mask=ok_c, other=0).to(tl.int64)
+    else:
+        row_c = c.to(tl.int64)
+    return kw_ptr + row_w * stride_kw, kc_ptr + row_c * stride_kc, ok_w, ok_c
+
+
+@triton.jit
+def _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok):
+    """[keys, dims] fp32 tile of the block's keys (window or compressed, whichever each entry is)."""
+    k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    return k + tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _query_position(pos_ptr, NEEDED: tl.constexpr):
+    if NEEDED:
+        return tl.load(pos_ptr).to(tl.int64)
+    return tl.zeros((), tl.int64)
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
                        H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, scale,
                        INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -94,30 +137,9 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
-    # The block's keys: window entries n < NW, compressed entries c = n - NW < NC; one load per source with
-    # complementary masks (masked-off lanes issue no memory access), so a block may straddle the two.
-    in_w = n < NW
-    c = n - NW
-    in_c = (n >= NW) & (c < NC)
-    if RING or RATIO > 0:
-        p = tl.load(pos_ptr).to(tl.int64)
-    if RING:  # kw is the raw ring: key n is position p - (NW - 1) + n, at slot position % ring_len
-        pn = p - (NW - 1) + n
-        ok_w = in_w & (pn >= 0)
-        row_w = tl.where(ok_w, pn, 0) % ring_len
-    else:
-        ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
-        row_w = n.to(tl.int64)
-    if RATIO > 0:  # compressed row c has closed once position (c + 1) * RATIO - 1 is written
-        ok_c = in_c & ((c + 1) * RATIO <= p + 1)
-    else:
-        ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
-    if INDEXED:
-        row_c = tl.load(ids_ptr + c, mask=ok_c, other=0).to(tl.int64)
-    else:
-        row_c = c.to(tl.int64)
-    base_w = kw_ptr + row_w * stride_kw
-    base_c = kc_ptr + row_c * stride_kc
+    p = _query_position(pos_ptr, RING or RATIO > 0)
+    base_w, base_c, ok_w, ok_c = _key_block(n, p, NW, NC, ring_len, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr,
+                                            stride_kw, stride_kc, INDEXED, RING, RATIO)
     ok = ok_w | ok_c
     offs_d = tl.arange(0, BLOCK_D)
 
@@ -128,8 +150,7 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
         d_ok = d < D
         qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                      other=0.0).to(tl.float32)
-        k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
         z += tl.sum(qd[:, None, :] * k[None, :, :], axis=2)
     z = tl.where(ok[None, :], z * scale, float("-inf"))
     m = tl.max(z, axis=1)  # [BLOCK_H]; -inf when every key of the block is masked
@@ -142,8 +163,7 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
     for d0 in range(0, D, BLOCK_D):
         d = d0 + offs_d
         d_ok = d < D
-        k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
         o = tl.sum(e[:, :, None] * k[None, :, :], axis=1)
         tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
@@ -163,28 +183,9 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_w = n < NW
-    c = n - NW
-    in_c = (n >= NW) & (c < NC)
-    if RING or RATIO > 0:
-        p = tl.load(pos_ptr).to(tl.int64)
-    if RING:
-        pn = p - (NW - 1) + n
-        ok_w = in_w & (pn >= 0)
-        row_w = tl.where(ok_w, pn, 0) % ring_len
-    else:
-        ok_w = in_w & (tl.load(mw_ptr + n, mask=in_w, other=0) != 0)
-        row_w = n.to(tl.int64)
-    if RATIO > 0:
-        ok_c = in_c & ((c + 1) * RATIO <= p + 1)
-    else:
-        ok_c = in_c & (tl.load(mc_ptr + c, mask=in_c, other=0) != 0)
-    if INDEXED:
-        row_c = tl.load(ids_ptr + c, mask=ok_c, other=0).to(tl.int64)
-    else:
-        row_c = c.to(tl.int64)
-    base_w = kw_ptr + row_w * stride_kw
-    base_c = kc_ptr + row_c * stride_kc
+    p = _query_position(pos_ptr, RING or RATIO > 0)
+    base_w, base_c, ok_w, ok_c = _key_block(n, p, NW, NC, ring_len, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr,
+                                            stride_kw, stride_kc, INDEXED, RING, RATIO)
     ok = ok_w | ok_c
 
     z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -193,9 +194,7 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
         d_ok = d < D
         qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                      other=0.0).to(tl.float32)
-        k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        z = tl.dot(qd, tl.trans(k), z, input_precision=PRECISION)
+        z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z, input_precision=PRECISION)
     z = tl.where(ok[None, :], z * scale, float("-inf"))
     m = tl.max(z, axis=1)
     e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
@@ -205,9 +204,7 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
         tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
     d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     d_ok = d < D
-    v = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    v += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    o = tl.dot(e, v, input_precision=PRECISION)
+    o = tl.dot(e, _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), input_precision=PRECISION)
     tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
 
@@ -373,20 +370,8 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for n0 in range(0, NW + NC, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        in_w = n < NW
-        c = n - NW
-        in_c = (n >= NW) & (c < NC)
-        pn = p - (NW - 1) + n
-        ok_w = in_w & (pn >= 0)
-        row_w = tl.where(ok_w, pn, 0) % ring_len
-        if INDEXED:
-            ok_c = in_c & (tl.load(mc_ptr + t * stride_it + c, mask=in_c, other=0) != 0)
-            row_c = tl.load(ids_ptr + t * stride_it + c, mask=ok_c, other=0).to(tl.int64)
-        else:
-            ok_c = in_c & ((c + 1) * RATIO <= p + 1)
-            row_c = c.to(tl.int64)
-        base_w = kw_ptr + row_w * stride_kw
-        base_c = kc_ptr + row_c * stride_kc
+        base_w, base_c, ok_w, ok_c = _key_block(n, p, NW, NC, ring_len, kw_ptr, kw_ptr, kc_ptr, mc_ptr + t * stride_it,
+                                                ids_ptr + t * stride_it, stride_kw, stride_kc, INDEXED, True, RATIO)
         ok = ok_w | ok_c
         z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_K):
@@ -394,17 +379,14 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
             d_ok = d < D
             qd = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + d[None, :],
                          mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            k = tl.load(base_w[:, None] + d[None, :], mask=ok_w[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            k += tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            z = tl.dot(qd, tl.trans(k), z, input_precision=PRECISION)
+            z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z, input_precision=PRECISION)
         z = tl.where(ok[None, :], z * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         e = tl.exp(z - m_safe[:, None])
         lsum = lsum * alpha + tl.sum(e, axis=1)
-        v = tl.load(base_w[:, None] + d_v[None, :], mask=ok_w[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
-        v += tl.load(base_c[:, None] + d_v[None, :], mask=ok_c[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+        v = _load_keys(base_w, base_c, ok_w, ok_c, d_v, dv_ok)
         acc = acc * alpha[:, None] + tl.dot(e, v, input_precision=PRECISION)
         m = m_new
     sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
