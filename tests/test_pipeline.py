@@ -338,3 +338,20 @@ def test_pin_env_gives_each_child_exactly_its_device() -> None:
         pin_env("cuda:2", {"CUDA_VISIBLE_DEVICES": "3,5"})
     uuid = "GPU-39b080e3-7bed-6984-1add-82e907c1890b"
     assert pin_env(uuid, {}) == ({"CUDA_VISIBLE_DEVICES": uuid}, "cuda:0")
+
+
+def test_stages_on_the_kernel_stage_give_the_reference_tokens(model_path: Path, reference) -> None:
+    """`fast=True` runs every stage on engine/gpu.py's kernel stage (here its CPU path, the same code that
+    launches the Triton kernels on a GPU): two processes, the same greedy tokens, logits to fp32 rounding."""
+    engine = PipelineEngine.load(model_path, CTX, "cpu=embed,0-2,output; cpu=3-5", activation_bits=32, chunk=CHUNK,
+                                 round_trips=OFF, fast=True)
+    try:
+        assert engine.runner.fast and len(engine.procs) == 1
+        tokens, logits = greedy(engine.new_session(), N_NEW)
+        assert tokens == reference[0]
+        for got, want in zip(logits, reference[1], strict=True):
+            assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="streamed experts"):
+        PipelineEngine.load(model_path, CTX, "cpu=embed,0-5,output,cache=1GiB", chunk=CHUNK, fast=True)

@@ -267,8 +267,12 @@ class GpuStage:
         self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
 
     # ---- building blocks -----------------------------------------------------------------------------------
-    def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0) -> KVCache:
-        return KVCache(self.cfg, self.layers, ctx, chunk=chunk, rollback=rollback, device=self.device)
+    def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
+                  dtype: torch.dtype = torch.float32) -> KVCache:
+        """KV rows in float32 or float16 (the kernels read both; the frontiers stay float32)."""
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"the kernel stage keeps KV in float32 or float16, not {dtype}")
+        return KVCache(self.cfg, self.layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=self.device)
 
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.token_embd[tokens].float()
@@ -412,13 +416,20 @@ class GpuStage:
         logits = None
         for s in range(0, tokens.numel(), cache.chunk):
             t = tokens[s:s + cache.chunk]
-            cache.check_room(t.numel())
-            p0 = cache.length
-            st = Step(torch.arange(p0, p0 + t.numel(), device=self.device), p0, p0 + t.numel())
-            X = self.run_layers(self.embed(t), t, cache, st)
-            cache.length += t.numel()
-            logits = self.head(X[-1:])[0]
+            logits = self.head(self.run_hidden(self.embed(t), t, cache)[-1:])[0]
         return logits
+
+    @torch.inference_mode()
+    def run_hidden(self, X: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
+        """A pipeline stage's step: HC state X [T, C, dim] of tokens [T] (T <= cache.chunk) at positions
+        cache.length.. through this stage's layers -> [T, C, dim]; extends the cache (eager launches)."""
+        T = X.shape[0]
+        cache.check_room(T)
+        p0 = cache.length
+        st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
+        X = self.run_layers(X, tokens, cache, st)
+        cache.length += T
+        return X
 
     def bucket(self, cache: KVCache) -> int:
         """Decode reads context up to this many positions: a power of two > the position decoded (or ctx)."""

@@ -207,11 +207,14 @@ class PipelineEngine:
              rollback: int = 0, kv_dtype: str = "float32", dist_addr: str = "127.0.0.1:0",
              remote: Iterable[int] = (), threads: int | None = None, prefetch: bool = True,
              heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT, join_timeout: float = DEFAULT_JOIN_TIMEOUT,
-             step_timeout: float | None = 600.0, round_trips: RoundTrips = RoundTrips()) -> PipelineEngine:
+             step_timeout: float | None = 600.0, round_trips: RoundTrips = RoundTrips(),
+             fast: bool | None = None) -> PipelineEngine:
         """Start the pipeline of `route` (text form or Route; default: one CPU stage). `expert_cache` is the
         routed-expert cache of every stage that does not set its own `cache=` in the route. Workers of the
         ranks in `remote` are not started here: they join with `ds4station worker --coordinator ADDR --rank N`
-        (ADDR is `dist_addr`, printed when the engine waits for them)."""
+        (ADDR is `dist_addr`, printed when the engine waits for them). `fast`: stages run the kernel stage
+        (engine/gpu.py) instead of the fp32 reference slice; None = on GPU stages that keep their experts
+        resident (streamed experts need the reference slice)."""
         path = str(path)
         gguf = GGUFFile.open(path)
         cfg = gguf.config
@@ -230,14 +233,14 @@ class PipelineEngine:
         engine = cls(path=path, gguf=gguf, route=route, ctx=ctx, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
                      activation_bits=activation_bits, heartbeat_timeout=heartbeat_timeout, step_timeout=step_timeout)
         try:
-            engine._start(gguf, remote, dist_addr, threads, prefetch, join_timeout, round_trips)
+            engine._start(gguf, remote, dist_addr, threads, prefetch, join_timeout, round_trips, fast)
         except BaseException:
             engine.close()
             raise
         return engine
 
     def _start(self, gguf: GGUFFile, remote: list[int], dist_addr: str, threads: int | None, prefetch: bool,
-               join_timeout: float, round_trips: RoundTrips) -> None:
+               join_timeout: float, round_trips: RoundTrips, fast: bool | None) -> None:
         import datetime
 
         import torch.distributed as dist
@@ -250,7 +253,7 @@ class PipelineEngine:
         settings = StageSettings(model=str(Path(self.path).resolve()), route=str(route), ctx=self.ctx,
                                  chunk=self.chunk, rollback=self.rollback, kv_dtype=self.kv_dtype_name,
                                  backend=self.backend, prefetch=prefetch, fp8_kv=round_trips.fp8_kv,
-                                 indexer_fp4=round_trips.indexer_fp4)
+                                 indexer_fp4=round_trips.indexer_fp4, fast=fast)
         if self.world > 1:
             host, _, port = dist_addr.rpartition(":")
             if not host or not port.isdigit():

@@ -42,6 +42,7 @@ from ds4station.planner.route import Route, RouteError, Stage, parse_route
 
 from .experts import PARTS, ROLE_OF_PART, ExpertCache, ExpertCacheTooSmall, install, is_routed_expert
 from .gguf import GGUFFile
+from .gpu import GpuStage
 from .kv import KVCache
 from .model import DS4Model, RoundTrips
 
@@ -163,6 +164,7 @@ class StageSettings:
     prefetch: bool = True
     fp8_kv: bool = True  # model.RoundTrips: the quantisation round trips of the real model (on by default)
     indexer_fp4: bool = True
+    fast: bool | None = None  # the kernel stage (engine/gpu.py); None = on GPU devices, resident experts
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -177,13 +179,31 @@ def stage_label(rank: int, stage: Stage) -> str:
 
 
 class StageRunner:
-    """The compute of one stage: its DS4Model slice, its experts, one KVCache per session."""
+    """The compute of one stage: its layer slice (the kernel stage of engine/gpu.py, or the fp32 reference
+    DS4Model where experts stream or on CPU), its experts, one KVCache per session."""
 
     def __init__(self, gguf: GGUFFile, stage: Stage, settings: StageSettings, device: torch.device, *,
                  rank: int = 0) -> None:
         self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
         tensors = gguf.load(stage.layers, embed=stage.embed, output=stage.output)
         self.experts: ExpertCache | None = None
+        self.model: DS4Model | GpuStage
+        round_trips = RoundTrips(settings.fp8_kv, settings.indexer_fp4)
+        fast = settings.fast if settings.fast is not None else device.type == "cuda"
+        if fast and stage.streaming:
+            if settings.fast:
+                raise ValueError(f"{stage_label(rank, stage)}: streamed experts need the reference slice; "
+                                 "drop the stage's cache= or run without the kernel stage")
+            fast = False
+        if fast and KV_DTYPES[settings.kv_dtype] not in (torch.float32, torch.float16):
+            raise ValueError(f"{stage_label(rank, stage)}: the kernel stage keeps KV in float32 or float16, "
+                             f"not {settings.kv_dtype}")
+        self.fast = fast
+        if fast:  # quantised weights straight from the mapped file, repacked on the device
+            self.model = GpuStage(self.cfg, tensors, stage.layers, embed=stage.embed, output=stage.output,
+                                  device=device, round_trips=round_trips)
+            self.kv: dict[int, KVCache] = {}
+            return
         if stage.streaming:
             self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
                                        prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
@@ -196,15 +216,16 @@ class StageRunner:
             else:  # as runtime.Engine.load does it, so a slice holds bit-for-bit the single-process weights
                 weights[name] = q.dequantize().to(device)
         self.model = DS4Model(self.cfg, weights, stage.layers, embed=stage.embed, output=stage.output,
-                              round_trips=RoundTrips(settings.fp8_kv, settings.indexer_fp4))
+                              round_trips=round_trips)
         if self.experts is not None:
             install(self.model, self.experts)
-        self.kv: dict[int, KVCache] = {}
+        self.kv = {}
 
     # ---- sessions ----------------------------------------------------------------------------------
     def new_session(self, sid: int) -> None:
         s = self.settings
         self.kv[sid] = self.model.new_cache(s.ctx, chunk=s.chunk, rollback=s.rollback, dtype=KV_DTYPES[s.kv_dtype])
+
 
     def free(self, sid: int) -> None:
         self.kv.pop(sid, None)
@@ -219,7 +240,10 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(self, sid: int, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.run_layers(X.to(self.device, torch.float32), tokens.to(self.device), self.kv[sid])
+        X, tokens = X.to(self.device, torch.float32), tokens.to(self.device)
+        if self.fast:
+            return self.model.run_hidden(X, tokens, self.kv[sid])
+        return self.model.run_layers(X, tokens, self.kv[sid])
 
     @torch.inference_mode()
     def head(self, X: torch.Tensor) -> torch.Tensor:
