@@ -11,13 +11,16 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
 - the F16 decode matvec (kernels/f16.py: compressor / indexer / router projections, one fp32 row) against
   torch's fp16 matvec x.half() @ w.T on the same rotating weights;
 - prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
-  and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate.
+  and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate;
+- the layer's small kernels (`--only layer`): row finishing, compressor update, indexer top-k and attention,
+  decode (in a CUDA graph) and prefill.
 Every case is also checked against its torch reference (relative error printed).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -440,6 +443,119 @@ def bench_moe_prefill(device: torch.device, bf16_tflops: float, tokens: int = 20
                    baseline="bf16 8192^3 peak", rel_err=err)]
 
 
+def bench_layer_ops(device: torch.device, copy_gbps: float, bf16_tflops: float, tokens: int = 2048,
+                    ctx: int = 8192) -> list[Result]:
+    """The layer's small decode kernels (row finishing, compressor update, indexer, attention) at DS4's shapes
+    with `ctx` positions of context, each captured 32 times in a CUDA graph (the decode step's own cost per
+    launch), and the prefill forms over a chunk of `tokens` (median of do_bench). Outputs against the torch
+    references (the indexer: the fraction of selected blocks that differ from the reference's set)."""
+    from ds4station.engine.config import FLASH
+    from ds4station.engine.model import rope_inv_freq
+    from ds4station.kernels import attention, compressor, indexer, rows
+
+    H, D, IH, ID, W, r4 = FLASH.n_heads, FLASH.head_dim, FLASH.index_heads, FLASH.index_dim, FLASH.window, 4
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen)
+
+    freq = rope_inv_freq(FLASH, True).to(device)
+    pos = torch.tensor([ctx - 1], device=device)  # closes a ratio-4 and a ratio-128 block
+    out: list[Result] = []
+
+    def decode(kernel: str, shape: str, fn: Callable[[], object], nbytes: int, err: float | None) -> None:
+        t = _graph_time_us(lambda i: fn(), 1)
+        out.append(Result(kernel, shape, 1, t, gbps=nbytes / t / 1e3, pct_copy=100 * nbytes / t / 1e3 / copy_gbps,
+                          rel_err=err))
+
+    # row finishing: q heads (norm + RoPE), indexer queries (RoPE + Hadamard + FP4), the KV row into the ring
+    q = randn(H, D)
+    decode("finish_rows", f"q heads {H}x{D}: norm, RoPE", lambda: rows.finish_rows(q, pos, H, norm=True, inv_freq=freq),
+           2 * q.numel() * 4, _rel_err(rows.finish_rows(q, pos, H, norm=True, inv_freq=freq),
+                                       rows.finish_rows_ref(q, pos, H, norm=True, inv_freq=freq)))
+    iq = randn(IH, ID)
+    fp4 = {"inv_freq": freq, "hadamard": True, "rt": "fp4"}
+    decode("finish_rows", f"indexer q {IH}x{ID}: RoPE, Hadamard, FP4", lambda: rows.finish_rows(iq, pos, IH, **fp4),
+           2 * iq.numel() * 4, _rel_err(rows.finish_rows(iq, pos, IH, **fp4), rows.finish_rows_ref(iq, pos, IH, **fp4)))
+    ring = torch.zeros(W + tokens, D, device=device)
+    kv_row, kv_w = randn(1, D), randn(D).abs() + 0.5
+    fp8 = {"norm": True, "weight": kv_w, "inv_freq": freq, "rt": "fp8", "nope": FLASH.nope_dim, "ring": ring}
+    decode("finish_rows", f"KV row {D}: norm, RoPE, FP8, ring write", lambda: rows.finish_rows(kv_row, pos, 1, **fp8),
+           2 * D * 4, None)
+
+    # compressor update at a closing position (pooling included), ratio 4 (attention and indexer) and 128
+    for label, ratio, d, fin_kw in (("r4 attention", 4, D, {"rt": "fp8", "nope": FLASH.nope_dim}),
+                                    ("r4 indexer", 4, ID, {"rt": "fp4", "hadamard": True}),
+                                    ("r128 attention", 128, D, {"rt": "fp8", "nope": FLASH.nope_dim})):
+        coff = 2 if ratio == 4 else 1
+        width = coff * d
+        fin = compressor.Finish(randn(d).abs() + 0.5, FLASH.rms_eps, freq, **fin_kw)
+        fkv, fsc = randn(coff * ratio + tokens, width), randn(coff * ratio + tokens, width)
+        comp_rows = torch.zeros(ctx // ratio + 1, d, device=device)
+        kv, sc, ape = randn(1, width), randn(1, width), randn(ratio, width)
+        decode("compress_decode", f"{label} d{d}, block closes", lambda kv=kv, sc=sc, ape=ape, fkv=fkv, fsc=fsc,
+               comp_rows=comp_rows, ratio=ratio, fin=fin: compressor.compress_decode(
+                   kv, sc, ape, pos, fkv, fsc, comp_rows, ratio, fin), 2 * coff * ratio * width * 4, None)
+        n_blocks = tokens // ratio
+        got, want = comp_rows.clone(), comp_rows.clone()
+        compressor.compress_blocks(fkv, fsc, got, 0, n_blocks, ratio, fin)
+        compressor.compress_blocks_ref(fkv, fsc, want, 0, n_blocks, ratio, fin)
+        t = _median_ms(functools.partial(compressor.compress_blocks, fkv, fsc, got, 0, n_blocks, ratio, fin)) * 1e3
+        nbytes = 2 * n_blocks * coff * ratio * width * 4
+        out.append(Result("compress_blocks", f"{label} d{d}, {n_blocks} blocks", tokens, t, gbps=nbytes / t / 1e3,
+                          pct_copy=100 * nbytes / t / 1e3 / copy_gbps, rel_err=_rel_err(got, want)))
+
+    # indexer: scores over ctx / 4 compressed keys and the top 512
+    n_keys = ctx // r4
+    keys = randn(n_keys, ID)
+
+    def select_err(got: tuple, want: tuple) -> float:
+        diff = [len(set(g[v].tolist()) ^ set(w[u].tolist())) / (2 * max(1, int(u.sum())))
+                for g, v, w, u in zip(got[0], got[1], want[0], want[1], strict=True)]
+        return sum(diff) / len(diff)
+
+    iqd, iw = randn(1, IH, ID), randn(1, IH).abs()
+    args = (iqd, iw, keys, n_keys, pos, r4, FLASH.index_topk)
+    decode("index_topk", f"1 query x {n_keys} blocks, top {FLASH.index_topk}", lambda: indexer.index_topk(*args),
+           n_keys * ID * 4, select_err(indexer.index_topk(*args), indexer.index_topk_ref(*args)))
+    iqp, iwp = randn(tokens, IH, ID), randn(tokens, IH).abs()
+    ppos = torch.arange(ctx - tokens, ctx, device=device)
+    pargs = (iqp, iwp, keys, n_keys, ppos, r4, FLASH.index_topk)
+    t = _median_ms(lambda: indexer.index_topk(*pargs)) * 1e3
+    flop = 2 * tokens * IH * n_keys * ID
+    out.append(Result("index_topk", f"{tokens} queries x {n_keys} blocks", tokens, t, tflops=flop / t / 1e6,
+                      pct_bf16=100 * flop / t / 1e6 / bf16_tflops,
+                      rel_err=select_err(indexer.index_topk(*pargs), indexer.index_topk_ref(*pargs))))
+
+    # attention: window from the ring + 512 indexed rows (ratio-4 layers), window + shared rows (ratio 128)
+    ring.copy_(randn(*ring.shape))
+    comp = randn(ctx // r4, D)
+    sinks = randn(H)
+    ids = torch.randint(0, ctx // r4, (FLASH.index_topk,), device=device, generator=gen)
+    valid = torch.ones(FLASH.index_topk, dtype=torch.bool, device=device)
+    for label, kw in ((f"window {W} + {FLASH.index_topk} indexed rows", {"kc": comp, "mask_c": valid, "ids": ids}),
+                      (f"window {W} + {ctx // 128} rows of ratio 128", {"kc": comp[:ctx // 128], "mask_c": None,
+                                                                        "ratio": 128})):
+        def run(kw=kw, fn=attention.attention_decode) -> torch.Tensor:
+            return fn(q, ring, None, sinks=sinks, scale=D ** -0.5, pos=pos, window=W, **kw)
+
+        n_rows = W + (kw["ids"].numel() if "ids" in kw else kw["kc"].shape[0])
+        decode("attention_decode", label, run, n_rows * D * 4, _rel_err(run(), run(fn=attention.attention_decode_ref)))
+    pq = randn(tokens, H, D)
+    pids = torch.randint(0, ctx // r4, (tokens, FLASH.index_topk), device=device, generator=gen)
+    pvalid = torch.ones_like(pids, dtype=torch.bool)
+
+    def prefill(fn=attention.attention_prefill, n: int = tokens) -> torch.Tensor:
+        return fn(pq[:n], ring, comp, pvalid[:n], sinks, D ** -0.5, pids[:n], ppos[:n], W)
+
+    t = _median_ms(prefill) * 1e3
+    flop = 4 * tokens * H * (W + FLASH.index_topk) * D
+    out.append(Result("attention_prefill", f"{tokens} queries x (window {W} + {FLASH.index_topk} indexed rows)",
+                      tokens, t, tflops=flop / t / 1e6, pct_bf16=100 * flop / t / 1e6 / bf16_tflops,
+                      rel_err=_rel_err(prefill(n=4), prefill(attention.attention_prefill_ref, 4))))
+    return out
+
+
 def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = False) -> tuple[dict, list[Result]]:
     """Every benchmark on the current CUDA/ROCm device; returns (ceilings and device info, results)."""
     import triton
@@ -463,6 +579,8 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     results += bench_q8_0_prefill(device, prefill_tokens, only, sweep)
     if not only or only in "moe_prefill":
         results += bench_moe_prefill(device, bf16_tflops, prefill_tokens)
+    if not only or only in "layer":
+        results += bench_layer_ops(device, copy_gbps, bf16_tflops, prefill_tokens)
     if sweep:
         results += sweep_tiles(device, copy_gbps)
     return info, results
