@@ -142,3 +142,25 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
         got = [stage.prefill(tokens[:12], cache), stage.decode(int(tokens[12]), cache, graph=False)]
     _close(got[0], want[11], 2e-2)  # prefill feeds fp16 into tl.dot
     _close(got[1], want[12], 1e-3)  # fp32 decode kernels, over KV the fp16 prefill wrote
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pipeline_stage_decode_equals_its_prefill_path(tiny: GGUFFile, device: str) -> None:
+    """A middle slice (no embedding, no head) as a pipeline stage runs it: decode_hidden (static shapes; a
+    CUDA graph on a GPU) gives run_hidden's one-token result, the cache advancing the same way."""
+    cfg, layers = tiny.config, range(2, 5)
+    stage = GpuStage(cfg, tiny.load(layers, embed=False, output=False), layers, embed=False, output=False,
+                     device=device, round_trips=OFF, int_dot=False)
+    a, b = stage.new_cache(128, chunk=16), stage.new_cache(128, chunk=16)
+    gen = torch.Generator().manual_seed(3)
+    X = torch.randn(30, cfg.hc_mult, cfg.dim, generator=gen).to(device)
+    tokens = torch.randint(0, cfg.vocab_size, (30,), generator=gen).to(device)
+    for c in (a, b):
+        stage.run_hidden(X[:16], tokens[:16], c)
+        stage.run_hidden(X[16:24], tokens[16:24], c)
+    for j in range(24, 30):  # crosses the ratio-4 block end at 27
+        got = stage.decode_hidden(X[j:j + 1], int(tokens[j]), a).clone()
+        want = stage.run_hidden(X[j:j + 1], tokens[j:j + 1], b)
+        tol = 2e-3 if device == "cuda" else 1e-5  # CUDA: TF32 attention in both paths, different kernels
+        assert torch.allclose(got, want, rtol=0, atol=tol * want.abs().max().item())
+    assert a.length == b.length == 30

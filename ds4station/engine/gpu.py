@@ -264,7 +264,7 @@ class GpuStage:
                                             for k in ("fn", "scale", "base")), cfg)
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
-        self._graphs: dict[tuple[int, int], _DecodeGraph] = {}
+        self._graphs: dict[tuple, _DecodeGraph] = {}
 
     # ---- building blocks -----------------------------------------------------------------------------------
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -456,6 +456,28 @@ class GpuStage:
         cache.length += 1
         return logits
 
+    @torch.inference_mode()
+    def decode_hidden(self, X: Tensor, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
+        """A pipeline stage's decode step: HC state X [1, C, dim] of `token` through this stage's layers ->
+        [1, C, dim], as `decode` does it (static shapes; on CUDA one captured graph per cache and bucket,
+        whose output buffer the next step overwrites)."""
+        cache.check_room(1)
+        use_graph = self.device.type == "cuda" if graph is None else graph
+        bucket = self.bucket(cache)
+        X = X.to(self.device, torch.float32)
+        if not use_graph:
+            t = torch.tensor([token], device=self.device)
+            out = self.run_layers(X, t, cache, Step(torch.tensor([cache.length], device=self.device), None, None,
+                                                    bucket))
+        else:
+            key = (id(cache), bucket, "hidden")
+            g = self._graphs.get(key)
+            if g is None:
+                g = self._graphs[key] = _DecodeGraph(self, cache, bucket, hidden=True)
+            out = g.run(token, cache.length, X)
+        cache.length += 1
+        return out
+
     def drop_graphs(self, cache: KVCache) -> None:
         """Release the decode graphs captured for a cache (when its session ends)."""
         for key in [k for k in self._graphs if k[0] == id(cache)]:
@@ -471,16 +493,20 @@ def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
 
 
 class _DecodeGraph:
-    """One decode step captured in a CUDA graph, over static token / position buffers."""
+    """One decode step captured in a CUDA graph, over static token / position buffers: the whole stage
+    (token -> logits), or, `hidden`, a pipeline stage's layers (static HC-state input -> HC state)."""
 
-    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int) -> None:
-        dev = stage.device
+    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, hidden: bool = False) -> None:
+        dev, cfg = stage.device, stage.cfg
         self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)
+        self.x = torch.zeros(1, cfg.hc_mult, cfg.dim, device=dev) if hidden else None
         st = Step(self.pos, None, None, bucket)
 
         def step() -> Tensor:
+            if self.x is not None:
+                return stage.run_layers(self.x, self.tok, cache, st)
             return stage.head(stage.run_layers(stage.embed(self.tok), self.tok, cache, st))[0]
 
         # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
@@ -492,13 +518,15 @@ class _DecodeGraph:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits = step()
+            self.out = step()
 
-    def run(self, token: int, position: int) -> Tensor:
+    def run(self, token: int, position: int, X: Tensor | None = None) -> Tensor:
+        if self.x is not None:
+            self.x.copy_(X)
         self.tok.fill_(token)
         self.pos.fill_(position)
         self.graph.replay()
-        return self.logits
+        return self.out
 
 
 class RandomWeights(Mapping[str, Weight]):

@@ -228,7 +228,9 @@ class StageRunner:
 
 
     def free(self, sid: int) -> None:
-        self.kv.pop(sid, None)
+        cache = self.kv.pop(sid, None)
+        if cache is not None and self.fast:
+            self.model.drop_graphs(cache)
 
     def truncate(self, sid: int, n: int) -> bool:
         return self.kv[sid].truncate(n)
@@ -241,6 +243,8 @@ class StageRunner:
     @torch.inference_mode()
     def run(self, sid: int, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         X, tokens = X.to(self.device, torch.float32), tokens.to(self.device)
+        if self.fast and X.shape[0] == 1:  # decode: static shapes, one CUDA graph per bucket on a GPU
+            return self.model.decode_hidden(X, int(tokens[0]), self.kv[sid]).clone()  # the graph reuses its buffer
         if self.fast:
             return self.model.run_hidden(X, tokens, self.kv[sid])
         return self.model.run_layers(X, tokens, self.kv[sid])
@@ -265,6 +269,9 @@ class StageRunner:
     def close(self) -> None:
         if self.experts is not None:
             self.experts.close()
+        for cache in self.kv.values():
+            if self.fast:
+                self.model.drop_graphs(cache)
         self.kv.clear()
 
 
