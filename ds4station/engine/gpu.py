@@ -88,8 +88,8 @@ class Linear:
         self.n, self.k = q.shape[0], q.shape[-1]
         self.packed: PackedQ8_0 | None = None
         self.dense: Tensor | None = None
-        if q.qtype == Q.Q8_0:
-            self.packed = ops.repack(q.data.to(device), "q8_0", self.k)
+        if q.qtype == Q.Q8_0 or (q.qtype == Q.Q4_K and groups == 1):  # kernel forms (grouped: Q8_0 only)
+            self.packed = ops.repack(q.data.to(device), q.qtype.name, self.k)
         else:  # F16 stays fp16 on a GPU (no bf16: Vega20 has none); exact fp32 on CPU
             self.dense = _dense(q, device, torch.float16 if device.type == "cuda" else torch.float32)
 

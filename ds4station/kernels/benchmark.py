@@ -12,6 +12,7 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
   torch's fp16 matvec x.half() @ w.T on the same rotating weights;
 - prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
   and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate;
+- Q4_K decode matvec and prefill matmul (`--only q4_k`);
 - the layer's small kernels (`--only layer`): row finishing, compressor update, indexer top-k and attention,
   decode (in a CUDA graph) and prefill.
 Every case is also checked against its torch reference (relative error printed).
@@ -290,6 +291,43 @@ def bench_expert_matvecs(device: torch.device, copy_gbps: float, d_model: int = 
         gbps = nbytes / t / 1e3
         res.append(Result(kname, f"expert {n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err))
         del packed, ws
+    return res
+
+
+def bench_q4_k(device: torch.device, copy_gbps: float, bf16_tflops: float, tokens: int = 2048) -> list[Result]:
+    """Q4_K (kernels/q4_k.py; not in the q2 file, in other quantisations of the model): the decode matvec
+    at 4096x4096 and 2048x4096 over rotating copies, and the prefill matmul at `tokens` rows."""
+    from gguf import GGMLQuantizationType as Q
+
+    from ds4station.kernels.q4_k import (
+        PackedQ4K,
+        dequantize_q4_k,
+        q4_k_matmul,
+        q4_k_matvec,
+        q4_k_matvec_ref,
+        repack_q4_k,
+    )
+
+    gen = torch.Generator(device=device).manual_seed(2)
+    res = []
+    for n, k in ((4096, 4096), (2048, 4096)):
+        copies = _copies(repack_q4_k(_random_raw(Q.Q4_K, (1, n), k, gen, 0.02), k).nbytes)
+        packed = repack_q4_k(_random_raw(Q.Q4_K, (copies, n), k, gen, 0.02), k)
+        ws = [PackedQ4K(*(getattr(packed, f)[i] for f in PackedQ4K.__dataclass_fields__)) for i in range(copies)]
+        x = torch.randn(1, k, device=device)
+        err = _rel_err(q4_k_matvec(x, ws[0]), q4_k_matvec_ref(x, ws[0]))
+        t = _graph_time_us(lambda i, x=x, ws=ws: q4_k_matvec(x, ws[i]), copies)
+        gbps = (ws[0].nbytes + k * 4 + n * 4) / t / 1e3
+        res.append(Result("q4_k_matvec", f"{n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err))
+        del packed, ws
+    w = repack_q4_k(_random_raw(Q.Q4_K, (4096,), 4096, gen, 0.02), 4096)
+    x = torch.randn(tokens, 4096, device=device)
+    want = x.half().float() @ dequantize_q4_k(w).half().float().T  # the fp16 dot operands, fp32 sums
+    err = _rel_err(q4_k_matmul(x, w, out_dtype=torch.float32), want)
+    t = _median_ms(lambda: q4_k_matmul(x, w, out_dtype=torch.float32)) * 1e3
+    flop = 2 * tokens * 4096 * 4096
+    res.append(Result("q4_k_matmul", f"{tokens} x 4096x4096", tokens, t, tflops=flop / t / 1e6,
+                      pct_bf16=100 * flop / t / 1e6 / bf16_tflops, rel_err=err))
     return res
 
 
@@ -581,6 +619,8 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
         results += bench_moe_prefill(device, bf16_tflops, prefill_tokens)
     if not only or only in "layer":
         results += bench_layer_ops(device, copy_gbps, bf16_tflops, prefill_tokens)
+    if not only or only in "q4_k":
+        results += bench_q4_k(device, copy_gbps, bf16_tflops, prefill_tokens)
     if sweep:
         results += sweep_tiles(device, copy_gbps)
     return info, results

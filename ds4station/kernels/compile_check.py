@@ -243,7 +243,25 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
                  "BLOCK_D": d, "LOG_D": d.bit_length() - 1, "BLOCK_J": t.block_j},
                 ("kv_ptr", "sc_ptr", "ape_ptr", "fkv_ptr", "fsc_ptr", "rows_ptr", "w_ptr", "W", "d"), t.num_warps, 1,
                 decode=write))
-    from ds4station.kernels import f16
+    from ds4station.kernels import f16, q4_k
+
+    q4 = {"x_ptr": p32, "qs_ptr": "*i32", "sc_ptr": "*u8", "mn_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": p32}
+    t = dispatch.matvec_tiles("q4_k", 4096, 4096, 1, backend)
+    out.append(KernelSpec(
+        "q4_k_matvec 4096x4096 m1", q4_k._q4_k_matvec_kernel,
+        {**q4, "N": i32, "K": i32, "stride_xm": i32, "stride_ym": i32, "M": "constexpr", "M_PAD": "constexpr",
+         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+        ("x_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_xm", "stride_ym"), t.num_warps,
+        t.num_stages, decode=True))
+    mt = dispatch.matmul_tiles("q4_k", 2048, 4096, 4096, backend)
+    out.append(KernelSpec(
+        "q4_k_matmul prefill 2048x4096x4096", q4_k._q4_k_matmul_kernel,
+        {**q4, "M": i32, "N": i32, "K": i32, "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr",
+         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+        {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k},
+        ("x_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_xm", "stride_ym"), mt.num_warps,
+        mt.num_stages, wants_dot=True))
 
     for label, n, k in (("stacked compressor/indexer", 2624, 4096), ("indexer q_b", 8192, 1024), ("router", 256, 4096)):
         t = dispatch.f16_matvec_tiles(n, k, 1, backend)

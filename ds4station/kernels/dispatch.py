@@ -120,10 +120,10 @@ class MatvecTiles:
 
 
 # Largest K chunk per step, per quant type (the whole row of DS4's matrices where registers allow).
-_MAX_BLOCK_K = {"q8_0": 2048, "iq2_xxs": 4096, "q2_k": 2048}
+_MAX_BLOCK_K = {"q8_0": 2048, "iq2_xxs": 4096, "q2_k": 2048, "q4_k": 1024}
 # Weights per lane-owned unit in the 2-bit kernels (one int64 word of IQ2_XXS, one int32 word of Q2_K).
 _LANE_PER_UNIT = {"iq2_xxs": 32, "q2_k": 16}
-_QUANT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256}
+_QUANT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256, "q4_k": 64}
 # Target programs per launch: enough to cover 132 SMs / 60 CUs twice over.
 _MIN_PROGRAMS = 256
 
@@ -221,7 +221,7 @@ def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend) -> Matmul
     """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block)."""
     base = _MATMUL_TILES[backend]
     block_m = min(base.block_m, max(16, _pow2_ceil(m)))
-    block_k = max(base.block_k, _QUANT_BLOCK.get(qtype, 32)) if qtype != "q8_0" else base.block_k
+    block_k = max(base.block_k, _QUANT_BLOCK.get(qtype, 32)) if qtype not in ("q8_0", "q4_k") else base.block_k
     return MatmulTiles(block_m=block_m, block_n=base.block_n, block_k=block_k, group_m=base.group_m,
                        num_warps=base.num_warps, num_stages=base.num_stages, w_as_a=base.w_as_a)
 

@@ -20,6 +20,7 @@ from ds4station.kernels.moe import moe_decode, moe_decode_ref
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
 from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, q4_k_matvec, q4_k_matvec_ref, repack_q4_k
 from ds4station.kernels.q8_0 import (
     PackedQ8_0,
     dequantize_q8_0,
@@ -29,16 +30,16 @@ from ds4station.kernels.q8_0 import (
     repack_q8_0,
 )
 
-Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K
+Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
 __all__ = ["Packed", "dequantize", "linear", "moe", "repack", "rms_norm", "rope_"]
 
-_REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k}
+_REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k, "q4_k": repack_q4_k}
 # Largest activation row count the decode matvecs take; more rows go to the prefill path.
 MAX_MATVEC_ROWS = 8
 
 
 def repack(raw: torch.Tensor, qtype: str, k: int) -> Packed:
-    """Repack raw GGUF bytes of `qtype` ("q8_0", "iq2_xxs", "q2_k") with rows of `k` values."""
+    """Repack raw GGUF bytes of `qtype` ("q8_0", "iq2_xxs", "q2_k", "q4_k") with rows of `k` values."""
     try:
         return _REPACK[qtype.lower()](raw, k)
     except KeyError:
@@ -51,14 +52,16 @@ def dequantize(w: Packed) -> torch.Tensor:
         return dequantize_q8_0(w)
     if isinstance(w, PackedIQ2XXS):
         return dequantize_iq2_xxs(w)
+    if isinstance(w, PackedQ4K):
+        return dequantize_q4_k(w)
     return dequantize_q2_k(w)
 
 
 def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, groups*K] -> [M, N] (groups > 1: Q8_0 grouped projection, rows split evenly).
 
-    GPU: M <= 8 runs the fused dequant matvec; more rows run the Q8_0 tl.dot matmul (other types are
-    dequantised to fp16 and multiplied by torch until their tiled kernels exist). CPU: torch reference.
+    GPU: M <= 8 runs the fused dequant matvec; more rows run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types,
+    which hold routed experts, are dequantised to fp16 and multiplied by torch here). CPU: torch reference.
     """
     m = x.shape[0]
     if groups != 1 and not isinstance(w, PackedQ8_0):
@@ -68,12 +71,16 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             return q8_0_matvec_ref(x, w, groups=groups, out_dtype=out_dtype)
         if isinstance(w, PackedIQ2XXS):
             return iq2_xxs_matvec_ref(x, w, out_dtype=out_dtype)
+        if isinstance(w, PackedQ4K):
+            return q4_k_matvec_ref(x, w, out_dtype=out_dtype)
         return q2_k_matvec_ref(x, w, out_dtype=out_dtype)
     if m <= MAX_MATVEC_ROWS:
         if isinstance(w, PackedQ8_0):
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
         if isinstance(w, PackedIQ2XXS):
             return iq2_xxs_matvec(x, w, out_dtype=out_dtype)
+        if isinstance(w, PackedQ4K):
+            return q4_k_matvec(x, w, out_dtype=out_dtype)
         return q2_k_matvec(x, w, out_dtype=out_dtype)
     if isinstance(w, PackedQ8_0):
         if groups == 1:
@@ -86,6 +93,8 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             for g in range(groups)
         ]
         return torch.cat(parts, dim=1)
+    if isinstance(w, PackedQ4K):
+        return q4_k_matmul(x, w, out_dtype=out_dtype)
     return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)
 
 

@@ -1,0 +1,196 @@
+"""Q4_K weights: repack, decode matvec, prefill tl.dot matmul, torch references.
+
+GGUF block (256 weights, 144 bytes): fp16 d, fp16 dmin, scales[12] (6-bit scale and min of each of the 8
+sub-blocks of 32, packed as engine/quants.py's `_k_scale_min` reads them), qs[128] (4-bit quants: sub-block 2c
+is the low nibbles of bytes 32c..32c+31, 2c+1 their high nibbles). Weight value = d * sc * q - dmin * m.
+
+`repack_q4_k` stores what the kernels want: the nibbles re-packed in weight order (weight 2j in the low nibble
+of byte j, 2j + 1 in the high one), so an int32 word is 8 consecutive weights of one sub-block; the 6-bit
+scales and mins unpacked to one byte each per sub-block; (d, dmin) per 256 weights. 0.578 bytes per weight
+against the GGUF's 0.5625 (the unpacked scales).
+
+- `q4_k_matvec(x, w)`: decode, 1-8 activation rows, each program BLOCK_N rows over K in BLOCK_K steps; the
+  weights are decoded per int32 word (one load of the word, its sub-block's scale and min bytes and the
+  block's (d, dmin) per 8 weights), fp32 math.
+- `q4_k_matmul(x, w)`: prefill, the same decoded tile as an fp16 tl.dot operand, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ds4station.kernels import dispatch
+
+QK_K = 256
+BLOCK_BYTES_Q4_K = 144
+
+
+@dataclass(frozen=True)
+class PackedQ4K:
+    """Repacked Q4_K weight: qs uint8 [*lead, N, K/2] (two consecutive weights per byte), sc / mn uint8
+    [*lead, N, K/32] (6-bit scale / min per sub-block), dm fp16 [*lead, N, K/128] ((d, dmin) per 256)."""
+
+    qs: torch.Tensor
+    sc: torch.Tensor
+    mn: torch.Tensor
+    dm: torch.Tensor
+
+    qtype = "q4_k"
+
+    @property
+    def n(self) -> int:
+        return self.qs.shape[-2]
+
+    @property
+    def k(self) -> int:
+        return self.qs.shape[-1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return self.qs.numel() + self.sc.numel() + self.mn.numel() + self.dm.numel() * 2
+
+
+def repack_q4_k(raw: torch.Tensor, k: int) -> PackedQ4K:
+    """Repack raw GGUF Q4_K bytes (uint8 [..., N, K/256*144] or flat) of rows of length `k`."""
+    from ds4station.engine.quants import _k_scale_min, _nibbles_32
+
+    if raw.dtype != torch.uint8:
+        raise TypeError(f"raw Q4_K data must be uint8 bytes, got {raw.dtype}")
+    if k % QK_K:
+        raise ValueError(f"Q4_K row length must be a multiple of {QK_K}, got {k}")
+    nb = k // QK_K
+    row_bytes = nb * BLOCK_BYTES_Q4_K
+    if raw.shape[-1] != row_bytes:
+        if raw.dim() != 1 or raw.numel() % row_bytes:
+            raise ValueError(f"Q4_K data of shape {tuple(raw.shape)} does not hold rows of {k} values")
+        raw = raw.view(-1, row_bytes)
+    lead = raw.shape[:-1]
+    blocks = raw.reshape(-1, BLOCK_BYTES_Q4_K)
+    dm = blocks[:, 0:4].contiguous().view(torch.float16).reshape(*lead, nb * 2)
+    sc, mn = _k_scale_min(blocks[:, 4:16])
+    codes = _nibbles_32(blocks[:, 16:144]).reshape(-1, QK_K // 2, 2)  # weight order, pairs
+    qs = (codes[..., 0] | (codes[..., 1] << 4)).reshape(*lead, k // 2)
+    return PackedQ4K(qs=qs.contiguous(), sc=sc.reshape(*lead, k // 32).contiguous(),
+                     mn=mn.reshape(*lead, k // 32).contiguous(), dm=dm.contiguous())
+
+
+def dequantize_q4_k(w: PackedQ4K) -> torch.Tensor:
+    """fp32 [*lead, N, K] values of a repacked Q4_K weight (torch, any device), as the GGUF dequantises."""
+    lead = w.qs.shape[:-1]
+    q = torch.stack((w.qs & 15, w.qs >> 4), dim=-1).reshape(*lead, w.k // 32, 32).float()
+    dm = w.dm.float().reshape(*lead, w.k // QK_K, 1, 2)
+    d, dmin = dm[..., 0], dm[..., 1]  # [.., K/256, 1]
+    dl = (d * w.sc.reshape(*lead, w.k // QK_K, 8).float()).reshape(*lead, w.k // 32, 1)
+    ml = (dmin * w.mn.reshape(*lead, w.k // QK_K, 8).float()).reshape(*lead, w.k // 32, 1)
+    return (dl * q - ml).reshape(*lead, w.k)
+
+
+def q4_k_matvec_ref(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return (x.float() @ dequantize_q4_k(w).T).to(out_dtype or x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernels.
+
+
+@triton.jit
+def _q4_k_tile(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K, decoded per int32 word (8
+    weights): qs_ptr int32 words, sc_ptr / mn_ptr bytes per 32 weights, dm_ptr int32 (d, dmin) per 256."""
+    U = K // 8
+    u = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = n_mask[:, None] & (u < U)[None, :]
+    word = tl.load(qs_ptr + rows[:, None] * U + u[None, :], mask=mask, other=0, eviction_policy="evict_first")
+    sub = rows[:, None] * (K // 32) + (u // 4)[None, :]
+    sc = tl.load(sc_ptr + sub, mask=mask, other=0).to(tl.float32)
+    mn = tl.load(mn_ptr + sub, mask=mask, other=0).to(tl.float32)
+    dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (u // 32)[None, :], mask=mask, other=0)
+    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    e = tl.arange(0, 8)
+    q = ((word[:, :, None] >> (4 * e)[None, None, :]) & 15).to(tl.float32)
+    w = (d * sc)[:, :, None] * q - (dmin * mn)[:, :, None]
+    return tl.reshape(w, (rows.shape[0], BLOCK_K))
+
+
+@triton.jit
+def _q4_k_matvec_kernel(x_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, N, K, stride_xm, stride_ym,
+                        M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    cols = tl.arange(0, M_PAD)
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        w = _q4_k_tile(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        for m in tl.static_range(M):
+            xv = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc += tl.where(cols[None, :] == m, tl.sum(w * xv[None, :], axis=1)[:, None], 0.0)
+    tl.store(y_ptr + cols[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & (cols[None, :] < M))
+
+
+@triton.jit
+def _q4_k_matmul_kernel(x_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + kk[None, :],
+                     mask=m_mask[:, None] & (kk < K)[None, :], other=0.0).to(tl.float16)
+        w = _q4_k_tile(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K).to(tl.float16)
+        acc = tl.dot(xt, tl.trans(w), acc)
+    tl.store(y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _args(w: PackedQ4K) -> tuple[torch.Tensor, ...]:
+    return w.qs.view(torch.int32), w.sc, w.mn, w.dm.view(torch.int32)
+
+
+def _check(x: torch.Tensor, w: PackedQ4K) -> None:
+    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
+        raise ValueError(f"x {tuple(x.shape)} does not match the Q4_K weight [{w.n}, {w.k}]")
+
+
+def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = None,
+                tiles: dispatch.MatvecTiles | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for 1 <= M <= 8 activation rows (Triton launcher; fp32 math)."""
+    _check(x, w)
+    m = x.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"the decode matvec takes 1-8 rows, got {m}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    tiles = tiles or dispatch.matvec_tiles("q4_k", w.n, w.k, m, dispatch.launch_backend(x))
+    y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype)
+    _q4_k_matvec_kernel[(triton.cdiv(w.n, tiles.block_n),)](
+        x, *_args(w), y, w.n, w.k, x.stride(0), y.stride(0), M=m, M_PAD=triton.next_power_of_2(m),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return y
+
+
+def q4_k_matmul(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = None,
+                tiles: dispatch.MatmulTiles | None = None) -> torch.Tensor:
+    """y [M, N] = x [M, K] @ W^T for prefill (Triton launcher; fp16 tl.dot, fp32 accumulation)."""
+    _check(x, w)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    tiles = tiles or dispatch.matmul_tiles("q4_k", m, w.n, w.k, dispatch.launch_backend(x))
+    y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype)
+    _q4_k_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(w.n, tiles.block_n))](
+        x, *_args(w), y, m, w.n, w.k, x.stride(0), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return y

@@ -1,0 +1,90 @@
+"""Q4_K kernels (kernels/q4_k.py) in the Triton interpreter: the repack dequantises exactly as gguf-py does
+(through engine/quants.py, itself bit-exact with gguf-py), the decode matvec and the prefill tl.dot matmul
+match the torch reference at odd shapes with poisoned outputs, and the engine's Linear takes Q4_K weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize as gguf_dequantize
+
+from ds4station.engine.quants import QTensor, random_blocks
+from ds4station.kernels import dispatch, ops
+from ds4station.kernels.dispatch import MatmulTiles, MatvecTiles
+from ds4station.kernels.q4_k import (
+    dequantize_q4_k,
+    q4_k_matmul,
+    q4_k_matvec,
+    q4_k_matvec_ref,
+    repack_q4_k,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    raw = random_blocks(Q.Q4_K, n * k, torch.Generator().manual_seed(seed), 0.05)
+    return raw, raw.view(n, -1)
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 256), (7, 512), (33, 768)])
+def test_repack_dequantises_like_gguf_py(n: int, k: int) -> None:
+    raw, rows = _weight(n, k, seed=n + k)
+    want = torch.from_numpy(gguf_dequantize(raw.numpy(), Q.Q4_K).astype(np.float32)).view(n, k)
+    assert torch.equal(dequantize_q4_k(repack_q4_k(rows, k)), want)
+    assert torch.equal(QTensor(raw, Q.Q4_K, (n, k)).dequantize(), want)
+
+
+@pytest.mark.parametrize(("m", "n", "k", "tiles"), [
+    (1, 37, 512, None), (3, 70, 768, None), (8, 5, 256, None),
+    (2, 33, 768, MatvecTiles(block_n=4, block_k=128, num_warps=1)),  # several K steps and ragged rows
+])
+def test_matvec_matches_reference(poisoned_empty: None, m: int, n: int, k: int, tiles: MatvecTiles | None) -> None:
+    _, rows = _weight(n, k, seed=m + n)
+    w = repack_q4_k(rows.to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    got = q4_k_matvec(x, w, out_dtype=torch.float32, tiles=tiles)
+    want = q4_k_matvec_ref(x, w, out_dtype=torch.float32)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tiles", [None, MatmulTiles(block_m=16, block_n=16, block_k=64, group_m=1, num_warps=1,
+                                                     num_stages=1)])
+def test_matmul_matches_reference(poisoned_empty: None, tiles: MatmulTiles | None) -> None:
+    _, rows = _weight(33, 512, seed=4)
+    w = repack_q4_k(rows.to(DEVICE), 512)
+    x = torch.randn(21, 512, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    got = q4_k_matmul(x, w, out_dtype=torch.float32, tiles=tiles)
+    want = x.half().float() @ dequantize_q4_k(w).half().float().T  # the fp16 dot operands, fp32 sums
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_linear_and_public_ops_take_q4_k() -> None:
+    from ds4station.engine.gpu import Linear
+
+    raw, rows = _weight(40, 512, seed=6)
+    lin = Linear(QTensor(raw, Q.Q4_K, (40, 512)), torch.device("cpu"))
+    assert lin.packed is not None and lin.nbytes < 40 * 512  # stays quantised (~0.58 B per weight)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    want = x @ QTensor(raw, Q.Q4_K, (40, 512)).dequantize().T
+    torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)  # CPU: the torch reference
+    with dispatch.interpreted_kernels():  # the kernels themselves, decode and prefill row counts
+        torch.testing.assert_close(ops.linear(x, lin.packed, out_dtype=torch.float32), want, rtol=1e-5, atol=1e-5)
+        x20 = torch.randn(20, 512, generator=torch.Generator().manual_seed(8))
+        torch.testing.assert_close(ops.linear(x20, lin.packed, out_dtype=torch.float32), x20 @ dequantize_q4_k(
+            lin.packed).T, rtol=2e-2, atol=2e-2)
+
+
+def test_bad_input() -> None:
+    _, rows = _weight(4, 256, seed=9)
+    w = repack_q4_k(rows, 256)
+    with pytest.raises(ValueError, match="does not match"):
+        q4_k_matvec(torch.zeros(1, 128), w)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        repack_q4_k(rows, 100)
+    with pytest.raises(TypeError, match="uint8"):
+        repack_q4_k(rows.float(), 256)
