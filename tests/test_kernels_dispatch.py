@@ -49,7 +49,7 @@ def test_backend_of_cpu_and_errors() -> None:
     assert not dispatch.use_triton(torch.zeros(1))
     assert not dispatch.use_int_dot("hip64") and not dispatch.use_int_dot("cpu")
     with pytest.raises(ValueError, match="no matvec kernel"):
-        dispatch.matvec_tiles("q4_k", 16, 256, 1, "cuda")
+        dispatch.matvec_tiles("q6_k", 16, 256, 1, "cuda")
     with pytest.raises(ValueError, match="no repack"):
         ops.repack(torch.zeros(10, dtype=torch.uint8), "q5_k", 256)
 
