@@ -1,18 +1,23 @@
 """The fast execution path of one stage: quantised weights in kernel form, preallocated KV, graph decode.
 
-`GpuStage` runs the same DeepSeek-V4 layer slice as the reference `DS4Model` (model.py) and reuses its
-small numerics (norms, RoPE, hyper-connections, round trips) and its `KVCache`, but:
+`GpuStage` runs the same DeepSeek-V4 layer slice as the reference `DS4Model` (model.py), on its `KVCache`,
+with every op a kernel of ds4station/kernels:
 - weights stay quantised, repacked once into what the Triton kernels read (Q8_0 -> int8 + fp16 scales,
-  IQ2_XXS / Q2_K experts -> packed words); F16 tensors stay fp16;
+  Q4_K -> nibble words + scale bytes, IQ2_XXS / Q2_K experts -> packed words); F16 tensors stay fp16;
+  projections of the same input are stacked into one matvec (q_a + kv; the compressors' kv / gate and the
+  indexer's head weights; the shared expert's gate + up);
+- each row is finished in one launch (norm, RoPE, Hadamard, FP8 / FP4 round trip, KV ring write), the
+  compressor update and the indexer's top-k are one kernel each, attention reads the window from the ring;
 - every decode op has a static shape and no host synchronisation, so a whole decode step is captured in
   one CUDA graph (HIP graph on ROCm) and replayed; the context-dependent parts (indexer keys, compressed
-  rows) are read up to a power-of-two position bucket, one graph per bucket;
-- prefill runs in chunks with bounded scratch: indexer scores are computed over blocks of compressed rows,
-  attention over blocks of queries, never a [T, ctx] x heads tensor.
+  rows) are read up to a power-of-two position bucket, one graph per bucket; a pipeline stage's layers
+  are captured the same way (`decode_hidden`);
+- prefill runs in chunks with bounded scratch: the indexer keeps a running top-k over column blocks, the
+  attention kernel one query per program with an online softmax (no [T, keys] x heads tensor).
 On a CPU tensor every kernel call falls back to the kernels' torch references, so the same code is tested
-against the reference model without a GPU (tests/test_gpu_stage.py).
+against the reference model without a GPU (tests/test_gpu_stage.py), and under `interpreted_kernels()` the
+Triton kernels themselves run in the interpreter.
 """
-
 from __future__ import annotations
 
 from collections.abc import Mapping
