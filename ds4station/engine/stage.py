@@ -242,9 +242,10 @@ class StageRunner:
 
     @torch.inference_mode()
     def run(self, sid: int, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        X, tokens = X.to(self.device, torch.float32), tokens.to(self.device)
         if self.fast and X.shape[0] == 1:  # decode: static shapes, one CUDA graph per bucket on a GPU
-            return self.model.decode_hidden(X, int(tokens[0]), self.kv[sid]).clone()  # the graph reuses its buffer
+            # the token id as the caller holds it (no device round trip); the graph reuses its output buffer
+            return self.model.decode_hidden(X, int(tokens[0]), self.kv[sid]).clone()
+        X, tokens = X.to(self.device, torch.float32), tokens.to(self.device)
         if self.fast:
             return self.model.run_hidden(X, tokens, self.kv[sid])
         return self.model.run_layers(X, tokens, self.kv[sid])
