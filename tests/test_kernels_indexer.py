@@ -49,6 +49,15 @@ def _model_mask(c: dict, k: int) -> torch.Tensor:
     return chosen & visible
 
 
+def _same(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """The same selection entry for entry, in either order (the one-program select emits ascending block
+    order, the torch.topk path and the reference score order): rows compared sorted by block id."""
+    (ids, valid), (want_ids, want_valid) = got, want
+    o, w = ids.argsort(dim=1), want_ids.argsort(dim=1)
+    return (torch.equal(ids.gather(1, o), want_ids.gather(1, w))
+            and torch.equal(valid.gather(1, o), want_valid.gather(1, w)))
+
+
 def _check(c: dict, k: int, ids: torch.Tensor, valid: torch.Tensor) -> None:
     T, n = c["q"].shape[0], c["n_blocks"]
     kk = min(k, max(n, 1))
@@ -63,8 +72,8 @@ def _check(c: dict, k: int, ids: torch.Tensor, valid: torch.Tensor) -> None:
         got_mask = torch.zeros(T, n, dtype=torch.bool, device=ids.device).scatter_(1, ids, valid)
         assert torch.equal(got_mask, _model_mask(c, k))
         assert len(set(ids[0].tolist())) == kk  # distinct blocks, the invalid fill included
-    # ... and, stronger, the reference's own order (score descending, ties by block, invisible ones last).
-    assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid)
+    # ... and, stronger, entry for entry: the same invalid fill (lowest invisible blocks) as the reference.
+    assert _same((ids, valid), (want_ids, want_valid))
 
 
 @pytest.mark.parametrize(("T", "IH", "D", "n", "k", "kdtype"), [
@@ -132,8 +141,7 @@ def test_exact_ties_pick_lowest_visible_blocks(poisoned_empty: None, T: int) -> 
     for t in range(T):
         v = min(n, (int(pos[t]) + 1) // RATIO)
         assert ids[t].tolist() == list(range(k)) and valid[t].tolist() == [i < v for i in range(k)]
-    want_ids, want_valid = index_topk_ref(q, w, keys, n, pos, RATIO, k)
-    assert torch.equal(ids, want_ids) and torch.equal(valid, want_valid)
+    assert _same((ids, valid), index_topk_ref(q, w, keys, n, pos, RATIO, k))
 
 
 @pytest.mark.parametrize(("T", "k", "step", "launches"), [(1, 4, 5, 8), (5, 4, 3, 10), (5, 16, 9, 3),
@@ -177,7 +185,7 @@ def test_decode_has_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
         for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
             m.setattr(torch.Tensor, name, forbidden)
         ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
-    assert torch.equal(ids, want[0]) and torch.equal(valid, want[1])
+    assert _same((ids, valid), want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
@@ -193,8 +201,7 @@ def test_decode_captures_in_cuda_graph() -> None:
     c["pos"].fill_(2000)
     graph.replay()
     torch.cuda.synchronize()
-    want = index_topk_ref(*args)
-    assert torch.equal(ids, want[0]) and torch.equal(valid, want[1])
+    assert _same((ids, valid), index_topk_ref(*args))
 
 
 @pytest.mark.parametrize(("backend", "T"), [("cuda", 1), ("cuda", 20), ("hip64", 1), ("hip32", 20)])
@@ -213,11 +220,11 @@ def test_public_index_topk_dispatch(count_launches) -> None:  # type: ignore[no-
     args = (c["q"], c["w"], c["keys"], 37, c["pos"], RATIO, 16)
     want = index_topk_ref(*args)
     got = index_topk(*args)
-    assert counter.launches == 0 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert counter.launches == 0 and _same(got, want)
     if dispatch.interpreting():
         with dispatch.interpreted_kernels():
             got = index_topk(*args)
-        assert counter.launches == 1 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert counter.launches == 1 and _same(got, want)
 
 
 def test_no_blocks_and_no_queries() -> None:
@@ -276,3 +283,30 @@ def test_indexer_tiles(backend: str, T: int, n: int, IH: int, D: int) -> None:
         assert t.block_t >= 16 and t.dot
     if backend == "cuda" and T == 1 and n >= 1024:
         assert -(-n // t.block_n) >= 64  # enough programs for 132 SMs at decode
+
+
+@pytest.mark.parametrize(("T", "n", "k", "step", "selects"), [
+    (1, 2000, 512, None, 1),  # DS4 decode at ~8K tokens: one program holds the 2,000 keys
+    (3, 300, 300, None, 1),  # k == n: every block, the invisible ones as invalid fill
+    (2, 37, 16, 10, 0),  # several column blocks: torch.topk's running selection instead
+])
+def test_one_program_select(poisoned_empty: None, count_launches, T: int, n: int, k: int,  # type: ignore[no-untyped-def]
+                            step: int | None, selects: int) -> None:
+    """A single column block of at most select_max keys is selected by `_select_kernel` (63 counting rounds
+    over the keys in registers), with the ids and valid flags written by the kernel itself."""
+    counter = count_launches(indexer_k, "_select_kernel")
+    c = _case(T, 3, 32, n, seed=n + k)
+    tiles = None if T == 1 else _TILES["query-block"]
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, step=step, tiles=tiles)
+    assert counter.launches == selects
+    _check(c, k, ids, valid)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip64", "hip32", "cpu"])
+def test_select_tiles(backend: str) -> None:
+    lanes = 64 if backend == "hip64" else 32
+    for n in (1, 37, 512, 2048, 4096, dispatch.select_max(backend)):  # type: ignore[arg-type]
+        t = dispatch.select_tiles(n, backend)  # type: ignore[arg-type]
+        assert t is not None and t.block >= n and t.block & (t.block - 1) == 0 and 1 <= t.num_warps <= 8
+        assert t.block <= 32 * lanes * t.num_warps or backend == "cpu"  # at most 32 keys per lane
+    assert dispatch.select_tiles(dispatch.select_max(backend) + 1, backend) is None  # type: ignore[arg-type]

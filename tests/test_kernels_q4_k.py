@@ -4,6 +4,8 @@ match the torch reference at odd shapes with poisoned outputs, and the engine's 
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -72,11 +74,14 @@ def test_linear_and_public_ops_take_q4_k() -> None:
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
     want = x @ QTensor(raw, Q.Q4_K, (40, 512)).dequantize().T
     torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5)  # CPU: the torch reference
-    with dispatch.interpreted_kernels():  # the kernels themselves, decode and prefill row counts
-        torch.testing.assert_close(ops.linear(x, lin.packed, out_dtype=torch.float32), want, rtol=1e-5, atol=1e-5)
-        x20 = torch.randn(20, 512, generator=torch.Generator().manual_seed(8))
-        torch.testing.assert_close(ops.linear(x20, lin.packed, out_dtype=torch.float32), x20 @ dequantize_q4_k(
-            lin.packed).T, rtol=2e-2, atol=2e-2)
+    # the kernels themselves, decode and prefill row counts: on the GPU, or in the interpreter on CPU
+    packed = Linear(QTensor(raw, Q.Q4_K, (40, 512)), torch.device(DEVICE)).packed
+    x20 = torch.randn(20, 512, generator=torch.Generator().manual_seed(8))
+    with dispatch.interpreted_kernels() if DEVICE == "cpu" else contextlib.nullcontext():
+        got = ops.linear(x.to(DEVICE), packed, out_dtype=torch.float32)
+        got20 = ops.linear(x20.to(DEVICE), packed, out_dtype=torch.float32)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got20.cpu(), x20 @ dequantize_q4_k(lin.packed).T, rtol=2e-2, atol=2e-2)
 
 
 def test_bad_input() -> None:

@@ -14,7 +14,7 @@ consecutive weight units read consecutive words, in the order each weight format
 Both also write the fp32 scale per 32 values [K/32] and the exact fp32 sum per 16 values [K/16] (Q2_K's
 min term needs sum(x), which stays unquantised).
 
-`_dp4a` is NVIDIA PTX (sm_61+); the dispatcher only selects integer-dot kernels on CUDA. The fp32 kernels
+`_dp4a` (and `_prmt`, a byte permute, and `_popc`, a bit count) is NVIDIA PTX (sm_61+); the dispatcher only selects integer-dot kernels on CUDA. The fp32 kernels
 remain the portable path and the reference. Under the CPU interpreter, which cannot run inline assembly,
 `_dp4a` is the same sum in integer ops, so the tests still check the integer kernels end to end.
 """
@@ -40,7 +40,37 @@ if dispatch.interpreting():
         for i in tl.static_range(4):
             acc += ((a << (24 - 8 * i)) >> 24) * ((b << (24 - 8 * i)) >> 24)
         return acc
+
+    @triton.jit
+    def _popc(a):
+        """Number of set bits of int32 words a."""
+        n = tl.zeros_like(a)
+        for i in tl.static_range(32):
+            n += (a >> i) & 1
+        return n
+
+    @triton.jit
+    def _prmt(a, b, c):
+        """Bytes of {b, a} picked by the 4 low nibbles of c (index 0-3: a's bytes, 4-7: b's); the sign-replicate
+        mode (nibble bit 3) is not emulated: no caller sets it."""
+        out = tl.zeros_like(c)
+        for i in tl.static_range(4):
+            n = (c >> (4 * i)) & 7
+            byte = (tl.where(n < 4, a, b) >> ((n & 3) * 8)) & 255
+            out |= byte << (8 * i)
+        return out
 else:
+    @triton.jit
+    def _popc(a):
+        """Number of set bits of int32 words a (NVIDIA popc)."""
+        return tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [a], dtype=tl.int32, is_pure=True, pack=1)
+
+    @triton.jit
+    def _prmt(a, b, c):
+        """Byte permute (NVIDIA prmt.b32): byte i of the result is byte (nibble i of c) of {b, a}."""
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+
     @triton.jit
     def _dp4a(a, b, c):
         """c + sum of the four signed byte products of int32 words a and b (NVIDIA dp4a)."""

@@ -93,7 +93,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     t = dispatch.matvec_tiles("iq2_xxs", 2048, 4096, 1, backend)
     specs.append(KernelSpec(
         "iq2_xxs_matvec expert 2048x4096", iq2_xxs._iq2_xxs_matvec_kernel,
-        {"xt_ptr": ptr16, "qs_ptr": "*i64", "d_ptr": ptr16, "grid_ptr": "*i32", "y_ptr": ptr32, "N": i32,
+        {"xt_ptr": ptr16, "qs_ptr": "*i64", "d_ptr": ptr16, "grid_ptr": "*i64", "y_ptr": ptr32, "N": i32,
          "K": i32, "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"},
         {"M": 1, "BLOCK_N": t.block_n, "BLOCK_G": t.block_k // 32},
         ("xt_ptr", "qs_ptr", "d_ptr", "grid_ptr", "y_ptr", "N", "K", "stride_ym"),
@@ -109,7 +109,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     mo = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
     specs.append(KernelSpec(
         "moe_gate_up iq2_xxs 6x2048x4096", moe._moe_gate_up_kernel,
-        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i32",
+        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
          "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
          "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
          "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
@@ -119,7 +119,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
     specs.append(KernelSpec(
         "moe_down q2_k 6x4096x2048", moe._moe_down_kernel,
-        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8",
+        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8",
          "d2": "*i32", "F": i32, "D": i32, "stride_yt": i32,
          "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
         {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16},
@@ -177,24 +177,24 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         specs.append(KernelSpec(
             "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,
-             "h_ptr": ptr32, "grid_ptr": "*i32", "signs_ptr": "*i32",
+             "h_ptr": ptr32, "grid_ptr": "*i32",
              "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
              "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr",
-             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "SIGN_LUT": "constexpr"},
+             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "PRMT": "constexpr"},
             {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n, "BLOCK_U": mo.gate_up.block_k // 32,
-             "SIGN_LUT": mo.sign_lut},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "signs_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
+             "PRMT": mo.prmt},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
              "F", "D"),
             mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
         specs.append(KernelSpec(
             "moe_down_i8 q2_k 6x4096x2048", moe._moe_down_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32,
-             "grid_ptr": "*i32", "signs_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32",
+             "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32",
              "F": i32, "D": i32, "stride_yt": i32,
              "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
-             "SIGN_LUT": "constexpr"},
-            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16, "SIGN_LUT": mo.sign_lut},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "signs_ptr", "d0", "d1", "d2", "F", "D",
+             "PRMT": "constexpr"},
+            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16, "PRMT": mo.prmt},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D",
              "stride_yt"),
             mo.down.num_warps, mo.down.num_stages, decode=True))
     specs += _hc_specs(hc, backend)
@@ -247,17 +247,19 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
 
     q4 = {"x_ptr": p32, "qs_ptr": "*i32", "sc_ptr": "*u8", "mn_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": p32}
     t = dispatch.matvec_tiles("q4_k", 4096, 4096, 1, backend)
+    q4v = {("xt_ptr" if k == "x_ptr" else k): v for k, v in q4.items()}
+    q4m = {**q4, "qs_ptr": "*u8"}
     out.append(KernelSpec(
         "q4_k_matvec 4096x4096 m1", q4_k._q4_k_matvec_kernel,
-        {**q4, "N": i32, "K": i32, "stride_xm": i32, "stride_ym": i32, "M": "constexpr", "M_PAD": "constexpr",
-         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-        {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
-        ("x_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_xm", "stride_ym"), t.num_warps,
+        {**q4v, "N": i32, "K": i32, "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr",
+         "BLOCK_U": "constexpr"},
+        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // 8},
+        ("xt_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_ym"), t.num_warps,
         t.num_stages, decode=True))
     mt = dispatch.matmul_tiles("q4_k", 2048, 4096, 4096, backend)
     out.append(KernelSpec(
         "q4_k_matmul prefill 2048x4096x4096", q4_k._q4_k_matmul_kernel,
-        {**q4, "M": i32, "N": i32, "K": i32, "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr",
+        {**q4m, "M": i32, "N": i32, "K": i32, "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr",
          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k},
         ("x_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_xm", "stride_ym"), mt.num_warps,
@@ -286,6 +288,14 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
              "USE_DOT": t.dot, "DOT_FP16": True},
             ("q_ptr", "w_ptr", "k_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_wt", "stride_k", "stride_ot"),
             t.num_warps, t.num_stages, decode=t_ == 1))
+    for n_keys in (2048, dispatch.select_max(backend)):
+        st = dispatch.select_tiles(n_keys, backend)
+        assert st is not None
+        out.append(KernelSpec(
+            f"indexer top-512 select of {n_keys} keys", indexer._select_kernel,
+            {"buf_ptr": "*i64", "stride_b": i32, "col0": i32, "n": i32, "pos_ptr": "*i64", "ratio": i32,
+             "ids_ptr": "*i64", "valid_ptr": "*i1", "K": i32, "BLOCK": "constexpr"},
+            {"BLOCK": st.block}, ("buf_ptr", "ids_ptr", "valid_ptr"), st.num_warps, 1, decode=True))
     t = dispatch.row_tiles(1024, backend)
     out.append(KernelSpec(
         "swiglu shared expert 2048", norm._swiglu_kernel,

@@ -121,8 +121,9 @@ class MatvecTiles:
 
 # Largest K chunk per step, per quant type (the whole row of DS4's matrices where registers allow).
 _MAX_BLOCK_K = {"q8_0": 2048, "iq2_xxs": 4096, "q2_k": 2048, "q4_k": 1024}
-# Weights per lane-owned unit in the 2-bit kernels (one int64 word of IQ2_XXS, one int32 word of Q2_K).
-_LANE_PER_UNIT = {"iq2_xxs": 32, "q2_k": 16}
+# Weights per lane-owned unit in the one-lane-per-word kernels (one int64 word of IQ2_XXS, one int32 word of
+# Q2_K, one int32 word of Q4_K).
+_LANE_PER_UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 8}
 _QUANT_BLOCK = {"q8_0": 32, "iq2_xxs": 256, "q2_k": 256, "q4_k": 64}
 # Target programs per launch: enough to cover 132 SMs / 60 CUs twice over.
 _MIN_PROGRAMS = 256
@@ -150,7 +151,7 @@ def matvec_tiles(
     if backend == "cpu":
         block_n, num_warps = min(256, _pow2_ceil(n)), 1
     elif qtype in _LANE_PER_UNIT:
-        # 2-bit kernels: 2-D [rows, units] tiles, one lane per packed unit (32 weights IQ2_XXS, 16 Q2_K) of
+        # 2-bit and Q4_K kernels: 2-D [rows, units] tiles, one lane per packed unit (32 weights IQ2_XXS, 16 Q2_K, 8 Q4_K) of
         # the chunk, each lane looping over the program's rows (x is loaded once per lane, reused per row).
         block_n = min(8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
         units = block_k // _LANE_PER_UNIT[qtype]
@@ -180,7 +181,7 @@ def matvec_tiles(
 class MoeTiles:
     gate_up: MatvecTiles  # IQ2_XXS-style gate+up rows [F, D]
     down: MatvecTiles  # Q2_K-style down rows [D, F]
-    sign_lut: bool = False  # integer-dot IQ2_XXS: signs from a 128-entry table (True) or computed (False)
+    prmt: bool = True  # integer-dot IQ2_XXS: byte permutes of a nibble-code grid (True) or byte masks (False)
 
 
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:
@@ -480,3 +481,36 @@ def indexer_tiles(t: int, n_keys: int, heads: int, dim: int, backend: Backend) -
                                                "hip64": (16, 32, 4, 1)}[backend]
     return IndexerTiles(block_t=min(block_t, max(16, _pow2_ceil(t))), block_h=1, block_n=block_n, block_d=block_d,
                         dot=True, num_warps=num_warps, num_stages=num_stages)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The indexer's top-k selection in one program per query (keys held in registers).
+
+
+@dataclass(frozen=True)
+class SelectTiles:
+    block: int  # keys per program (a power of two >= n)
+    num_warps: int
+
+
+# Keys per query above which the selection falls back to torch.topk over column blocks: 32 keys per lane at
+# 8 warps on CUDA (177 registers on sm_90, no spills); AMD spills at 8,192 (gfx906 192 B, gfx1100 372 B),
+# so half as many there.
+_SELECT_MAX = {"cuda": 8192, "hip64": 4096, "hip32": 4096, "cpu": 8192}
+
+
+def select_max(backend: Backend) -> int:
+    """The most keys per query `select_tiles` takes on this backend."""
+    return _SELECT_MAX[backend]
+
+
+def select_tiles(n_keys: int, backend: Backend) -> SelectTiles | None:
+    """One program per query holding all n_keys int64 sort keys (16-32 per lane: each of the 63 counting
+    rounds is a block-wide sum, so fewer, fuller lanes beat many warps); None above select_max(backend)."""
+    if n_keys > _SELECT_MAX[backend]:
+        return None
+    block = max(16, _pow2_ceil(n_keys))
+    if backend == "cpu":
+        return SelectTiles(block=block, num_warps=1)
+    lanes = 64 if backend == "hip64" else 32
+    return SelectTiles(block=block, num_warps=max(1, min(8, block // (16 * lanes))))

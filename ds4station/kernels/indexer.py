@@ -16,11 +16,15 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
       key = (ordered(score) << 32) | (2^31 - 1 - i),   ordered(b) = b if b >= 0 else b ^ 0x7FFFFFFF
   on the fp32 bits b of the score, and INT32_MIN as the high half for an invisible
   block (below every score, -inf included). The key is unique per block and orders by score descending,
-  then index ascending, so `torch.topk(keys, k)` is exactly the stable sort's selection (sorted: in the same
-  order too), and the ids come back from the low half. The selection runs in column blocks of `step` blocks
-  into a [T, k + step] int64 scratch (<= SCRATCH_BYTES) holding the running top k: a 1M-token context has
-  262,144 blocks, and a [T = 2048, n] key matrix would be 4 GB. One kernel launch and one topk per column
-  block; decode (T = 1) is a single column block.
+  then index ascending, so the k largest keys are exactly the stable sort's selection, and the ids come
+  back from the low half. Two ways to select them:
+  - one column block of at most `dispatch.select_max` keys (decode up to 32K tokens of context, prefill
+    chunks up to the same): `_select_kernel`, one program per query with its keys in registers, finds the
+    k-th largest key in 63 counting rounds and writes ids and valid flags itself (ascending block order);
+  - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
+    holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
+    [T = 2048, n] key matrix would be 4 GB.
+  The order of the k entries is not part of the contract (attention sums over them).
   Per program (BLOCK_T queries x BLOCK_N keys, the keys loaded once): BLOCK_T = 1 puts the query's heads in
   the M rows of one tl.dot per BLOCK_H heads (or, with tiles.dot False, per-head fp32 FMA sums); BLOCK_T > 1
   loops over the heads with one [BLOCK_T, Dq] x [Dq, BLOCK_N] tl.dot each. The weighted ReLU sum is fp32.
@@ -156,6 +160,31 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
                  _sort_key(acc2, offs_n[None, :], vis2), mask=t_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, K,
+                   BLOCK: tl.constexpr):
+    """Per query (grid (T,)): the K largest of the n sort keys at buf[t, col0:col0 + n], held in registers,
+    -> ids [T, K] (ascending block order) and valid [T, K]. The keys are unique, so the K-th largest is the
+    largest threshold with >= K keys at or above it: built bit by bit (63 block-wide counts) on the keys
+    mapped to non-negative int64 with the same order, v = (hi + 2^31) << 31 | lo (lo < 2^31)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    key = tl.load(buf_ptr + t * stride_b + col0 + offs, mask=ok, other=0)
+    lo = key & 0xFFFFFFFF
+    v = tl.where(ok, (((key >> 32) + 2147483648) << 31) | lo, -1)
+    tau = tl.zeros((), dtype=tl.int64)
+    for b in range(62, -1, -1):
+        cand = tau | (tl.full((), 1, tl.int64) << b)
+        tau = tl.where(tl.sum((v >= cand).to(tl.int32), axis=0) >= K, cand, tau)
+    sel = v >= tau  # exactly K entries
+    slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+    ids = 2147483647 - lo  # _LOW - block index
+    valid = (ids + 1) * ratio <= tl.load(pos_ptr + t).to(tl.int64) + 1
+    tl.store(ids_ptr + t * K + slot, ids, mask=sel)
+    tl.store(valid_ptr + t * K + slot, valid, mask=sel)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Launchers.
 
@@ -186,8 +215,8 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
 
     q [T, IH, Dq] and w [T, IH] (any float dtype, fp32 math), keys [R >= n_blocks, Dq] fp32 or fp16 (only
     the first n_blocks rows are read), pos [T] integer -> ids [T, k'] int64 and valid [T, k'] bool with
-    k' = min(k, max(n_blocks, 1)); n_blocks == 0 gives zeros (all invalid), as GpuStage._index. The ids
-    come in descending score order, ties by ascending block (the reference's order), invalid ones last.
+    k' = min(k, max(n_blocks, 1)); n_blocks == 0 gives zeros (all invalid), as GpuStage._index. The entries
+    come in ascending block order (one-program select) or score order (torch.topk over column blocks).
     `fp16_dot`: dot operands in fp16 (fp32 accumulation); exact only when q and keys hold fp16 values (DS4's
     FP4 round trip guarantees it); False: fp32 dots (input_precision="ieee"). `step`: blocks per column
     block of the selection (default: the largest that keeps the [T, k' + step] int64 scratch within
@@ -223,6 +252,7 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     keys = keys if keys.stride(1) == 1 else keys[:n_blocks].contiguous()
     pos = pos.contiguous()
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
+    select = dispatch.select_tiles(n_blocks, dispatch.launch_backend(q)) if step >= n_blocks else None
     buf = torch.empty(T, kk + step, dtype=torch.int64, device=q.device)  # [running top k | column block]
     for n0 in range(0, n_blocks, step):
         n1 = min(n0 + step, n_blocks)
@@ -233,6 +263,12 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
             BLOCK_D=tiles.block_d, USE_DOT=tiles.dot, DOT_FP16=fp16_dot, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
         last = n1 == n_blocks
+        if select is not None:  # one column block that fits a program's registers: select it in one launch
+            ids = torch.empty(T, kk, dtype=torch.int64, device=q.device)
+            valid = torch.empty(T, kk, dtype=torch.bool, device=q.device)
+            _select_kernel[(T,)](buf, buf.stride(0), kk, n_blocks, pos, ratio, ids, valid, kk,
+                                 BLOCK=select.block, num_warps=select.num_warps)
+            return ids, valid
         cand = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
         top = torch.topk(cand, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
         if not last:

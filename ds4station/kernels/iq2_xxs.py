@@ -8,9 +8,10 @@ Weight = d * (0.5 + s) / 4 * grid[idx][e] * (-1 if sign bit e).
 `repack_iq2_xxs` stores what the kernel wants: the 64 quant bytes of each block as 16 int32 words, so rows
 are 16-byte aligned (int32 [.., N, K/16], read as one int64 per 32 weights), and d as fp16 [.., N, K/256].
 The kernels read a grid entry as two words of 4 magnitude bytes (not 8 byte gathers) and handle the signs
-as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; integer path: byte masks and
-one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
-Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations), `_iq2_xxs_tile`
+as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; integer path: byte permutes
+of a nibble-code grid, one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
+Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations; the signed bytes by
+byte permutes from a nibble-code grid table, `grid_codes`), `_iq2_xxs_tile`
 (dequantised tile for prefill tl.dot), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8 rows).
 """
 
@@ -29,7 +30,7 @@ from ds4station.kernels import dispatch
 
 if TYPE_CHECKING:
     from ds4station.kernels.q2_k import PackedQ2K
-from ds4station.kernels.act_quant import _dp4a
+from ds4station.kernels.act_quant import _dp4a, _popc, _prmt
 
 QK_K = 256
 BLOCK_BYTES_IQ2_XXS = 66
@@ -76,17 +77,20 @@ def grid_words(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(words).to(device)
 
 
+# The grid's three magnitudes as bytes, for the byte-permute decode: selector nibble c picks magnitude c
+# (0: 8, 1: 25, 2: 43).
+MAGS = tl.constexpr(0x002B1908)
+
+
 @lru_cache(maxsize=8)
-def sign_masks(device: torch.device) -> torch.Tensor:
-    """int32 [128, 2]: for a 7-bit sign field, byte e of the 8-byte mask is 0xFF where weight e is negative
-    (the 8th sign is the parity of the 7), as two little-endian words (weights 0-3, 4-7)."""
-    words = np.zeros(128, dtype=np.uint64)
-    for s7 in range(128):
-        sign8 = s7 | ((bin(s7).count("1") & 1) << 7)
-        for e in range(8):
-            if sign8 >> e & 1:
-                words[s7] |= np.uint64(0xFF) << np.uint64(8 * e)
-    return torch.from_numpy(words.view(np.int64)).to(device).view(torch.int32).reshape(128, 2)
+def grid_codes(device: torch.device) -> torch.Tensor:
+    """int32 [256]: grid entry i as 8 nibbles, nibble e = the code (0, 1, 2) of magnitude e (8, 25, 43).
+    1 KB against grid_words' 2 KB: a warp's divergent lookups touch ~8 cache lines instead of ~16."""
+    codes = np.searchsorted(np.array([8.0, 25.0, 43.0], dtype=np.float32), _grid_np()).astype(np.int64)
+    words = np.zeros(256, dtype=np.int64)
+    for e in range(8):
+        words |= codes[:, e] << (4 * e)
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
 
 
 @lru_cache(maxsize=8)
@@ -142,7 +146,7 @@ def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.c
     """[BLOCK_N] fp32 dot products of weight rows `rows` (int64) with one activation row.
 
     qs_ptr: the packed words viewed as int64, one per 32-weight group (low word: 4 grid indices, high word:
-    4 x 7 sign bits + 4-bit scale). grid_ptr: int32 [256, 2], 8 magnitude bytes per entry. xt_ptr: the
+    4 x 7 sign bits + 4-bit scale). grid_ptr: int64 [256], 8 magnitude bytes per entry. xt_ptr: the
     activation row TRANSPOSED as [32, K/32] (xt[c, g] = x[32 g + c]), so that the lanes of a warp, which walk
     consecutive groups g, read consecutive x values (one memory transaction) at every weight position c.
     Tiles are 2-D [rows, groups] throughout; each lane owns whole groups, so nothing crosses lanes until the
@@ -164,8 +168,9 @@ def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.c
         part = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
         for j in tl.static_range(4):
             idx = (w0 >> (8 * j)) & 255
-            lo = tl.load(grid_ptr + idx * 2)  # magnitudes 0-3 of the grid entry, one byte each
-            hi = tl.load(grid_ptr + idx * 2 + 1)  # magnitudes 4-7
+            gw = tl.load(grid_ptr + idx)  # the grid entry's 8 magnitude bytes, one int64 gather
+            lo = gw.to(tl.int32)  # magnitudes 0-3
+            hi = (gw >> 32).to(tl.int32)  # magnitudes 4-7
             s7 = (w1 >> (7 * j)) & 127
             p = s7 ^ (s7 >> 4)
             p = p ^ (p >> 2)
@@ -187,13 +192,16 @@ def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.c
 
 
 @triton.jit
-def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
-                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SIGN_LUT: tl.constexpr):
+def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PRMT: tl.constexpr):
     """Integer-dot form of _iq2_xxs_dot: activation quantised by act_quant ("iq2_xxs" layout: int32 [8, K/32]
-    words + fp32 scale per 32). Per 8 weights: two grid words, two byte-mask words of the signs (SIGN_LUT: from
-    a 128-entry table with the parity folded in; else computed: parity, then each 4 sign bits spread to 4
-    bytes by one multiply), byte-wise negation ((g ^ m) + (m & 1s): magnitudes are 8..43, so no byte carries)
-    and two dp4a. A table lookup is one load but a divergent one (lanes hit different cache lines)."""
+    words + fp32 scale per 32), two dp4a per 8 weights. The 8 magnitude bytes of a grid entry come from
+    - PRMT (grid_ptr: grid_codes, int32 nibble codes): two byte permutes of (8, 25, 43) by the codes, or
+    - else (grid_ptr: grid_words): the int64 entry itself.
+    The lookup is a divergent load (lanes hit different cache lines of the table); the code table is half the
+    size, so a warp's lookup touches about half as many lines, for two more instructions. The signs: the 7-bit
+    field plus its parity, spread to byte masks by a multiply, then byte-wise negation ((g ^ m) + (m & 1s):
+    magnitudes are 8..43, so no byte carries)."""
     G = K // 32
     offs_g = tl.arange(0, BLOCK_G)
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
@@ -209,24 +217,26 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs
         xs = tl.load(xs_ptr + gg, mask=g_mask, other=0.0)
         scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25 * xs[None, :]
         isum = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+        if PRMT:
+            mags = tl.full([BLOCK_N, BLOCK_G], MAGS, tl.int32)
         for j in tl.static_range(4):
             idx = (w0 >> (8 * j)) & 255
             s7 = (w1 >> (7 * j)) & 127
-            lo = tl.load(grid_ptr + idx * 2)
-            hi = tl.load(grid_ptr + idx * 2 + 1)
-            if SIGN_LUT:
-                mlo = tl.load(signs_ptr + s7 * 2)
-                mhi = tl.load(signs_ptr + s7 * 2 + 1)
+            sign8 = s7 | ((_popc(s7) & 1) << 7)  # the 8th sign is the parity of the 7
+            if PRMT:
+                code = tl.load(grid_ptr + idx)  # nibble e: the code of magnitude e
+                glo = _prmt(mags, mags, code)  # magnitudes 0-3
+                ghi = _prmt(mags, mags, code >> 16)  # magnitudes 4-7
             else:
-                p = s7 ^ (s7 >> 4)
-                p = p ^ (p >> 2)
-                p = p ^ (p >> 1)
-                sign8 = s7 | ((p & 1) << 7)
-                # 4 bits -> bit 0 of 4 bytes (copies at offsets 0, 7, 14, 21 never overlap), then 0x01 -> 0xFF
-                mlo = (((sign8 & 15) * 0x00204081) & 0x01010101) * 255
-                mhi = ((((sign8 >> 4) & 15) * 0x00204081) & 0x01010101) * 255
-            lo = (lo ^ mlo) + (mlo & 0x01010101)
-            hi = (hi ^ mhi) + (mhi & 0x01010101)
+                gw = tl.load(grid_ptr + idx)  # one int64 gather per 8 weights (two int32 ones doubled the L1 work)
+                glo = gw.to(tl.int32)
+                ghi = (gw >> 32).to(tl.int32)
+            # 4 sign bits -> bit 0 of 4 bytes (copies at offsets 0, 7, 14, 21 never overlap); negate those bytes
+            # as (g ^ 0xFF) + 1
+            tlo = ((sign8 & 15) * 0x00204081) & 0x01010101
+            thi = (((sign8 >> 4) & 15) * 0x00204081) & 0x01010101
+            lo = (glo ^ (tlo * 255)) + tlo
+            hi = (ghi ^ (thi * 255)) + thi
             xa = tl.broadcast_to(tl.load(xq_ptr + (2 * j) * G + gg, mask=g_mask, other=0)[None, :],
                                  (BLOCK_N, BLOCK_G))
             xb = tl.broadcast_to(tl.load(xq_ptr + (2 * j + 1) * G + gg, mask=g_mask, other=0)[None, :],
@@ -311,7 +321,7 @@ def iq2_xxs_matvec(
     """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
     m, tiles, out, grid = matvec_launch(x, w, "iq2_xxs", out, out_dtype, tiles)
     _iq2_xxs_matvec_kernel[grid](
-        transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device).view(torch.int32), out,
+        transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device), out,
         w.n, w.k, out.stride(0),
         M=m, BLOCK_N=tiles.block_n, BLOCK_G=tiles.block_k // 32,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
