@@ -93,14 +93,15 @@ def test_int_dot_numerics() -> None:
     exact = moe_decode_ref(x, gate, up, down, ids, weights)
     quant = moe_decode_ref(x, gate, up, down, ids, weights, act_quant=True)
     assert 1e-5 < rel_err(quant, exact) < 3e-2
-    # the integer-dot kernels (dp4a on CUDA, the same integer sums in the interpreter), both sign decodes
+    # the integer-dot kernels (dp4a on CUDA, the same integer sums in the interpreter), every sign / magnitude decode
     dev = [t.to(DEVICE) for t in (x, ids, weights)]
     packed = [dataclasses.replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in dataclasses.fields(w)})
               for w in (gate, up, down)]
     tiles = dispatch.moe_tiles("iq2_xxs", "q2_k", d_model, d_ff, tokens * slots, dispatch.launch_backend(dev[0]))
-    for prmt in (True, False):
+    for decode in ("words", "permute", "signed_permute"):
         out = torch.full((tokens, d_model), float("nan"), device=DEVICE)
-        moe_decode(dev[0], *packed, dev[1], dev[2], out=out, int_dot=True, tiles=dataclasses.replace(tiles, prmt=prmt))
+        moe_decode(dev[0], *packed, dev[1], dev[2], out=out, int_dot=True,
+                   tiles=dataclasses.replace(tiles, iq2_decode=decode))
         assert rel_err(out, quant) < 1e-5
 
 

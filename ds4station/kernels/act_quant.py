@@ -14,9 +14,10 @@ consecutive weight units read consecutive words, in the order each weight format
 Both also write the fp32 scale per 32 values [K/32] and the exact fp32 sum per 16 values [K/16] (Q2_K's
 min term needs sum(x), which stays unquantised).
 
-`_dp4a` (and `_prmt`, a byte permute, and `_popc`, a bit count) is NVIDIA PTX (sm_61+); the dispatcher only selects integer-dot kernels on CUDA. The fp32 kernels
-remain the portable path and the reference. Under the CPU interpreter, which cannot run inline assembly,
-`_dp4a` is the same sum in integer ops, so the tests still check the integer kernels end to end.
+`_dp4a` (and `_prmt`, a byte permute, and `_popc`, a bit count) is NVIDIA PTX (sm_61+); the dispatcher only
+selects integer-dot kernels on CUDA. The fp32 kernels remain the portable path and the reference. Under the
+CPU interpreter, which cannot run inline assembly, `_dp4a` is the same sum in integer ops, so the tests still
+check the integer kernels end to end.
 """
 
 from __future__ import annotations

@@ -358,8 +358,8 @@ def bench_moe(device: torch.device, copy_gbps: float, n_experts: int = 256, d_mo
     base = dispatch.moe_tiles(gate.qtype, down.qtype, d_model, d_ff, slots, dispatch.launch_backend(x))
     variants = [("fp32 math", False, base)]
     if dispatch.use_int_dot(dispatch.launch_backend(x)):
-        variants += [("int8 dot, byte permutes", True, dataclasses.replace(base, prmt=True)),
-                     ("int8 dot, byte masks", True, dataclasses.replace(base, prmt=False))]
+        variants += [(f"int8 dot, {d} decode", True, dataclasses.replace(base, iq2_decode=d))
+                     for d in ("words", "permute", "signed_permute")]
     res = []
     for label, int_dot, tiles in variants:
         err = _rel_err(moe_decode(x, gate, up, down, ids[0], weights, out=y, tiles=tiles, int_dot=int_dot), exact)

@@ -151,8 +151,8 @@ def matvec_tiles(
     if backend == "cpu":
         block_n, num_warps = min(256, _pow2_ceil(n)), 1
     elif qtype in _LANE_PER_UNIT:
-        # 2-bit and Q4_K kernels: 2-D [rows, units] tiles, one lane per packed unit (32 weights IQ2_XXS, 16 Q2_K, 8 Q4_K) of
-        # the chunk, each lane looping over the program's rows (x is loaded once per lane, reused per row).
+        # 2-bit and Q4_K kernels: 2-D [rows, units] tiles, one lane per packed unit (32 weights IQ2_XXS, 16 Q2_K,
+        # 8 Q4_K) of the chunk, each lane looping over the program's rows (x is loaded once per lane, reused per row).
         block_n = min(8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
         units = block_k // _LANE_PER_UNIT[qtype]
         num_warps = max(1, min(8, units // lanes))
@@ -181,7 +181,8 @@ def matvec_tiles(
 class MoeTiles:
     gate_up: MatvecTiles  # IQ2_XXS-style gate+up rows [F, D]
     down: MatvecTiles  # Q2_K-style down rows [D, F]
-    prmt: bool = True  # integer-dot IQ2_XXS: byte permutes of a nibble-code grid (True) or byte masks (False)
+    # integer-dot IQ2_XXS: how the signed magnitude bytes are made (iq2_xxs.IQ2_DECODES, _iq2_xxs_dot_i8)
+    iq2_decode: str = "permute"
 
 
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:

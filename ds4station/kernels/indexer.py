@@ -20,7 +20,8 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
   back from the low half. Two ways to select them:
   - one column block of at most `dispatch.select_max` keys (decode up to 32K tokens of context, prefill
     chunks up to the same): `_select_kernel`, one program per query with its keys in registers, finds the
-    k-th largest key in 63 counting rounds and writes ids and valid flags itself (ascending block order);
+    k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the invisible blocks do while
+    fewer than k are visible) and writes ids and valid flags itself (ascending block order);
   - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
     holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
     [T = 2048, n] key matrix would be 4 GB.
@@ -161,25 +162,39 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
 
 
 @triton.jit
+def _count(m):
+    return tl.sum(m.to(tl.int32), axis=0)
+
+
+@triton.jit
 def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, K,
                    BLOCK: tl.constexpr):
     """Per query (grid (T,)): the K largest of the n sort keys at buf[t, col0:col0 + n], held in registers,
-    -> ids [T, K] (ascending block order) and valid [T, K]. The keys are unique, so the K-th largest is the
-    largest threshold with >= K keys at or above it: built bit by bit (63 block-wide counts) on the keys
-    mapped to non-negative int64 with the same order, v = (hi + 2^31) << 31 | lo (lo < 2^31)."""
+    -> ids [T, K] (ascending block order) and valid [T, K]. The keys are unique, so the selection is every
+    key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high half
+    (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across the cut,
+    the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block >= 0)."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     key = tl.load(buf_ptr + t * stride_b + col0 + offs, mask=ok, other=0)
-    lo = key & 0xFFFFFFFF
-    v = tl.where(ok, (((key >> 32) + 2147483648) << 31) | lo, -1)
-    tau = tl.zeros((), dtype=tl.int64)
-    for b in range(62, -1, -1):
-        cand = tau | (tl.full((), 1, tl.int64) << b)
-        tau = tl.where(tl.sum((v >= cand).to(tl.int32), axis=0) >= K, cand, tau)
-    sel = v >= tau  # exactly K entries
+    hi = (key >> 32).to(tl.int32)
+    lo = (key & 0xFFFFFFFF).to(tl.int32)
+    # Setting bits of a two's-complement int32 raises it, from 0 up or from INT32_MIN up.
+    top = tl.where(_count(ok & (hi >= 0)) >= K, 0, -2147483648)
+    for b in range(30, -1, -1):
+        cand = top | (1 << b)
+        top = tl.where(_count(ok & (hi >= cand)) >= K, cand, top)
+    tie = ok & (hi == top)
+    need = K - _count(ok & (hi > top))  # >= 1 keys to take from the tie
+    cut = tl.zeros((), dtype=tl.int32)
+    if _count(tie) > need:
+        for b in range(30, -1, -1):
+            cand = cut | (1 << b)
+            cut = tl.where(_count(tie & (lo >= cand)) >= need, cand, cut)
+    sel = ok & ((hi > top) | (tie & (lo >= cut)))  # exactly K entries
     slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    ids = 2147483647 - lo  # _LOW - block index
+    ids = 2147483647 - lo.to(tl.int64)  # _LOW - block index
     valid = (ids + 1) * ratio <= tl.load(pos_ptr + t).to(tl.int64) + 1
     tl.store(ids_ptr + t * K + slot, ids, mask=sel)
     tl.store(valid_ptr + t * K + slot, valid, mask=sel)

@@ -30,12 +30,14 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import dequantize_act, quantize_act, quantize_act_ref
 from ds4station.kernels.iq2_xxs import (
+    IQ2_DECODES,
     PackedIQ2XXS,
     _iq2_xxs_dot,
     _iq2_xxs_dot_i8,
     dequantize_iq2_xxs,
     grid_codes,
     grid_words,
+    sign_nibbles,
     transpose_groups,
 )
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
@@ -156,11 +158,12 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
-                 BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PRMT: tl.constexpr):
+def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
+                 BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, DECODE: tl.constexpr):
     """Integer-dot counterpart of _rows_dot over an act_quant-quantised activation row."""
     if QT == 0:
-        acc = _iq2_xxs_dot_i8(p0, p1, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K, BLOCK_N, BLOCK_U, PRMT)
+        acc = _iq2_xxs_dot_i8(p0, p1, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, K, BLOCK_N, BLOCK_U,
+                              DECODE)
     else:
         acc = _q2_k_dot_i8(p0, p1, p2, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K, BLOCK_N, BLOCK_U)
     return acc
@@ -168,11 +171,11 @@ def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xq_ptr, x
 
 @triton.jit
 def _moe_gate_up_i8_kernel(
-    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr,
+    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr, signs_ptr,
     g0, g1, g2, u0, u1, u2,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    PRMT: tl.constexpr,
+    DECODE: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -183,8 +186,8 @@ def _moe_gate_up_i8_kernel(
     n_mask = offs_n < F
     rows = e * F + offs_n.to(tl.int64)
     xq, xs, xsum = xq_ptr + t * (D // 4), xs_ptr + t * (D // 32), xsum_ptr + t * (D // 16)
-    g = _rows_dot_i8(QT, g0, g1, g2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, PRMT)
-    u = _rows_dot_i8(QT, u0, u1, u2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, PRMT)
+    g = _rows_dot_i8(QT, g0, g1, g2, grid_ptr, signs_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, DECODE)
+    u = _rows_dot_i8(QT, u0, u1, u2, grid_ptr, signs_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, DECODE)
     if CLAMP:
         g = tl.minimum(g, clamp)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -193,10 +196,10 @@ def _moe_gate_up_i8_kernel(
 
 @triton.jit
 def _moe_down_i8_kernel(
-    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr,
+    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr, signs_ptr,
     d0, d1, d2,
     F, D, stride_yt,
-    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PRMT: tl.constexpr,
+    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, DECODE: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -207,8 +210,8 @@ def _moe_down_i8_kernel(
         slot = (t * S + s).to(tl.int64)
         e = tl.load(ids_ptr + slot).to(tl.int64)
         rows = e * D + offs_n.to(tl.int64)
-        acc += _rows_dot_i8(QT, d0, d1, d2, grid_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
-                            xs_ptr + slot * (F // 32), xsum_ptr + slot * (F // 16), F, BLOCK_N, BLOCK_U, PRMT)
+        acc += _rows_dot_i8(QT, d0, d1, d2, grid_ptr, signs_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
+                            xs_ptr + slot * (F // 32), xsum_ptr + slot * (F // 16), F, BLOCK_N, BLOCK_U, DECODE)
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -287,14 +290,16 @@ def _moe_decode_i8(
 ) -> torch.Tensor:
     t_count, d_model = x.shape
     d_ff, n_slots = gate.n, ids.shape[1]
-    grid_tab = grid_codes(x.device) if tiles.prmt else grid_words(x.device)
+    decode = IQ2_DECODES[tiles.iq2_decode]
+    grid_tab = grid_words(x.device) if decode == 0 else grid_codes(x.device)
+    signs = sign_nibbles(x.device)
     xq, xs, xsum = quantize_act(x, gate.qtype)
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     gu = tiles.gate_up
     _moe_gate_up_i8_kernel[(t_count * n_slots, triton.cdiv(d_ff, gu.block_n))](
-        xq, xs, xsum, ids, weights, h, grid_tab, *_ptrs(gate), *_ptrs(up), d_ff, d_model, float(clamp or 0.0),
+        xq, xs, xsum, ids, weights, h, grid_tab, signs, *_ptrs(gate), *_ptrs(up), d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None, BLOCK_N=gu.block_n,
-        BLOCK_U=gu.block_k // _UNIT[gate.qtype], PRMT=tiles.prmt, num_warps=gu.num_warps,
+        BLOCK_U=gu.block_k // _UNIT[gate.qtype], DECODE=decode, num_warps=gu.num_warps,
         num_stages=gu.num_stages,
     )
     hq, hs, hsum = quantize_act(h, down.qtype)
@@ -302,8 +307,8 @@ def _moe_decode_i8(
         out = torch.empty((t_count, d_model), device=x.device, dtype=torch.float32)
     dn = tiles.down
     _moe_down_i8_kernel[(t_count, triton.cdiv(d_model, dn.block_n))](
-        hq, hs, hsum, ids, out, grid_tab, *_ptrs(down), d_ff, d_model, out.stride(0),
+        hq, hs, hsum, ids, out, grid_tab, signs, *_ptrs(down), d_ff, d_model, out.stride(0),
         S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n, BLOCK_U=dn.block_k // _UNIT[down.qtype],
-        PRMT=tiles.prmt, num_warps=dn.num_warps, num_stages=dn.num_stages,
+        DECODE=decode, num_warps=dn.num_warps, num_stages=dn.num_stages,
     )
     return out
