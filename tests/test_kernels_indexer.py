@@ -310,3 +310,36 @@ def test_select_tiles(backend: str) -> None:
         assert t is not None and t.block >= n and t.block & (t.block - 1) == 0 and 1 <= t.num_warps <= 8
         assert t.block <= 32 * lanes * t.num_warps or backend == "cpu"  # at most 32 keys per lane
     assert dispatch.select_tiles(dispatch.select_max(backend) + 1, backend) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("T", "n", "k"), [(1, 300, 16), (2, 260, 16), (1, 300, 40), (3, 200, 6)])
+def test_two_stage_select(poisoned_empty: None, count_launches, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                          T: int, n: int, k: int) -> None:
+    """More keys than one program holds: per chunk the k largest (a short last chunk keeps all it has, padded
+    with keys below every real one), then one program per query over the candidates. The program size is
+    lowered to 128 keys so that small cases take the two-stage path; positions include queries that see
+    fewer than k blocks (the cut falls in the tied invisible keys, next to the padding)."""
+    backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
+    monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
+    plan = dispatch.select_plan(n, k, backend)
+    assert plan is not None and plan.chunk in (64, 128) and plan.chunks == -(-n // plan.chunk)
+    counter = count_launches(indexer_k, "_select_kernel")
+    c = _case(T, 3, 32, n, seed=n * k + T)
+    c["pos"][0] = 4 * min(k, n) // 2  # sees about k / 2 blocks
+    tiles = None if T == 1 else _TILES["query-block"]
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, tiles=tiles)
+    assert counter.launches == 2
+    _check(c, k, ids, valid)
+
+
+def test_select_plan() -> None:
+    top = dispatch.select_max("cuda")
+    one = dispatch.select_plan(2048, 512, "cuda")
+    assert one is not None and one.chunks == 1 and one.last.block == 2048
+    two = dispatch.select_plan(top + 28, 512, "cuda")  # decode just past 32K tokens: 3 half-size chunks
+    assert two is not None and two.chunk == top // 2 and two.chunks == 3 and two.last.block == 2048
+    full = dispatch.select_plan(8 * top, 512, "cuda")  # 16 half-size chunks -> 8,192 candidates
+    assert full is not None and full.chunk == top // 2 and full.chunks == 16 and full.last.block == top
+    wide = dispatch.select_plan(16 * top, 512, "cuda")  # 16 full-size chunks
+    assert wide is not None and wide.chunk == top and wide.chunks == 16
+    assert dispatch.select_plan(16 * top + 1, 512, "cuda") is None  # 17 chunks: torch.topk instead

@@ -289,14 +289,18 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
              "USE_DOT": t.dot, "DOT_FP16": True},
             ("q_ptr", "w_ptr", "k_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_wt", "stride_k", "stride_ot"),
             t.num_warps, t.num_stages, decode=t_ == 1))
-    for n_keys in (2048, dispatch.select_max(backend)):
+    top = dispatch.select_max(backend)
+    for n_keys, keys_out in ((2048, False), (top, False), (top, True)):
         st = dispatch.select_tiles(n_keys, backend)
         assert st is not None
         out.append(KernelSpec(
-            f"indexer top-512 select of {n_keys} keys", indexer._select_kernel,
+            f"indexer top-512 select of {n_keys} keys" + (" (first stage)" if keys_out else ""),
+            indexer._select_kernel,
             {"buf_ptr": "*i64", "stride_b": i32, "col0": i32, "n": i32, "pos_ptr": "*i64", "ratio": i32,
-             "ids_ptr": "*i64", "valid_ptr": "*i1", "K": i32, "BLOCK": "constexpr"},
-            {"BLOCK": st.block}, ("buf_ptr", "ids_ptr", "valid_ptr"), st.num_warps, 1, decode=True))
+             "ids_ptr": "*i64", "valid_ptr": "*i1", "out_ptr": "*i64", "stride_o": i32, "K": i32,
+             "CHUNK": "constexpr", "BLOCK": "constexpr", "KEYS_OUT": "constexpr"},
+            {"CHUNK": st.block, "BLOCK": st.block, "KEYS_OUT": keys_out}, ("buf_ptr", "ids_ptr", "valid_ptr", "out_ptr"),
+            st.num_warps, 1, decode=True))
     t = dispatch.row_tiles(1024, backend)
     out.append(KernelSpec(
         "swiglu shared expert 2048", norm._swiglu_kernel,

@@ -18,10 +18,12 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
   block (below every score, -inf included). The key is unique per block and orders by score descending,
   then index ascending, so the k largest keys are exactly the stable sort's selection, and the ids come
   back from the low half. Two ways to select them:
-  - one column block of at most `dispatch.select_max` keys (decode up to 32K tokens of context, prefill
-    chunks up to the same): `_select_kernel`, one program per query with its keys in registers, finds the
-    k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the invisible blocks do while
-    fewer than k are visible) and writes ids and valid flags itself (ascending block order);
+  - one column block (all of decode; prefill chunks up to ~64K tokens of context) of at most
+    `dispatch.select_max` keys (8,192 on CUDA): `_select_kernel`, one program per query with its keys in
+    registers, finds the k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the
+    invisible blocks do while fewer than k are visible) and writes ids and valid flags itself (ascending
+    block order); with more keys (up to select_max / k chunks), first one program per chunk of select_max
+    keys keeps its k largest, then one program per query selects among those (`dispatch.select_plan`);
   - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
     holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
     [T = 2048, n] key matrix would be 4 GB.
@@ -166,38 +168,51 @@ def _count(m):
     return tl.sum(m.to(tl.int32), axis=0)
 
 
+_PAD_KEY = tl.constexpr(-(1 << 63) + (1 << 32) - 1)  # high half INT32_MIN, low half -1: below every real key
+
+
 @triton.jit
-def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, K,
-                   BLOCK: tl.constexpr):
-    """Per query (grid (T,)): the K largest of the n sort keys at buf[t, col0:col0 + n], held in registers,
-    -> ids [T, K] (ascending block order) and valid [T, K]. The keys are unique, so the selection is every
-    key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high half
-    (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across the cut,
-    the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block >= 0)."""
+def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr):
+    """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
+    the sort keys at buf[t, col0 + c CHUNK ...], held in registers. The keys are unique, so the selection is
+    every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
+    half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
+    the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
+    >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
+    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY."""
     t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
-    ok = offs < n
-    key = tl.load(buf_ptr + t * stride_b + col0 + offs, mask=ok, other=0)
+    n_here = tl.minimum(n - c * CHUNK, CHUNK)
+    ok = offs < n_here
+    key = tl.load(buf_ptr + t * stride_b + col0 + c * CHUNK + offs, mask=ok, other=0)
+    Kc = tl.minimum(K, n_here)
     hi = (key >> 32).to(tl.int32)
     lo = (key & 0xFFFFFFFF).to(tl.int32)
     # Setting bits of a two's-complement int32 raises it, from 0 up or from INT32_MIN up.
-    top = tl.where(_count(ok & (hi >= 0)) >= K, 0, -2147483648)
+    top = tl.where(_count(ok & (hi >= 0)) >= Kc, 0, -2147483648)
     for b in range(30, -1, -1):
         cand = top | (1 << b)
-        top = tl.where(_count(ok & (hi >= cand)) >= K, cand, top)
+        top = tl.where(_count(ok & (hi >= cand)) >= Kc, cand, top)
     tie = ok & (hi == top)
-    need = K - _count(ok & (hi > top))  # >= 1 keys to take from the tie
+    need = Kc - _count(ok & (hi > top))  # >= 1 keys to take from the tie
     cut = tl.zeros((), dtype=tl.int32)
     if _count(tie) > need:
         for b in range(30, -1, -1):
             cand = cut | (1 << b)
             cut = tl.where(_count(tie & (lo >= cand)) >= need, cand, cut)
-    sel = ok & ((hi > top) | (tie & (lo >= cut)))  # exactly K entries
+    sel = ok & ((hi > top) | (tie & (lo >= cut)))  # exactly Kc entries
     slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-    ids = 2147483647 - lo.to(tl.int64)  # _LOW - block index
-    valid = (ids + 1) * ratio <= tl.load(pos_ptr + t).to(tl.int64) + 1
-    tl.store(ids_ptr + t * K + slot, ids, mask=sel)
-    tl.store(valid_ptr + t * K + slot, valid, mask=sel)
+    if KEYS_OUT:
+        row = out_ptr + t * stride_o + c * K
+        tl.store(row + slot, key, mask=sel)
+        tl.store(row + offs, tl.full([BLOCK], _PAD_KEY, tl.int64), mask=(offs >= Kc) & (offs < K))
+    else:
+        ids = 2147483647 - lo.to(tl.int64)  # _LOW - block index
+        valid = (ids + 1) * ratio <= tl.load(pos_ptr + t).to(tl.int64) + 1
+        tl.store(ids_ptr + t * K + slot, ids, mask=sel)
+        tl.store(valid_ptr + t * K + slot, valid, mask=sel)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -221,6 +236,26 @@ def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, r
     if dispatch.use_triton(q):
         return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot)
     return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k)
+
+
+def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
+            plan: dispatch.SelectPlan) -> tuple[Tensor, Tensor]:
+    """The k largest of buf[:, col0:col0 + n] per row -> (ids, valid): one launch when a program holds all n
+    keys; else chunks of plan.chunk keys each keep their k largest, then one program per row selects among
+    those candidates."""
+    T = buf.shape[0]
+    ids = torch.empty(T, k, dtype=torch.int64, device=buf.device)
+    valid = torch.empty(T, k, dtype=torch.bool, device=buf.device)
+    if plan.chunks > 1:
+        cand = torch.empty(T, plan.chunks * k, dtype=torch.int64, device=buf.device)
+        _select_kernel[(T, plan.chunks)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, cand, cand.stride(0),
+                                         k, CHUNK=plan.chunk, BLOCK=plan.first.block, KEYS_OUT=True,
+                                         num_warps=plan.first.num_warps)
+        buf, col0, n = cand, 0, plan.chunks * k
+    last = plan.last
+    _select_kernel[(T, 1)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, ids, 0, k, CHUNK=last.block,
+                           BLOCK=last.block, KEYS_OUT=False, num_warps=last.num_warps)
+    return ids, valid
 
 
 def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int, k: int, *,
@@ -267,7 +302,7 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     keys = keys if keys.stride(1) == 1 else keys[:n_blocks].contiguous()
     pos = pos.contiguous()
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
-    select = dispatch.select_tiles(n_blocks, dispatch.launch_backend(q)) if step >= n_blocks else None
+    plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q)) if step >= n_blocks else None
     buf = torch.empty(T, kk + step, dtype=torch.int64, device=q.device)  # [running top k | column block]
     for n0 in range(0, n_blocks, step):
         n1 = min(n0 + step, n_blocks)
@@ -278,12 +313,8 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
             BLOCK_D=tiles.block_d, USE_DOT=tiles.dot, DOT_FP16=fp16_dot, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
         last = n1 == n_blocks
-        if select is not None:  # one column block that fits a program's registers: select it in one launch
-            ids = torch.empty(T, kk, dtype=torch.int64, device=q.device)
-            valid = torch.empty(T, kk, dtype=torch.bool, device=q.device)
-            _select_kernel[(T,)](buf, buf.stride(0), kk, n_blocks, pos, ratio, ids, valid, kk,
-                                 BLOCK=select.block, num_warps=select.num_warps)
-            return ids, valid
+        if plan is not None:  # one column block: select in programs that hold their keys in registers
+            return _select(buf, kk, n_blocks, pos, ratio, kk, plan)
         cand = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
         top = torch.topk(cand, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
         if not last:
