@@ -299,8 +299,8 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
             {"buf_ptr": "*i64", "stride_b": i32, "col0": i32, "n": i32, "pos_ptr": "*i64", "ratio": i32,
              "ids_ptr": "*i64", "valid_ptr": "*i1", "out_ptr": "*i64", "stride_o": i32, "K": i32,
              "CHUNK": "constexpr", "BLOCK": "constexpr", "KEYS_OUT": "constexpr"},
-            {"CHUNK": st.block, "BLOCK": st.block, "KEYS_OUT": keys_out}, ("buf_ptr", "ids_ptr", "valid_ptr", "out_ptr"),
-            st.num_warps, 1, decode=True))
+            {"CHUNK": st.block, "BLOCK": st.block, "KEYS_OUT": keys_out},
+            ("buf_ptr", "ids_ptr", "valid_ptr", "out_ptr"), st.num_warps, 1, decode=True))
     t = dispatch.row_tiles(1024, backend)
     out.append(KernelSpec(
         "swiglu shared expert 2048", norm._swiglu_kernel,
