@@ -553,9 +553,12 @@ def bench_layer_ops(device: torch.device, copy_gbps: float, bf16_tflops: float, 
         return sum(diff) / len(diff)
 
     iqd, iw = randn(1, IH, ID), randn(1, IH).abs()
-    args = (iqd, iw, keys, n_keys, pos, r4, FLASH.index_topk)
-    decode("index_topk", f"1 query x {n_keys} blocks, top {FLASH.index_topk}", lambda: indexer.index_topk(*args),
-           n_keys * ID * 4, select_err(indexer.index_topk(*args), indexer.index_topk_ref(*args)))
+    for n in (n_keys, 8 * n_keys):  # one selection program per query; per-chunk programs first (dispatch.select_plan)
+        k_all = keys if n == n_keys else randn(n, ID)
+        args = (iqd, iw, k_all, n, torch.tensor([r4 * n - 1], device=device), r4, FLASH.index_topk)
+        decode("index_topk", f"1 query x {n} blocks, top {FLASH.index_topk}",
+               lambda args=args: indexer.index_topk(*args), n * ID * 4,
+               select_err(indexer.index_topk(*args), indexer.index_topk_ref(*args)))
     iqp, iwp = randn(tokens, IH, ID), randn(tokens, IH).abs()
     ppos = torch.arange(ctx - tokens, ctx, device=device)
     pargs = (iqp, iwp, keys, n_keys, ppos, r4, FLASH.index_topk)
