@@ -3,9 +3,12 @@ static-shape decode. On a GPU the same test runs the Triton kernels and the CUDA
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
+from ds4station.engine import gpu
 from ds4station.engine.demo import make_model
 from ds4station.engine.gguf import GGUFFile
 from ds4station.engine.gpu import GpuStage
@@ -89,6 +92,46 @@ def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:
             # rounding; with the round trips such a difference can also move one FP8 value across a rounding
             # boundary (one e4m3 step).
             assert close.all() if rt == OFF else close.float().mean() > 0.99, (i, close.float().mean())
+
+
+class _NoGraphs:
+    """Stands in for a decode graph where capture is unsupported (a driver or ROCm build without graphs)."""
+
+    made = 0
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        type(self).made += 1
+        raise RuntimeError("operation not supported while the stream is capturing")
+
+
+def test_graph_capture_failure_falls_back_to_eager(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A failed capture warns once and decode goes on with eager launches (the same logits, no retries);
+    DS4STATION_CUDA_GRAPHS=0 never tries."""
+    monkeypatch.setattr(gpu, "_DecodeGraph", _NoGraphs)
+    monkeypatch.setattr(_NoGraphs, "made", 0)
+    tokens = torch.randint(0, tiny.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    stage = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=OFF)
+    assert stage.graphs
+    a, b = stage.new_cache(64, chunk=16), stage.new_cache(64, chunk=16)
+    stage.prefill(tokens[:20], a)
+    stage.prefill(tokens[:20], b)
+    eager = []
+    with caplog.at_level(logging.WARNING, logger="ds4station.engine.gpu"):
+        for j in range(20, 24):
+            got = stage.decode(tokens[j], a, graph=True).clone()
+            eager.append(stage.decode(tokens[j], b, graph=False))
+            assert torch.equal(got, eager[-1])
+    assert _NoGraphs.made == 1 and not stage.graphs
+    assert [r.message for r in caplog.records if "capture failed" in r.message] == [caplog.records[0].message]
+    assert "eager launches" in caplog.records[0].message and "RuntimeError" in caplog.records[0].message
+
+    monkeypatch.setenv("DS4STATION_CUDA_GRAPHS", "0")
+    off = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=OFF)
+    c = off.new_cache(64, chunk=16)
+    off.prefill(tokens[:20], c)
+    assert not off.graphs and torch.equal(off.decode(tokens[20], c, graph=True), eager[0])
+    assert _NoGraphs.made == 1
 
 
 def test_missing_weight_is_named(tiny: GGUFFile) -> None:

@@ -20,7 +20,9 @@ Triton kernels themselves run in the interpreter.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,8 @@ from .layout import model_tensors
 from .model import HyperConnection, Rope, RoundTrips
 from .model import swiglu as swiglu_pair
 from .quants import QTensor
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 Weight = QTensor | Tensor
@@ -270,6 +274,8 @@ class GpuStage:
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
         self._graphs: dict[tuple, _DecodeGraph] = {}
+        # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
+        self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
     # ---- building blocks -----------------------------------------------------------------------------------
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -440,23 +446,40 @@ class GpuStage:
         """Decode reads context up to this many positions: a power of two > the position decoded (or ctx)."""
         return min(max(MIN_BUCKET, 1 << cache.length.bit_length()), cache.ctx)
 
+    def _decode_graph(self, graph: bool | None, key: tuple, make: Callable[[], _DecodeGraph]) -> _DecodeGraph | None:
+        """The captured decode graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
+        `graph` is True), when `graph` is False, with DS4STATION_CUDA_GRAPHS=0, or after a capture failed on
+        this stage (warned once; decode goes on with eager launches of the same ops)."""
+        if not (self.device.type == "cuda" if graph is None else graph) or not self.graphs:
+            return None
+        g = self._graphs.get(key)
+        if g is None:
+            try:
+                g = self._graphs[key] = make()
+            except Exception as exc:  # e.g. a driver / ROCm build without graph support: eager launches instead
+                self.graphs = False
+                log.warning("decode graph capture failed on %s (%s: %s); decoding with eager launches",
+                            self.device, type(exc).__name__, exc)
+                return None
+        return g
+
+    def _eager_step(self, token: int, cache: KVCache, bucket: int) -> tuple[Tensor, Step]:
+        t = torch.tensor([token], device=self.device)
+        return t, Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
+
     @torch.inference_mode()
     def decode(self, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
         """One token -> logits [vocab]. On CUDA the step replays a captured graph (one per cache and
-        position bucket); `graph=False` runs the same ops eagerly. The graph's logits are its static output
-        buffer: read (or copy) them before the next decode step overwrites them."""
+        position bucket); `graph=False` runs the same ops eagerly (see _decode_graph for when that happens
+        by itself). The graph's logits are its static output buffer: read (or copy) them before the next
+        decode step overwrites them."""
         cache.check_room(1)
-        use_graph = self.device.type == "cuda" if graph is None else graph
         bucket = self.bucket(cache)
-        if not use_graph:
-            t = torch.tensor([token], device=self.device)
-            st = Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
+        g = self._decode_graph(graph, (id(cache), bucket), lambda: _DecodeGraph(self, cache, bucket))
+        if g is None:
+            t, st = self._eager_step(token, cache, bucket)
             logits = self.head(self.run_layers(self.embed(t), t, cache, st))[0]
         else:
-            key = (id(cache), bucket)
-            g = self._graphs.get(key)
-            if g is None:
-                g = self._graphs[key] = _DecodeGraph(self, cache, bucket)
             logits = g.run(token, cache.length)
         cache.length += 1
         return logits
@@ -467,18 +490,14 @@ class GpuStage:
         [1, C, dim], as `decode` does it (static shapes; on CUDA one captured graph per cache and bucket,
         whose output buffer the next step overwrites)."""
         cache.check_room(1)
-        use_graph = self.device.type == "cuda" if graph is None else graph
         bucket = self.bucket(cache)
         X = X.to(self.device, torch.float32)
-        if not use_graph:
-            t = torch.tensor([token], device=self.device)
-            out = self.run_layers(X, t, cache, Step(torch.tensor([cache.length], device=self.device), None, None,
-                                                    bucket))
+        g = self._decode_graph(graph, (id(cache), bucket, "hidden"),
+                               lambda: _DecodeGraph(self, cache, bucket, hidden=True))
+        if g is None:
+            t, st = self._eager_step(token, cache, bucket)
+            out = self.run_layers(X, t, cache, st)
         else:
-            key = (id(cache), bucket, "hidden")
-            g = self._graphs.get(key)
-            if g is None:
-                g = self._graphs[key] = _DecodeGraph(self, cache, bucket, hidden=True)
             out = g.run(token, cache.length, X)
         cache.length += 1
         return out
