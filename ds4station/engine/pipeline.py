@@ -71,6 +71,7 @@ from .stage import (
     payload_bytes,
     pin_env,
     resolve_device,
+    shutdown_process_group,
     stage_label,
     unpack,
 )
@@ -562,6 +563,8 @@ class PipelineEngine:
                     asked = pending[0].done.wait(2.0)
             except Exception:  # best effort: the processes are stopped below either way
                 pass
+        if asked and self._pg is not None:  # every stage acknowledged: all ranks release the group together
+            shutdown_process_group(self._pg)
         self._closed = True
         self._stop.set()
         # a broken pipeline cannot shut down in order: no point waiting for the workers to finish

@@ -291,6 +291,16 @@ def make_process_group(backend: str, store: Any, rank: int, world: int, device: 
     return dist.ProcessGroupGloo(prefixed, rank, world, PG_TIMEOUT)
 
 
+def shutdown_process_group(pg: Any) -> None:
+    """End an orderly run of a process group made by make_process_group: its pending work is done, then its
+    communicators are released here rather than by the destructor at exit (NCCL warns of a group never
+    shut down, and can hang there)."""
+    try:
+        pg.shutdown()
+    except Exception:  # best effort: the process is leaving either way
+        pass
+
+
 class Link:
     """Point-to-point sends/receives over one process group; gloo moves CPU tensors, NCCL device tensors."""
 
@@ -417,7 +427,9 @@ def run_worker(coordinator: str, rank: int, *, model: str | None = None, device:
     say(f"{stage_label(rank, stage)} loaded on {dev}, joining the pipeline")
     try:
         pg = make_process_group(settings.backend, store, rank, len(route), dev)
-        return _serve(runner, Link(pg, settings.backend, dev), store, rank, len(route), route)
+        code = _serve(runner, Link(pg, settings.backend, dev), store, rank, len(route), route)
+        shutdown_process_group(pg)  # only after an orderly stop: a broken group is left to the exit
+        return code
     except PeerLost as e:  # a neighbour went first; its own exit is the news, not this worker's traceback
         say(f"stopping: {e}")
         _publish(store, f"error/{rank}", str(e))
@@ -481,4 +493,5 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
 
 
 __all__ = ["ACTIVATION_BITS", "KV_DTYPES", "Link", "PeerLost", "StageRunner", "StageSettings", "make_process_group",
+           "shutdown_process_group",
            "pack", "payload_bytes", "pin_env", "resolve_device", "run_worker", "stage_label", "unpack"]
