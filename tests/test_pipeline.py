@@ -355,3 +355,30 @@ def test_stages_on_the_kernel_stage_give_the_reference_tokens(model_path: Path, 
         engine.close()
     with pytest.raises(ValueError, match="streamed experts"):
         PipelineEngine.load(model_path, CTX, "cpu=embed,0-5,output,cache=1GiB", chunk=CHUNK, fast=True)
+
+
+def test_process_group_shutdown_is_bounded() -> None:
+    """An orderly stop releases the group; a shutdown that blocks (NCCL waiting on a peer) does not hold the
+    process longer than the timeout."""
+    import threading
+    import time
+
+    from ds4station.engine.stage import shutdown_process_group
+
+    class Group:
+        def __init__(self, block: bool) -> None:
+            self.block, self.calls, self.release = block, 0, threading.Event()
+
+        def shutdown(self) -> None:
+            self.calls += 1
+            if self.block:
+                self.release.wait(30)
+
+    quick = Group(block=False)
+    shutdown_process_group(quick)
+    assert quick.calls == 1
+    stuck = Group(block=True)
+    start = time.monotonic()
+    shutdown_process_group(stuck, timeout=0.2)
+    assert stuck.calls == 1 and time.monotonic() - start < 2
+    stuck.release.set()

@@ -291,14 +291,20 @@ def make_process_group(backend: str, store: Any, rank: int, world: int, device: 
     return dist.ProcessGroupGloo(prefixed, rank, world, PG_TIMEOUT)
 
 
-def shutdown_process_group(pg: Any) -> None:
+def shutdown_process_group(pg: Any, timeout: float = 5.0) -> None:
     """End an orderly run of a process group made by make_process_group: its pending work is done, then its
     communicators are released here rather than by the destructor at exit (NCCL warns of a group never
-    shut down, and can hang there)."""
-    try:
-        pg.shutdown()
-    except Exception:  # best effort: the process is leaving either way
-        pass
+    shut down). Best effort and bounded: a shutdown still blocked after `timeout` seconds is left behind in
+    a daemon thread, and the process goes on leaving."""
+    def run() -> None:
+        try:
+            pg.shutdown()
+        except Exception:
+            pass
+
+    worker = threading.Thread(target=run, daemon=True, name="pg-shutdown")
+    worker.start()
+    worker.join(timeout)
 
 
 class Link:
