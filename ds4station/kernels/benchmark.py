@@ -274,24 +274,26 @@ def bench_expert_matvecs(device: torch.device, copy_gbps: float, d_model: int = 
     from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
 
     gen = torch.Generator(device=device).manual_seed(1)
-    res = []
-    cases = [("iq2_xxs_matvec", Q.IQ2_XXS, d_ff, d_model, repack_iq2_xxs, iq2_xxs_matvec, iq2_xxs_matvec_ref,
-              PackedIQ2XXS),
-             ("q2_k_matvec", Q.Q2_K, d_model, d_ff, repack_q2_k, q2_k_matvec, q2_k_matvec_ref, PackedQ2K)]
-    for kname, qtype, n, k, repack, fn, ref, cls in cases:
-        probe = repack(_random_raw(qtype, (1, n), k, gen, 0.02), k)
-        copies = _copies(probe.nbytes)
-        packed = repack(_random_raw(qtype, (copies, n), k, gen, 0.02), k)
-        ws = [cls(*(getattr(packed, f)[i] for f in cls.__dataclass_fields__)) for i in range(copies)]
-        x = torch.randn(1, k, device=device, dtype=torch.float16)
-        y = torch.empty(1, n, device=device, dtype=torch.float32)
-        err = _rel_err(fn(x, ws[0], out=y), ref(x, ws[0], out_dtype=torch.float32))
-        t = _graph_time_us(lambda i, x=x, y=y, fn=fn, ws=ws: fn(x, ws[i], out=y), copies)
-        nbytes = ws[0].nbytes + k * 2 + n * 4
-        gbps = nbytes / t / 1e3
-        res.append(Result(kname, f"expert {n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err))
-        del packed, ws
-    return res
+    return [_rotating_matvec("iq2_xxs_matvec", f"expert {d_ff}x{d_model}", Q.IQ2_XXS, d_ff, d_model, repack_iq2_xxs,
+                             iq2_xxs_matvec, iq2_xxs_matvec_ref, PackedIQ2XXS, gen, copy_gbps, torch.float16),
+            _rotating_matvec("q2_k_matvec", f"expert {d_model}x{d_ff}", Q.Q2_K, d_model, d_ff, repack_q2_k,
+                             q2_k_matvec, q2_k_matvec_ref, PackedQ2K, gen, copy_gbps, torch.float16)]
+
+
+def _rotating_matvec(kname: str, shape: str, qtype, n: int, k: int, repack: Callable, fn: Callable,  # type: ignore[no-untyped-def]
+                     ref: Callable, cls: type, gen: torch.Generator, copy_gbps: float, x_dtype: torch.dtype) -> Result:
+    """One-row decode matvec of a packed weight type [n, k], timed over rotating copies of random weights
+    (>= ROTATE_BYTES, so nothing is re-read from L2) and checked against its torch reference."""
+    device = gen.device
+    copies = _copies(repack(_random_raw(qtype, (1, n), k, gen, 0.02), k).nbytes)
+    packed = repack(_random_raw(qtype, (copies, n), k, gen, 0.02), k)
+    ws = [cls(*(getattr(packed, f)[i] for f in cls.__dataclass_fields__)) for i in range(copies)]
+    x = torch.randn(1, k, device=device, dtype=x_dtype)
+    y = torch.empty(1, n, device=device, dtype=torch.float32)
+    err = _rel_err(fn(x, ws[0], out=y), ref(x, ws[0], out_dtype=torch.float32))
+    t = _graph_time_us(lambda i: fn(x, ws[i], out=y), copies)
+    gbps = (ws[0].nbytes + k * x.element_size() + n * 4) / t / 1e3
+    return Result(kname, shape, 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err)
 
 
 def bench_q4_k(device: torch.device, copy_gbps: float, bf16_tflops: float, tokens: int = 2048) -> list[Result]:
@@ -309,17 +311,8 @@ def bench_q4_k(device: torch.device, copy_gbps: float, bf16_tflops: float, token
     )
 
     gen = torch.Generator(device=device).manual_seed(2)
-    res = []
-    for n, k in ((4096, 4096), (2048, 4096)):
-        copies = _copies(repack_q4_k(_random_raw(Q.Q4_K, (1, n), k, gen, 0.02), k).nbytes)
-        packed = repack_q4_k(_random_raw(Q.Q4_K, (copies, n), k, gen, 0.02), k)
-        ws = [PackedQ4K(*(getattr(packed, f)[i] for f in PackedQ4K.__dataclass_fields__)) for i in range(copies)]
-        x = torch.randn(1, k, device=device)
-        err = _rel_err(q4_k_matvec(x, ws[0]), q4_k_matvec_ref(x, ws[0]))
-        t = _graph_time_us(lambda i, x=x, ws=ws: q4_k_matvec(x, ws[i]), copies)
-        gbps = (ws[0].nbytes + k * 4 + n * 4) / t / 1e3
-        res.append(Result("q4_k_matvec", f"{n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err))
-        del packed, ws
+    res = [_rotating_matvec("q4_k_matvec", f"{n}x{k}", Q.Q4_K, n, k, repack_q4_k, q4_k_matvec, q4_k_matvec_ref,
+                            PackedQ4K, gen, copy_gbps, torch.float32) for n, k in ((4096, 4096), (2048, 4096))]
     w = repack_q4_k(_random_raw(Q.Q4_K, (4096,), 4096, gen, 0.02), 4096)
     x = torch.randn(tokens, 4096, device=device)
     want = x.half().float() @ dequantize_q4_k(w).half().float().T  # the fp16 dot operands, fp32 sums

@@ -101,6 +101,16 @@ def _sort_key(score, idx, vis):
 
 
 @triton.jit
+def _score_dot(qt, ktt, DOT_FP16: tl.constexpr):
+    """q rows . keys in fp32 sums: fp16 operands (exact for FP4-round-tripped values) or fp32 ieee ones."""
+    if DOT_FP16:
+        s = tl.dot(qt.to(tl.float16), ktt, out_dtype=tl.float32)
+    else:
+        s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee", out_dtype=tl.float32)
+    return s
+
+
+@triton.jit
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col0,
                     stride_qt, stride_qh, stride_wt, stride_k, stride_ot, ratio,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -127,10 +137,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
                 h_ok = offs_h < IH
                 qt = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                              mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
-                if DOT_FP16:
-                    s = tl.dot(qt.to(tl.float16), ktt, out_dtype=tl.float32)
-                else:
-                    s = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee", out_dtype=tl.float32)
+                s = _score_dot(qt, ktt, DOT_FP16)
                 wv = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
                 acc += tl.sum(tl.maximum(s, 0.0) * wv[:, None], axis=0)
         else:  # per-head fp32 FMA reductions over the key row
@@ -151,10 +158,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
         for h in range(0, IH):
             qt = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                          mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
-            if DOT_FP16:
-                s2 = tl.dot(qt.to(tl.float16), ktt, out_dtype=tl.float32)
-            else:
-                s2 = tl.dot(qt.to(tl.float32), ktt, input_precision="ieee", out_dtype=tl.float32)
+            s2 = _score_dot(qt, ktt, DOT_FP16)
             wv = tl.load(w_ptr + offs_t * stride_wt + h, mask=t_ok, other=0.0).to(tl.float32)
             acc2 += tl.maximum(s2, 0.0) * wv[:, None]
         p2 = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)

@@ -200,7 +200,7 @@ def _check(x: torch.Tensor, w: PackedQ4K) -> None:
         raise ValueError(f"x {tuple(x.shape)} does not match the Q4_K weight [{w.n}, {w.k}]")
 
 
-def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = None,
+def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                 tiles: dispatch.MatvecTiles | None = None) -> torch.Tensor:
     """y [M, N] = x [M, K] @ W^T for 1 <= M <= 8 activation rows (Triton launcher; fp32 math)."""
     _check(x, w)
@@ -208,7 +208,7 @@ def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = N
     if not 1 <= m <= 8:
         raise ValueError(f"the decode matvec takes 1-8 rows, got {m}")
     tiles = tiles or dispatch.matvec_tiles("q4_k", w.n, w.k, m, dispatch.launch_backend(x))
-    y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype)
+    y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype) if out is None else out
     _q4_k_matvec_kernel[(triton.cdiv(w.n, tiles.block_n),)](
         transpose_groups(x, 8), *_args(w, True), y, w.n, w.k, y.stride(0), M=m, BLOCK_N=tiles.block_n,
         BLOCK_U=tiles.block_k // 8, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
