@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.config import FLASH
 from ds4station.engine.demo import make_model
+from ds4station.engine.engine import Engine
 from ds4station.engine.experts import ExpertCache, ExpertCacheTooSmall, ExpertView, min_cache_bytes, too_small_message
-from ds4station.engine.gguf import GGUFFile
-from ds4station.engine.layout import model_tensors
-from ds4station.engine.pipeline import PipelineEngine, load_engine
-from ds4station.engine.runtime import Engine
-from ds4station.planner.sizes import format_size
+from ds4station.engine.weights import load_tensors, tensor_view
+from ds4station.model.config import FLASH
+from ds4station.model.gguf import GGUFFile
+from ds4station.model.layout import model_tensors
+from ds4station.model.sizes import format_size
 
 CTX, CHUNK = 96, 16
 PROMPT = [(11 * i + 2) % 500 + 5 for i in range(40)]
@@ -25,7 +25,7 @@ def gguf(tmp_path_factory: pytest.TempPathFactory) -> GGUFFile:
 
 
 def _cache(gguf: GGUFFile, layers: range, capacity: int | None = None, prefetch: bool = False) -> ExpertCache:
-    tensors = gguf.load(layers, embed=False, output=False)
+    tensors = load_tensors(gguf, layers, embed=False, output=False)
     cap = min_cache_bytes(tensors, layers) if capacity is None else capacity
     return ExpertCache(gguf.config, tensors, layers, cap, prefetch=prefetch)
 
@@ -37,7 +37,7 @@ def _ids(*experts: int) -> torch.Tensor:
 def test_streamed_rows_equal_the_resident_dequantisation(gguf: GGUFFile) -> None:
     cache = _cache(gguf, range(3, 4))
     for part, role in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
-        full = gguf.tensor(f"blk.3.{role}.weight").dequantize()
+        full = tensor_view(gguf, f"blk.3.{role}.weight").dequantize()
         view = cache.view(3, part)
         assert isinstance(view, ExpertView) and view.is_floating_point() and view.shape == tuple(full.shape)
         for e in range(gguf.config.n_experts):
@@ -46,12 +46,12 @@ def test_streamed_rows_equal_the_resident_dequantisation(gguf: GGUFFile) -> None
 
 def test_streaming_generation_matches_resident_exactly(gguf: GGUFFile) -> None:
     path = gguf.path
-    resident = Engine.load(path, ctx=CTX, chunk=CHUNK)
-    tensors = gguf.load()
+    resident = Engine.load(path, ctx=CTX, device="cpu", chunk=CHUNK)
+    tensors = load_tensors(gguf)
     need = min_cache_bytes(tensors, range(gguf.config.n_layers))
-    streamed = load_engine(path, CTX, expert_cache=need, chunk=CHUNK, activation_bits=32)
+    streamed = Engine.load(path, CTX, device="cpu", expert_cache=need, chunk=CHUNK, activation_bits=32)
     try:
-        assert isinstance(streamed, PipelineEngine) and streamed.procs == {}  # one stage, in this process
+        assert streamed.world == 1 and streamed.procs == {}  # one stage, in this process
         a, b = resident.new_session(), streamed.new_session()
         la, lb = a.extend(PROMPT), b.extend(PROMPT)
         for _ in range(5):
@@ -85,7 +85,7 @@ def test_lru_evicts_oldest_unpinned_and_never_the_running_layer(gguf: GGUFFile) 
     assert s.hits + s.misses == s.lookups == 3 + n + 2 + 1
     assert s.bytes_read == s.misses * cache.slot_bytes
     # get() hands out the pinned slot's expert; an expert used without select() is looked up on demand
-    assert torch.equal(cache.get(3, 5, "down"), gguf.tensor("blk.3.ffn_down_exps.weight").dequantize()[5])
+    assert torch.equal(cache.get(3, 5, "down"), tensor_view(gguf, "blk.3.ffn_down_exps.weight").dequantize()[5])
     before = s.lookups
     cache.get(4, 0, "gate")
     assert s.lookups == before + 1 and (4, 0) in cache.slot_of
@@ -96,7 +96,7 @@ def test_prefetch_loads_a_hash_layers_experts_ahead(gguf: GGUFFile) -> None:
     assert cfg.is_hash_layer(1)
     cache = _cache(gguf, range(0, 2), prefetch=True)
     tokens = torch.tensor([5, 9, 100])
-    ahead = sorted(set(gguf.tensor("blk.1.ffn_gate_tid2eid.weight").dequantize()[tokens].flatten().tolist()))
+    ahead = sorted(set(tensor_view(gguf, "blk.1.ffn_gate_tid2eid.weight").dequantize()[tokens].flatten().tolist()))
     cache.select(0, _ids(0), tokens)
     report = cache.report()  # waits for the prefetch
     assert report["prefetched"] == len(ahead)
@@ -121,7 +121,7 @@ def test_prefetch_never_evicts_the_running_layers_experts(gguf: GGUFFile) -> Non
 
 def test_too_small_cache_is_refused_with_the_minimum(gguf: GGUFFile) -> None:
     layers = range(0, 6)
-    tensors = gguf.load(layers, embed=False, output=False)
+    tensors = load_tensors(gguf, layers, embed=False, output=False)
     need = min_cache_bytes(tensors, layers)
     per = sum(tensors[f"blk.0.{r}.weight"].nbytes for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
     assert need == per  # all experts of one layer: gate + up + down
@@ -130,7 +130,7 @@ def test_too_small_cache_is_refused_with_the_minimum(gguf: GGUFFile) -> None:
     ExpertCache(gguf.config, tensors, layers, need).close()
     # what `generate --expert-cache` / `serve --expert-cache` meet first, before anything is loaded
     with pytest.raises(ExpertCacheTooSmall, match=rf"stage 0 .*minimum; give --expert-cache {format_size(need)}"):
-        load_engine(gguf.path, CTX, expert_cache="100KiB")
+        Engine.load(gguf.path, CTX, device="cpu", expert_cache="100KiB")
 
 
 def test_minimum_for_the_real_q2_file_is_one_layers_256_experts() -> None:

@@ -12,11 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from ds4station.engine.config import FLASH, TINY
 from ds4station.engine.demo import make_model, random_weight
-from ds4station.engine.gguf import GGUFError, GGUFFile, write_gguf
-from ds4station.engine.layout import model_tensors
-from ds4station.engine.quants import QTensor
+from ds4station.engine.weights import load_tensors, tensor_view, write_gguf
+from ds4station.kernels.quants import QTensor
+from ds4station.model.config import FLASH, TINY
+from ds4station.model.gguf import GGUFError, GGUFFile
+from ds4station.model.layout import model_tensors
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def test_round_trip_config_tensors_and_tokenizer(tiny_q2: Path) -> None:
     gen = torch.Generator().manual_seed(7)
     for spec in model_tensors(TINY, "q2"):
         want = random_weight(spec, TINY, gen)
-        got = f.tensor(spec.name)
+        got = tensor_view(f, spec.name)
         assert got.qtype == spec.qtype, spec.name
         assert tuple(got.shape) == spec.torch_shape
         if isinstance(want, QTensor):
@@ -87,11 +88,11 @@ def test_same_seed_same_file(tmp_path: Path, tiny_q2: Path) -> None:
 
 def test_stage_loads_only_its_layers(tiny_q2: Path) -> None:
     f = GGUFFile.open(tiny_q2)
-    stage = f.load(range(2, 4), embed=False, output=False)
+    stage = load_tensors(f, range(2, 4), embed=False, output=False)
     assert {n.split(".")[1] for n in stage} == {"2", "3"}
-    head = f.load(range(4, 6), embed=False, output=True)
+    head = load_tensors(f, range(4, 6), embed=False, output=True)
     assert "output.weight" in head and "token_embd.weight" not in head
-    first = f.load(range(0, 1), embed=True, output=False)
+    first = load_tensors(f, range(0, 1), embed=True, output=False)
     assert "token_embd.weight" in first and "output.weight" not in first
     by_layer = f.bytes_by_layer()
     assert sum(sum(v.values()) for v in by_layer.values()) == f.total_bytes == tiny_q2.stat().st_size - _header_size(f)
@@ -182,7 +183,7 @@ def test_missing_and_inconsistent_keys(tmp_path: Path, tiny_q2: Path) -> None:
 
 def test_config_metadata_round_trip() -> None:
     meta = {f"deepseek4.{k}": v for k, v in FLASH.to_metadata().items()} | {"general.architecture": "deepseek4"}
-    from ds4station.engine.config import ModelConfig
+    from ds4station.model.config import ModelConfig
 
     assert ModelConfig.from_metadata(meta) == FLASH
     assert dataclasses.replace(FLASH, window=64) != FLASH

@@ -10,10 +10,11 @@ import torch
 
 from ds4station.engine import gpu
 from ds4station.engine.demo import make_model
-from ds4station.engine.gguf import GGUFFile
 from ds4station.engine.gpu import GpuStage
 from ds4station.engine.model import OFF, DS4Model, RoundTrips
+from ds4station.engine.weights import load_tensors
 from ds4station.kernels import dispatch
+from ds4station.model.gguf import GGUFFile
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -29,8 +30,8 @@ def reference(tiny: GGUFFile, request: pytest.FixtureRequest) -> tuple[torch.Ten
     the indexer top-k."""
     cfg = tiny.config
     tokens = torch.randint(0, cfg.vocab_size, (100,), generator=torch.Generator().manual_seed(5))
-    model = DS4Model(cfg, {n: q.dequantize() for n, q in tiny.load().items()}, round_trips=request.param)
-    return tokens, model.forward(tokens), request.param
+    model = DS4Model(cfg, {n: q.dequantize() for n, q in load_tensors(tiny).items()}, round_trips=request.param)
+    return tokens, model.head(model.prefill(tokens, model.new_cache(100, chunk=100))), request.param
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
@@ -41,7 +42,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_prefill_and_decode_match_reference(tiny: GGUFFile, reference, device: str) -> None:
     tokens, want, rt = reference
-    stage = GpuStage(tiny.config, tiny.load(), device=device, round_trips=rt, int_dot=False)
+    stage = GpuStage(tiny.config, load_tensors(tiny), device=device, round_trips=rt, int_dot=False)
     cache = stage.new_cache(256, chunk=32)
     # Without the round trips the CPU path differs from the reference by summation order only. With them,
     # those 1e-6 differences can move an FP8 / FP4 value across a rounding boundary (an FP4 step is 1/4 to
@@ -50,9 +51,9 @@ def test_prefill_and_decode_match_reference(tiny: GGUFFile, reference, device: s
     # Measured on the H200 (docs/PERFORMANCE.md): exact mode 1-2e-3; with the round trips 0.11 (CPU stage under
     # torch 2.11) to 0.23 (GPU) when such a flip changes a block choice, so that case only bounds the damage.
     tol = 2e-5 if device == "cpu" and rt == OFF else 2e-2 if rt == OFF else 0.3
-    _close(stage.prefill(tokens[:90], cache), want[89], tol)
+    _close(stage.prefill(tokens[:90], cache, logits=True), want[89], tol)
     for j in range(90, 100):
-        _close(stage.decode(int(tokens[j]), cache), want[j], tol)
+        _close(stage.decode(int(tokens[j]), cache, logits=True), want[j], tol)
     assert cache.length == 100
 
 
@@ -61,29 +62,29 @@ def test_greedy_tokens_match_reference(tiny: GGUFFile, device: str) -> None:
     """Greedy generation (exact numerics) gives the reference model's tokens; on CUDA through graph decode."""
     cfg = tiny.config
     prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(8)).tolist()
-    ref = DS4Model(cfg, {n: q.dequantize() for n, q in tiny.load().items()}, round_trips=OFF)
+    ref = DS4Model(cfg, {n: q.dequantize() for n, q in load_tensors(tiny).items()}, round_trips=OFF)
     rc = ref.new_cache(64, chunk=64)
-    want = [int(ref.forward(prompt, rc, last_only=True)[0].argmax())]
+    want = [int(ref.prefill(prompt, rc, logits=True).argmax())]
     for _ in range(11):
-        want.append(int(ref.forward([want[-1]], rc, last_only=True)[0].argmax()))
-    stage = GpuStage(cfg, tiny.load(), device=device, round_trips=OFF, int_dot=False)
+        want.append(int(ref.decode(want[-1], rc, logits=True).argmax()))
+    stage = GpuStage(cfg, load_tensors(tiny), device=device, round_trips=OFF, int_dot=False)
     cache = stage.new_cache(64, chunk=64)
-    got = [int(stage.prefill(prompt, cache).argmax())]
+    got = [int(stage.prefill(prompt, cache, logits=True).argmax())]
     for _ in range(11):
-        got.append(int(stage.decode(got[-1], cache).argmax()))  # read before the next step reuses the buffer
+        got.append(int(stage.decode(got[-1], cache, logits=True).argmax()))  # read before the buffer is reused
     assert got == want
 
 
 def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:
     """Decode's static-shape path (bucketed reads, masked block writes) == one-token prefill chunks."""
     tokens, _, rt = reference
-    stage = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=rt)
+    stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=rt)
     a, b = stage.new_cache(256, chunk=8), stage.new_cache(256, chunk=8)
     stage.prefill(tokens[:29], a)
     stage.prefill(tokens[:29], b)
     for j in range(29, 37):  # crosses ratio-4 and ratio-16 block ends (32) and the window
-        la = stage.decode(int(tokens[j]), a, graph=False)
-        lb = stage.prefill(tokens[j:j + 1], b)
+        la = stage.decode(int(tokens[j]), a, logits=True, graph=False)
+        lb = stage.prefill(tokens[j:j + 1], b, logits=True)
         assert torch.allclose(la, lb, rtol=0, atol=1e-5 * lb.abs().max().item())
     for i in stage.layers:
         if a[i].comp is not None:
@@ -111,7 +112,7 @@ def test_graph_capture_failure_falls_back_to_eager(tiny: GGUFFile, monkeypatch: 
     monkeypatch.setattr(gpu, "_DecodeGraph", _NoGraphs)
     monkeypatch.setattr(_NoGraphs, "made", 0)
     tokens = torch.randint(0, tiny.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3)).tolist()
-    stage = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=OFF)
+    stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
     assert stage.graphs
     a, b = stage.new_cache(64, chunk=16), stage.new_cache(64, chunk=16)
     stage.prefill(tokens[:20], a)
@@ -119,23 +120,23 @@ def test_graph_capture_failure_falls_back_to_eager(tiny: GGUFFile, monkeypatch: 
     eager = []
     with caplog.at_level(logging.WARNING, logger="ds4station.engine.gpu"):
         for j in range(20, 24):
-            got = stage.decode(tokens[j], a, graph=True).clone()
-            eager.append(stage.decode(tokens[j], b, graph=False))
+            got = stage.decode(tokens[j], a, logits=True, graph=True).clone()
+            eager.append(stage.decode(tokens[j], b, logits=True, graph=False))
             assert torch.equal(got, eager[-1])
     assert _NoGraphs.made == 1 and not stage.graphs
     assert [r.message for r in caplog.records if "capture failed" in r.message] == [caplog.records[0].message]
     assert "eager launches" in caplog.records[0].message and "RuntimeError" in caplog.records[0].message
 
     monkeypatch.setenv("DS4STATION_CUDA_GRAPHS", "0")
-    off = GpuStage(tiny.config, tiny.load(), device="cpu", round_trips=OFF)
+    off = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
     c = off.new_cache(64, chunk=16)
     off.prefill(tokens[:20], c)
-    assert not off.graphs and torch.equal(off.decode(tokens[20], c, graph=True), eager[0])
+    assert not off.graphs and torch.equal(off.decode(tokens[20], c, logits=True, graph=True), eager[0])
     assert _NoGraphs.made == 1
 
 
 def test_missing_weight_is_named(tiny: GGUFFile) -> None:
-    w = dict(tiny.load())
+    w = dict(load_tensors(tiny))
     del w["blk.3.attn_kv.weight"]
     with pytest.raises(KeyError, match="blk.3.attn_kv.weight"):
         GpuStage(tiny.config, w, device="cpu")
@@ -144,8 +145,8 @@ def test_missing_weight_is_named(tiny: GGUFFile) -> None:
 def test_decode_bytes_per_token_of_the_q2_file() -> None:
     """~9.5 GB of weights per decoded token (DS4-MODEL.md): all dense tensors, 6 of 256 routed experts."""
     from ds4station.engine.benchmark import decode_bytes_per_token
-    from ds4station.engine.config import FLASH
-    from ds4station.engine.layout import model_tensors
+    from ds4station.model.config import FLASH
+    from ds4station.model.layout import model_tensors
 
     specs = model_tensors(FLASH, "q2")
     n = decode_bytes_per_token(FLASH, specs)
@@ -156,8 +157,8 @@ def test_decode_bytes_per_token_of_the_q2_file() -> None:
 
 
 def test_random_weights_do_not_depend_on_access_order() -> None:
-    from ds4station.engine.config import TINY
     from ds4station.engine.gpu import RandomWeights
+    from ds4station.model.config import TINY
 
     a, b = RandomWeights(TINY, device="cpu", seed=2), RandomWeights(TINY, device="cpu", seed=2)
     names = list(a)
@@ -177,33 +178,34 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
 
     cfg, layers = tiny.config, range(2, 4)
     tokens = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(9))
-    ref = DS4Model(cfg, {n: q.dequantize() for n, q in tiny.load(layers).items()}, layers, round_trips=OFF)
-    want = ref.forward(tokens)
-    stage = GpuStage(cfg, tiny.load(layers), layers, device="cpu", round_trips=OFF, int_dot=False)
+    ref = DS4Model(cfg, {n: q.dequantize() for n, q in load_tensors(tiny, layers).items()}, layers, round_trips=OFF)
+    want = ref.head(ref.prefill(tokens, ref.new_cache(13, chunk=13)))
+    stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device="cpu", round_trips=OFF, int_dot=False)
     cache = stage.new_cache(64, chunk=12)
     with dispatch.interpreted_kernels():
-        got = [stage.prefill(tokens[:12], cache), stage.decode(int(tokens[12]), cache, graph=False)]
+        got = [stage.prefill(tokens[:12], cache, logits=True),
+               stage.decode(int(tokens[12]), cache, logits=True, graph=False)]
     _close(got[0], want[11], 2e-2)  # prefill feeds fp16 into tl.dot
     _close(got[1], want[12], 1e-3)  # fp32 decode kernels, over KV the fp16 prefill wrote
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pipeline_stage_decode_equals_its_prefill_path(tiny: GGUFFile, device: str) -> None:
-    """A middle slice (no embedding, no head) as a pipeline stage runs it: decode_hidden (static shapes; a
-    CUDA graph on a GPU) gives run_hidden's one-token result, the cache advancing the same way."""
+    """A middle slice (no embedding, no head) as a pipeline stage runs it: decode from an HC state (static
+    shapes; a CUDA graph on a GPU) gives prefill's one-token result, the cache advancing the same way."""
     cfg, layers = tiny.config, range(2, 5)
-    stage = GpuStage(cfg, tiny.load(layers, embed=False, output=False), layers, embed=False, output=False,
+    stage = GpuStage(cfg, load_tensors(tiny, layers, embed=False, output=False), layers, embed=False, output=False,
                      device=device, round_trips=OFF, int_dot=False)
     a, b = stage.new_cache(128, chunk=16), stage.new_cache(128, chunk=16)
     gen = torch.Generator().manual_seed(3)
     X = torch.randn(30, cfg.hc_mult, cfg.dim, generator=gen).to(device)
     tokens = torch.randint(0, cfg.vocab_size, (30,), generator=gen).to(device)
     for c in (a, b):
-        stage.run_hidden(X[:16], tokens[:16], c)
-        stage.run_hidden(X[16:24], tokens[16:24], c)
+        stage.prefill(tokens[:16], c, X[:16])
+        stage.prefill(tokens[16:24], c, X[16:24])
     for j in range(24, 30):  # crosses the ratio-4 block end at 27
-        got = stage.decode_hidden(X[j:j + 1], int(tokens[j]), a).clone()
-        want = stage.run_hidden(X[j:j + 1], tokens[j:j + 1], b)
+        got = stage.decode(int(tokens[j]), a, X[j:j + 1]).clone()
+        want = stage.prefill(tokens[j:j + 1], b, X[j:j + 1])
         tol = 2e-3 if device == "cuda" else 1e-5  # CUDA: TF32 attention in both paths, different kernels
         assert torch.allclose(got, want, rtol=0, atol=tol * want.abs().max().item())
     assert a.length == b.length == 30

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from ds4station.engine.gpu import GpuStage
-from ds4station.engine.model import sink_attention
 from ds4station.kernels import attention as attn_k
 from ds4station.kernels.attention import attention_decode, attention_decode_ref, attention_decode_triton
 from ds4station.kernels.dispatch import AttentionTiles, attention_tiles
+from ds4station.kernels.reference import sink_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"rtol": 1e-5, "atol": 1e-5}

@@ -10,8 +10,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch, ops
+from ds4station.kernels.quants import random_blocks, row_bytes
 
 DS4_MATVECS = [("q8_0", 1024, 4096), ("q8_0", 32768, 1024), ("q8_0", 512, 4096), ("q8_0", 8192, 4096),
                ("q8_0", 4096, 8192), ("q8_0", 2048, 4096), ("q8_0", 4096, 2048), ("q8_0", 129280, 4096),

@@ -10,11 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from ds4station.engine.config import TINY
-from ds4station.engine.model import DS4Model, HyperConnection, rms_norm, sinkhorn
+from ds4station.engine.model import DS4Model
 from ds4station.kernels import hc
 from ds4station.kernels.dispatch import HcTiles, hc_tiles
 from ds4station.kernels.hc import hc_head_pre_triton, hc_post_triton, hc_pre_triton
+from ds4station.kernels.reference import HyperConnection, rms_norm, sinkhorn
+from ds4station.model.config import TINY
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"rtol": 1e-5, "atol": 1e-5}

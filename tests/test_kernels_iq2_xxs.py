@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import dequantize_iq2_xxs, iq2_xxs_matvec, iq2_xxs_matvec_ref, repack_iq2_xxs
+from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,12 +12,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels.iq2_xxs import repack_iq2_xxs
 from ds4station.kernels.moe import moe_decode, moe_decode_ref
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.q2_k import repack_q2_k
+from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch
 from ds4station.kernels.q2_k import dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -12,7 +12,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
-from ds4station.engine.quants import QTensor, random_blocks
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels.dispatch import MatmulTiles, MatvecTiles
 from ds4station.kernels.q4_k import (
@@ -22,6 +21,7 @@ from ds4station.kernels.q4_k import (
     q4_k_matvec_ref,
     repack_q4_k,
 )
+from ds4station.kernels.quants import QTensor, random_blocks
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

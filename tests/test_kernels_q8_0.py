@@ -10,7 +10,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine.quants import random_blocks, row_bytes
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import dequantize_act16, quantize_act16
 from ds4station.kernels.q8_0 import (
@@ -23,6 +22,7 @@ from ds4station.kernels.q8_0 import (
     q8_0_matvec_ref,
     repack_q8_0,
 )
+from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

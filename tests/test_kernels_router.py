@@ -9,11 +9,11 @@ import dataclasses
 import pytest
 import torch
 
-from ds4station.engine.config import TINY
 from ds4station.engine.model import MoE
 from ds4station.kernels import router as router_k
 from ds4station.kernels.dispatch import RouterTiles, router_tiles
 from ds4station.kernels.router import router, router_ref, router_triton
+from ds4station.model.config import TINY
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {"rtol": 1e-5, "atol": 1e-6}

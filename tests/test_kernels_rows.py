@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.config import FLASH, TINY
 from ds4station.engine.kv import Frontier
-from ds4station.engine.model import Compressor, Rope, fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard, rope_inv_freq
+from ds4station.engine.model import Compressor
 from ds4station.kernels.compressor import (
     Finish,
     compress_blocks_ref,
@@ -18,7 +17,9 @@ from ds4station.kernels.compressor import (
     compress_decode_triton,
 )
 from ds4station.kernels.norm import swiglu, swiglu_ref
+from ds4station.kernels.reference import Rope, fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard, rope_inv_freq
 from ds4station.kernels.rows import finish_rows_ref, finish_rows_triton
+from ds4station.model.config import FLASH, TINY
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 F_TINY = rope_inv_freq(TINY, True)

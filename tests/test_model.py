@@ -15,9 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.config import TINY
-from ds4station.engine.kv import KVCache, kv_bytes
-from ds4station.engine.model import OFF, DS4Model, HyperConnection, random_weights, sink_attention, sinkhorn
+from ds4station.engine.kv import KVCache, dtype_name
+from ds4station.engine.model import OFF, DS4Model, random_weights
+from ds4station.kernels.reference import HyperConnection, sink_attention, sinkhorn
+from ds4station.model.config import TINY
+from ds4station.model.footprint import kv_bytes
 
 N = 64
 
@@ -39,7 +41,14 @@ def tokens():
 
 @pytest.fixture(scope="module")
 def full(model, tokens):
-    return model.forward(tokens)
+    return forward(model, tokens)
+
+
+def forward(model: DS4Model, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    """Logits of every position: prefill (in pieces of cache.chunk) and the head over the whole state."""
+    if cache is None:
+        cache = model.new_cache(len(tokens), chunk=len(tokens))
+    return model.head(model.prefill(tokens, cache))
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -56,28 +65,28 @@ def test_full_forward_is_finite_and_nontrivial(full):
 @pytest.mark.parametrize("chunk", [5, 16])
 def test_chunked_prefill_matches_full_forward(model, tokens, full, chunk):
     cache = model.new_cache(N + 8, chunk=chunk)
-    got = model.forward(tokens, cache)
+    got = forward(model, tokens, cache)
     assert cache.length == N
     assert rel(got, full) < 1e-5
 
 
 def test_decode_matches_full_forward(model, tokens, full):
     cache = model.new_cache(N, chunk=8)
-    first = model.forward(tokens[:20], cache)
-    steps = [model.forward(tokens[i: i + 1], cache, last_only=True) for i in range(20, N)]
+    first = forward(model, tokens[:20], cache)
+    steps = [model.decode(int(tokens[i]), cache, logits=True)[None] for i in range(20, N)]
     got = torch.cat([first, *steps])
     assert rel(got, full) < 1e-5
 
 
 def test_decode_with_round_trips_matches_full_forward(weights, tokens):
     model = DS4Model(TINY, weights)  # FP8 KV and indexer FP4 on, as in the real model
-    full = model.forward(tokens)
+    full = forward(model, tokens)
     cache = model.new_cache(N, chunk=8)
-    first = model.forward(tokens[:40], cache)
-    got = torch.cat([first, *(model.forward(tokens[i: i + 1], cache) for i in range(40, N))])
+    first = forward(model, tokens[:40], cache)
+    got = torch.cat([first, *(model.decode(int(tokens[i]), cache, logits=True)[None] for i in range(40, N))])
     assert rel(got, full) < 1e-3
     assert (got.argmax(-1) == full.argmax(-1)).all()
-    assert rel(full, DS4Model(TINY, weights, round_trips=OFF).forward(tokens)) > 1e-3  # they do act
+    assert rel(full, forward(DS4Model(TINY, weights, round_trips=OFF), tokens)) > 1e-3  # they do act
 
 
 def test_layer_slices_chain_to_the_full_model(weights, tokens, full):
@@ -90,7 +99,7 @@ def test_layer_slices_chain_to_the_full_model(weights, tokens, full):
     outs = []
     for s in range(0, N, 32):
         t = tokens[s: s + 32]
-        outs.append(stage1.head(stage1.run_layers(stage0.run_layers(stage0.embed(t), t, c0), t, c1)))
+        outs.append(stage1.head(stage1.prefill(t, c1, stage0.prefill(t, c0))))
     assert rel(torch.cat(outs), full) < 1e-5
 
 
@@ -102,12 +111,12 @@ def test_missing_weights_are_named(weights):
 
 def test_truncate_then_extend_equals_recomputation(model, tokens, full):
     cache = model.new_cache(N, chunk=8, rollback=12)
-    model.forward(tokens[:40], cache)
+    forward(model, tokens[:40], cache)
     assert cache.max_rollback == 12
     assert not cache.truncate(40 - 13)  # further back than the rings hold
     assert cache.length == 40
     assert cache.truncate(29)  # back into a ratio-16 block and across ratio-4 blocks
-    got = model.forward(tokens[29:N], cache)
+    got = forward(model, tokens[29:N], cache)
     assert rel(got, full[29:]) < 1e-5
 
 
@@ -115,16 +124,16 @@ def test_truncate_then_extend_equals_recomputation(model, tokens, full):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_bytes_formula_matches_allocation(layers, dtype):
     cache = KVCache(TINY, layers, ctx=1000, dtype=dtype, chunk=64, rollback=100)
-    assert cache.nbytes() == kv_bytes(TINY, layers, 1000, dtype, chunk=64, rollback=100)
+    assert cache.nbytes() == kv_bytes(TINY, layers, 1000, dtype_name(dtype), chunk=64, rollback=100)
     assert set(cache.layers) == set(layers)
 
 
 def test_kv_bytes_per_token_of_flash_matches_ds4_figure():
-    from ds4station.engine.config import FLASH
-    from ds4station.engine.kv import kv_bytes_per_token
+    from ds4station.model.config import FLASH
+    from ds4station.model.footprint import kv_bytes_per_token
 
     # DS4-MODEL.md: 13,760 bytes per token of context at f32 over all 43 layers.
-    assert kv_bytes_per_token(FLASH) == 13760
+    assert kv_bytes_per_token(FLASH, range(FLASH.n_layers)) == 13760
     grow = kv_bytes(FLASH, None, 2 * 65536) - kv_bytes(FLASH, None, 65536)
     assert grow == 13760 * 65536
 
@@ -132,7 +141,7 @@ def test_kv_bytes_per_token_of_flash_matches_ds4_figure():
 def test_context_overflow_is_refused(model, tokens):
     cache = model.new_cache(10, chunk=8)
     with pytest.raises(ValueError, match="context full"):
-        model.forward(tokens[:12], cache)
+        forward(model, tokens[:12], cache)
 
 
 def test_sink_attention_equals_softmax_with_an_extra_sink_column():

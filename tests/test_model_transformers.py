@@ -23,9 +23,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.config import TINY, ModelConfig
-from ds4station.engine.gguf import GGUFFile, write_gguf
+from ds4station.engine.engine import Engine
 from ds4station.engine.model import OFF, DS4Model, random_weights
+from ds4station.engine.tokenizer import build_demo_vocab, tokenizer_metadata
+from ds4station.engine.weights import load_tensors, write_gguf
+from ds4station.model.config import TINY, ModelConfig
+from ds4station.model.gguf import GGUFFile
 
 transformers = pytest.importorskip("transformers")
 
@@ -115,10 +118,11 @@ def test_logits_match_transformers(tmp_path, seed, monkeypatch):
     for name in weights:
         if name.endswith(("hc_attn_base.weight", "hc_ffn_base.weight")):
             weights[name] = 6 * weights[name]
-    path = write_gguf(tmp_path / "tiny-f32.gguf", cfg, weights, recipe="f32")
+    path = write_gguf(tmp_path / "tiny-f32.gguf", cfg, weights, recipe="f32",
+                      tokenizer_meta=tokenizer_metadata(build_demo_vocab(cfg.vocab_size)))
     gf = GGUFFile.open(path)
     assert gf.config == cfg
-    loaded = {name: q.dequantize() for name, q in gf.load().items()}
+    loaded = {name: q.dequantize() for name, q in load_tensors(gf).items()}
     ours = DS4Model(gf.config, loaded, round_trips=OFF)
 
     hf = transformers.DeepseekV4ForCausalLM(hf_config(cfg)).eval()
@@ -131,14 +135,21 @@ def test_logits_match_transformers(tmp_path, seed, monkeypatch):
     with torch.no_grad():
         ref = hf(input_ids=tokens[None], use_cache=False).logits[0]
     monkeypatch.undo()
-    got = ours.forward(tokens)
+    got = ours.head(ours.prefill(tokens, ours.new_cache(100, chunk=100)))
     err = (got - ref).abs().max() / ref.abs().max()
     assert err < 1e-4, f"max relative logit error {err:.2e}"
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+    # the same file through the engine everything runs on: a chunked prefill, then one token at a time
+    engine = Engine.load(path, ctx=128, device="cpu", chunk=16, round_trips=OFF)
+    session = engine.new_session()
+    steps = [session.extend(tokens[:50].tolist())] + [session.extend([int(t)]) for t in tokens[50:]]
+    err = (torch.stack(steps) - ref[49:]).abs().max() / ref.abs().max()
+    assert err < 1e-4, f"max relative logit error through the engine {err:.2e}"
+    engine.close()
 
 
 def test_rope_frequencies_match_transformers():
-    from ds4station.engine.model import rope_inv_freq
+    from ds4station.kernels.reference import rope_inv_freq
 
     hf = transformers.DeepseekV4ForCausalLM(hf_config(TINY)).model.rotary_emb
     torch.testing.assert_close(rope_inv_freq(TINY, compressed=False), hf.main_inv_freq, rtol=1e-6, atol=0)

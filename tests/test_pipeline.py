@@ -17,15 +17,14 @@ import pytest
 import torch
 
 from ds4station.engine.demo import make_model
+from ds4station.engine.engine import Engine, StageDown
 from ds4station.engine.experts import ExpertCacheTooSmall, min_cache_bytes
-from ds4station.engine.gguf import GGUFFile
-from ds4station.engine.kv import kv_bytes
 from ds4station.engine.model import OFF
-from ds4station.engine.pipeline import PipelineEngine, StageDown, load_engine
-from ds4station.engine.runtime import Engine
-from ds4station.engine.sampler import SamplingParams
-from ds4station.planner.route import RouteError, parse_route
-from ds4station.planner.sizes import format_size
+from ds4station.engine.weights import load_tensors
+from ds4station.model.footprint import kv_bytes
+from ds4station.model.gguf import GGUFFile
+from ds4station.model.route import RouteError, parse_route
+from ds4station.model.sizes import format_size
 
 CTX, CHUNK = 128, 16
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]  # 40 tokens: 3 prefill pieces of <= 16
@@ -43,7 +42,7 @@ def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def min_cache(model_path: Path) -> int:
-    return min_cache_bytes(GGUFFile.open(model_path).load(range(2, 4), embed=False, output=False), range(2, 4))
+    return min_cache_bytes(load_tensors(GGUFFile.open(model_path), range(2, 4), embed=False, output=False), range(2, 4))
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +53,8 @@ def reference(model_path: Path) -> tuple[list[int], list[torch.Tensor]]:
     perturbation now and then flips an FP8/FP4 rounding or an indexer top-k choice and a single step's
     logits jump by up to ~1 on this random model, so no tight 16-bit tolerance could be stated. Exactness
     in 32 bits does not depend on it (test_experts.py runs the round trips on through a streaming stage)."""
-    engine = load_engine(model_path, CTX, chunk=CHUNK, round_trips=OFF)
-    assert isinstance(engine, Engine)  # no route, no cache: the single-process engine
+    engine = Engine.load(model_path, CTX, device="cpu", chunk=CHUNK, round_trips=OFF)
+    assert engine.world == 1 and not engine.procs  # no route: one stage, in this process
     return greedy(engine.new_session(), N_NEW)
 
 
@@ -63,7 +62,7 @@ def reference(model_path: Path) -> tuple[list[int], list[torch.Tensor]]:
 def pipe(model_path: Path, min_cache: int):
     """Three stages in three processes; the middle one streams its experts through the smallest cache."""
     route = f"cpu=embed,0-1,output; cpu=2-3,cache={min_cache}; cpu=4-5"
-    engine = PipelineEngine.load(model_path, CTX, route, activation_bits=32, chunk=CHUNK, round_trips=OFF)
+    engine = Engine.load(model_path, CTX, route, activation_bits=32, chunk=CHUNK, round_trips=OFF)
     yield engine
     engine.close()
     assert all(p.poll() is not None for p in engine.procs.values())
@@ -158,13 +157,13 @@ def test_a_silent_worker_is_reported_down_by_its_missing_heartbeat(pipe) -> None
 
 def test_route_and_cache_validation_before_anything_starts(model_path: Path, min_cache: int) -> None:
     with pytest.raises(ExpertCacheTooSmall, match=rf"stage 1 .*minimum.*{format_size(min_cache)}"):
-        PipelineEngine.load(model_path, CTX, f"cpu=embed,0-1,output; cpu=2-5,cache={min_cache - 1}")
+        Engine.load(model_path, CTX, f"cpu=embed,0-1,output; cpu=2-5,cache={min_cache - 1}")
     with pytest.raises(RouteError, match="output head is on stage 1"):
-        PipelineEngine.load(model_path, CTX, "cpu=embed,0-1; cpu=2-3,output; cpu=4-5")
+        Engine.load(model_path, CTX, "cpu=embed,0-1; cpu=2-3,output; cpu=4-5")
     with pytest.raises(RouteError, match="gap"):
-        PipelineEngine.load(model_path, CTX, "cpu=embed,0-1,output; cpu=3-5")
+        Engine.load(model_path, CTX, "cpu=embed,0-1,output; cpu=3-5")
     with pytest.raises(ValueError, match="activation-bits 8"):
-        PipelineEngine.load(model_path, CTX, "cpu=embed,0-5,output", activation_bits=8)
+        Engine.load(model_path, CTX, "cpu=embed,0-5,output", activation_bits=8)
 
 
 def _free_port() -> int:
@@ -179,13 +178,13 @@ def _env() -> dict[str, str]:
 
 def test_remote_worker_with_too_small_cache_exits_nonzero_stating_the_minimum(model_path: Path) -> None:
     gguf = GGUFFile.open(model_path)
-    need = min_cache_bytes(gguf.load(range(3, 6), embed=False, output=False), range(3, 6))
+    need = min_cache_bytes(load_tensors(gguf, range(3, 6), embed=False, output=False), range(3, 6))
     port = _free_port()
     failure: list[BaseException] = []
 
     def coordinator() -> None:
         try:
-            PipelineEngine.load(model_path, CTX, "cpu=embed,0-2,output; cpu=3-5", dist_addr=f"127.0.0.1:{port}",
+            Engine.load(model_path, CTX, "cpu=embed,0-2,output; cpu=3-5", dist_addr=f"127.0.0.1:{port}",
                                 remote=[1], join_timeout=120)
         except BaseException as e:  # the worker's own message, relayed through the store
             failure.append(e)
@@ -216,7 +215,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 
 def test_killed_worker_fails_the_request_within_seconds_and_leaves_no_process(model_path: Path) -> None:
-    engine = PipelineEngine.load(model_path, 512, "cpu=embed,0-1,output; cpu=2-3; cpu=4-5", chunk=CHUNK)
+    engine = Engine.load(model_path, 512, "cpu=embed,0-1,output; cpu=2-3; cpu=4-5", chunk=CHUNK)
     address = engine._address
     try:
         assert engine.activation_bits == 16  # the default
@@ -295,15 +294,11 @@ def test_single_stage_route_from_toml_runs_in_process_and_generates(model_path: 
                                                                      tmp_path: Path) -> None:
     toml = tmp_path / "route.toml"
     toml.write_text(parse_route("cpu=embed,0-5,output", 6).to_toml())  # the TOML form of a route
-    engine = load_engine(model_path, CTX, route=str(toml), chunk=CHUNK, activation_bits=32, round_trips=OFF)
+    engine = Engine.load(model_path, CTX, route=str(toml), chunk=CHUNK, activation_bits=32, round_trips=OFF)
     try:
-        assert isinstance(engine, PipelineEngine) and engine.procs == {}
+        assert engine.world == 1 and engine.procs == {}
         assert greedy(engine.new_session(), 2)[0] == reference[0][:2]
         assert parse_route(engine.status()["route"], 6) == engine.route
-        # `ds4station generate`'s loop runs unchanged on a pipeline engine
-        single = load_engine(model_path, CTX, chunk=CHUNK, round_trips=OFF)
-        params = SamplingParams(temperature=0.0, max_tokens=4)
-        assert "".join(engine.generate(PROMPT, params)) == "".join(single.generate(PROMPT, params))
     finally:
         engine.close()
 
@@ -341,12 +336,13 @@ def test_pin_env_gives_each_child_exactly_its_device() -> None:
 
 
 def test_stages_on_the_kernel_stage_give_the_reference_tokens(model_path: Path, reference) -> None:
-    """`fast=True` runs every stage on engine/gpu.py's kernel stage (here its CPU path, the same code that
-    launches the Triton kernels on a GPU): two processes, the same greedy tokens, logits to fp32 rounding."""
-    engine = PipelineEngine.load(model_path, CTX, "cpu=embed,0-2,output; cpu=3-5", activation_bits=32, chunk=CHUNK,
-                                 round_trips=OFF, fast=True)
+    """compute="kernels" runs every stage on engine/gpu.py's kernel stage (here its CPU path, the same code
+    that launches the Triton kernels on a GPU): two processes, the same greedy tokens, logits to fp32
+    rounding."""
+    engine = Engine.load(model_path, CTX, "cpu=embed,0-2,output; cpu=3-5", activation_bits=32, chunk=CHUNK,
+                                 round_trips=OFF, compute="kernels")
     try:
-        assert engine.runner.fast and len(engine.procs) == 1
+        assert engine.runner.compute == "kernels" and len(engine.procs) == 1
         tokens, logits = greedy(engine.new_session(), N_NEW)
         assert tokens == reference[0]
         for got, want in zip(logits, reference[1], strict=True):
@@ -354,7 +350,7 @@ def test_stages_on_the_kernel_stage_give_the_reference_tokens(model_path: Path, 
     finally:
         engine.close()
     with pytest.raises(ValueError, match="streamed experts"):
-        PipelineEngine.load(model_path, CTX, "cpu=embed,0-5,output,cache=1GiB", chunk=CHUNK, fast=True)
+        Engine.load(model_path, CTX, "cpu=embed,0-5,output,cache=1GiB", chunk=CHUNK, compute="kernels")
 
 
 def test_process_group_shutdown_is_bounded() -> None:

@@ -7,10 +7,8 @@ import random
 
 import pytest
 
-from ds4station.engine.config import FLASH, TINY
-from ds4station.engine.layout import model_tensors
-from ds4station.planner.devices import parse_gpu_spec
-from ds4station.planner.footprint import (
+from ds4station.model.config import FLASH, TINY
+from ds4station.model.footprint import (
     FootprintSettings,
     activation_bytes_per_token,
     indexer_scratch_bytes,
@@ -20,9 +18,11 @@ from ds4station.planner.footprint import (
     shape_from_specs,
     stage_footprint,
 )
+from ds4station.model.layout import model_tensors
+from ds4station.model.sizes import format_size, parse_size
+from ds4station.planner.devices import parse_gpu_spec
 from ds4station.planner.presets import load_preset
 from ds4station.planner.propose import _Planner
-from ds4station.planner.sizes import format_size, parse_size
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -45,16 +45,17 @@ def test_kv_bytes_grow_by_the_per_token_figure(dtype: str, per_token: int) -> No
 
 @pytest.mark.parametrize("cfg", [FLASH, TINY], ids=["flash", "tiny"])
 def test_kv_bytes_equal_the_engine_allocation(cfg) -> None:  # type: ignore[no-untyped-def]
+    """The formula is what KVCache allocates, tensor by tensor (on torch's meta device: no memory)."""
     torch = pytest.importorskip("torch")
     kv = pytest.importorskip("ds4station.engine.kv")
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-    for ctx, chunk, dtype in [(4096, 256, "f32"), (1 << 20, 512, "f16"), (32768, 64, "bf16"), (1000, 7, "f32")]:
+    for ctx, chunk, rollback, dtype in [(4096, 256, 0, "f32"), (1 << 20, 512, 1024, "f16"), (32768, 64, 0, "bf16"),
+                                        (1000, 7, 300, "f32")]:
         ctx = min(ctx, cfg.context_length)
         for layers in (range(cfg.n_layers), range(2, 5)):
-            assert kv_bytes(cfg, layers, ctx, dtype, chunk=chunk) == kv.kv_bytes(cfg, layers, ctx, dtypes[dtype],
-                                                                                 chunk=chunk)
-        assert kv_bytes_per_token(cfg, range(cfg.n_layers), dtype) == kv.kv_bytes_per_token(cfg, None, dtypes[dtype])
-    small = kv.KVCache(TINY, range(TINY.n_layers), 300, chunk=16)  # the real allocation, not only the formula
+            cache = kv.KVCache(cfg, layers, ctx, dtype=dtypes[dtype], chunk=chunk, rollback=rollback, device="meta")
+            assert kv_bytes(cfg, layers, ctx, dtype, chunk=chunk, rollback=rollback) == cache.nbytes()
+    small = kv.KVCache(TINY, range(TINY.n_layers), 300, chunk=16)  # a real allocation too
     assert small.nbytes() == kv_bytes(TINY, range(TINY.n_layers), 300, "f32", chunk=16)
 
 

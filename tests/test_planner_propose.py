@@ -14,11 +14,11 @@ import pytest
 
 from ds4station.commands import plan as plan_cmd
 from ds4station.hardware import detect
+from ds4station.model.footprint import FootprintSettings, named_shape, stage_footprint
+from ds4station.model.route import parse_route
 from ds4station.planner.devices import DeviceBudget, budgets_from_gpus, nominal_bandwidth, parse_gpu_spec
-from ds4station.planner.footprint import FootprintSettings, named_shape, stage_footprint
 from ds4station.planner.presets import PresetError, load_host_profile, load_preset
 from ds4station.planner.propose import PlanError, _Planner, evaluate, propose
-from ds4station.planner.route import parse_route
 
 GiB, MiB = 1 << 30, 1 << 20
 FLASH_Q2 = named_shape("flash-q2")
@@ -262,8 +262,9 @@ def test_plan_command_text_profile_ctx_and_refusal(capsys: pytest.CaptureFixture
     assert rc == 0 and "context 1048576 tokens" in out and "cache=2GiB" in out
     rc, _, err = _run_plan(capsys, "--gpus", "16GiB")
     assert rc == 1 and "short by" in err
-    rc, _, err = _run_plan(capsys, "--gpus", "16GiB", "--ctx", "lots")
-    assert rc == 2 and "--ctx 'lots'" in err
+    with pytest.raises(SystemExit) as exit_:
+        _run_plan(capsys, "--gpus", "16GiB", "--ctx", "lots")
+    assert exit_.value.code == 2 and "--ctx: not a token count: 'lots'" in capsys.readouterr().err
 
 
 def test_plan_command_auto_without_gpus(capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4station.planner.route import Route, RouteError, Stage, parse_route, route_from_dict, route_from_toml
+from ds4station.model.route import Route, RouteError, Stage, parse_route, route_from_dict, route_from_toml
 
 GiB = 1 << 30
 

@@ -1,4 +1,4 @@
-"""ds4station.engine.quants against gguf-py's numpy reference: dequantisation bit for bit on random and
+"""ds4station.kernels.quants against gguf-py's numpy reference: dequantisation bit for bit on random and
 extreme blocks, quantiser parity where gguf-py has one, round-trip error of the RTN quantisers, random
 valid blocks, and the errors for malformed input."""
 
@@ -11,7 +11,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
-from ds4station.engine import quants
+from ds4station.kernels import quants
 
 BLOCK_TYPES = [Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.MXFP4]
 ALL_TYPES = [Q.F32, Q.F16, Q.BF16, *BLOCK_TYPES]

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ds4station.engine.model import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard
+from ds4station.kernels.reference import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard
 
 
 def e4m3_values() -> list[float]:

@@ -46,13 +46,13 @@ def model_path(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def engine(model_path):
-    from ds4station.engine.runtime import Engine
+    from ds4station.engine.engine import Engine
 
-    return Engine.load(model_path, ctx=CTX, device="cpu", rollback=ROLLBACK)
+    return Engine.load(model_path, ctx=CTX, device="cpu", sessions=8, rollback=ROLLBACK)
 
 
 def start_server(engine, model_path, *, sessions: int = 2, max_queue: int = 16, **kw) -> BackgroundServer:
-    scheduler = Scheduler(lambda: engine, sessions=sessions, max_queue=max_queue, ctx=CTX)
+    scheduler = Scheduler(lambda: engine, sessions=sessions, max_queue=max_queue, ctx=CTX, owns_engine=False)
     app = create_app(scheduler, model_name="tiny", model_path=str(model_path), ctx=CTX, **kw)
     srv = BackgroundServer(app).start()
     assert scheduler.ready.wait(30) and scheduler.state == "ready"
@@ -454,7 +454,7 @@ def test_cors_is_off_unless_origins_are_named(server, fresh) -> None:
 
 
 def test_health_is_503_while_loading_and_names_a_failed_load(model_path, tmp_path) -> None:
-    from ds4station.engine.runtime import Engine
+    from ds4station.engine.engine import Engine
 
     gate = threading.Event()
 
@@ -479,7 +479,7 @@ def test_health_is_503_while_loading_and_names_a_failed_load(model_path, tmp_pat
         srv.stop()
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(b"GGUF" + b"\0" * 64)
-    srv = BackgroundServer(create_app(Scheduler(lambda: Engine.load(broken, ctx=256)), model_name="x",
+    srv = BackgroundServer(create_app(Scheduler(lambda: Engine.load(broken, ctx=256, device="cpu")), model_name="x",
                                       model_path=str(broken), ctx=256)).start()
     try:
         deadline = time.monotonic() + 30

@@ -96,7 +96,7 @@ def test_every_marker_split_in_three_every_way() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    from ds4station.engine.gguf import GGUFFile
+    from ds4station.model.gguf import GGUFFile
 
     path = make_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
     return Tokenizer.from_metadata(GGUFFile.open(path).metadata)

@@ -14,7 +14,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ds4station.engine.gguf import GGUFError, GGUFFile
+    from ds4station.model.gguf import GGUFError, GGUFFile
 
     try:
         f = GGUFFile.open(args.model)

@@ -15,7 +15,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ds4station.engine.demo import make_model
-    from ds4station.engine.gguf import GGUFFile
+    from ds4station.model.gguf import GGUFFile
 
     path = make_model(args.out, preset=args.preset, seed=args.seed, quant=args.quant)
     f = GGUFFile.open(path)

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
+
+from ds4station.model.sizes import token_count
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -19,7 +20,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(flags :desktop, :apu; cpu adds a CPU stage), or a host profile name from presets/")
     p.add_argument("--host-ram", metavar="SIZE", help="system RAM (for CPU stages and APU GTT); auto: this machine's")
     p.add_argument("--preset", default="speed", metavar="speed|context|PATH", help="planner preset (default speed)")
-    p.add_argument("--ctx", metavar="N", help="context length in tokens (e.g. 32768, 32K, 1M)")
+    p.add_argument("--ctx", metavar="N", type=token_count, help="context length in tokens (e.g. 32768, 32K, 1M)")
     p.add_argument("--expert-cache", metavar="SIZE",
                    help="stream routed experts through a cache of SIZE per GPU process (0 = keep them resident)")
     p.add_argument("--desktop-headroom", metavar="SIZE", help="memory left free on the card driving the display")
@@ -27,32 +28,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def parse_tokens(text: str) -> int:
-    """`32768`, `32K` (= 32768), `1M` (= 1048576)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
-    if not m:
-        raise ValueError(f"--ctx {text!r}: write a token count such as 32768, 32K or 1M")
-    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1 << 20}[m.group(2).lower()]
-
-
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from ds4station.model.footprint import named_shape, shape_from_specs
+    from ds4station.model.sizes import parse_size
     from ds4station.planner.devices import budgets_from_gpus, parse_gpu_spec
-    from ds4station.planner.footprint import named_shape, shape_from_specs
     from ds4station.planner.presets import PresetError, is_host_profile, load_host_profile, load_preset
     from ds4station.planner.propose import PlanError, propose
-    from ds4station.planner.sizes import parse_size
 
     try:
         settings = load_preset(args.preset)
         if args.desktop_headroom is not None:
             settings = dataclasses.replace(settings, desktop_headroom=parse_size(args.desktop_headroom))
         host_ram = parse_size(args.host_ram) if args.host_ram else None
-        ctx = parse_tokens(args.ctx) if args.ctx else None
         cache = parse_size(args.expert_cache) if args.expert_cache is not None else None
         if args.model:
-            from ds4station.engine.gguf import GGUFError, GGUFFile
+            from ds4station.model.gguf import GGUFError, GGUFFile
 
             try:
                 f = GGUFFile.open(args.model)
@@ -89,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        plan = propose(model, budgets, settings, ctx=ctx, expert_cache=cache, host_ram=host_ram)
+        plan = propose(model, budgets, settings, ctx=args.ctx or None, expert_cache=cache, host_ram=host_ram)
     except PlanError as e:
         if args.json:
             print(json.dumps({"error": str(e), "preset": settings.name, "model": model.name}))

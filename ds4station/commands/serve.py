@@ -1,10 +1,12 @@
 """`ds4station serve`: the local API server for coding agents (OpenAI, Responses, Anthropic) on one engine.
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
-                     [--ctx N] [--sessions N] [--queue N] [--max-tokens N] [--device cpu] ...
+                     [--ctx N] [--sessions N] [--queue N] [--max-tokens N] [--device auto] ...
 
 With no --model it serves the built-in demo model (created on first use). It listens on 127.0.0.1 unless
-told otherwise; binding elsewhere without --api-key prints a warning.
+told otherwise; binding elsewhere without --api-key prints a warning. Everything that can be checked
+without loading the weights (the file, the context length, the route, expert caches) is checked before
+the port is bound; `/health` says ready once the weights are loaded and the engine is warm.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from typing import Any
 
 from ds4station.commands.worker import add_pipeline_arguments, pipeline_options
+from ds4station.model.sizes import token_count
 
 DEFAULT_CTX = 32768
 
@@ -26,17 +29,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); default $DS4_API_KEY")
     p.add_argument("--cors", default="", help="comma-separated origins allowed by CORS (default: none)")
-    p.add_argument("--ctx", type=int, default=None,
-                   help=f"context length per session (default: the model's, at most {DEFAULT_CTX})")
+    p.add_argument("--ctx", type=token_count, default=None, metavar="N",
+                   help=f"context length per session, e.g. 32K or 1M (default: the model's, at most {DEFAULT_CTX})")
     p.add_argument("--sessions", type=int, default=2, help="live KV sessions kept for prefix reuse (default 2)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait behind the running one")
-    p.add_argument("--max-tokens", type=int, default=4096, help="default generation limit per request")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="tokens per prefill step")
-    p.add_argument("--rollback", type=int, default=1024,
+    p.add_argument("--max-tokens", type=token_count, default=4096, metavar="N",
+                   help="default generation limit per request (default 4096)")
+    p.add_argument("--prefill-chunk", type=token_count, default=None, metavar="N",
+                   help="tokens per prefill step (default: 2048 on a GPU, 256 on the CPU)")
+    p.add_argument("--rollback", type=token_count, default=1024, metavar="N",
                    help="tokens a live session can roll back for prefix reuse (default 1024)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
-    p.add_argument("--device", default="cpu", help="torch device for the engine (default cpu)")
+    p.add_argument("--device", default="auto",
+                   help="where a single-stage engine runs: auto (the GPU when one is visible, else cpu), cpu, "
+                        "cuda:N (default auto)")
     p.add_argument("--name", default=None, help="model id reported by /v1/models (default: the file name)")
     add_pipeline_arguments(p)
 
@@ -44,36 +51,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The FastAPI app for these arguments and uvicorn's settings (the engine loads when the app starts)."""
     from ds4station.engine.demo import demo_model_path
-    from ds4station.engine.gguf import GGUFFile
+    from ds4station.engine.engine import Engine, check_settings, default_chunk
     from ds4station.engine.scheduler import Scheduler
+    from ds4station.model.footprint import kv_bytes
+    from ds4station.model.gguf import GGUFFile
     from ds4station.server.app import create_app
 
     path = args.model or str(demo_model_path())
-    cfg = GGUFFile.open(path).config  # reads the header only; fails early with a clear message
+    gguf = GGUFFile.open(path)  # reads the header only; fails early with a clear message
+    cfg = gguf.config
     ctx = args.ctx or min(cfg.context_length, DEFAULT_CTX)
     if ctx < 16:
-        raise SystemExit(f"--ctx {ctx} is too small")
+        raise ValueError(f"--ctx {ctx} is too small (16 tokens at least)")
     if args.sessions < 1:
-        raise SystemExit("--sessions must be at least 1")
-
-    from ds4station.engine.kv import kv_bytes
-    from ds4station.engine.pipeline import check_settings
-
+        raise ValueError("--sessions must be at least 1")
     opts = pipeline_options(args)
-    check_settings(path, opts["route"], opts["expert_cache"], args.activation_bits, args.device)
-
-    per_session = kv_bytes(cfg, None, ctx, chunk=args.prefill_chunk, rollback=args.rollback)
-    print(f"ds4station serve: {path}: ctx {ctx}, KV {per_session / 2**20:.1f} MiB per session x {args.sessions} "
-          f"live session(s) = {per_session * args.sessions / 2**20:.1f} MiB", file=sys.stderr)
+    route = check_settings(gguf, ctx, opts.pop("route"), opts.pop("expert_cache"), args.activation_bits,
+                           args.device)
+    chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
+    per_session = kv_bytes(cfg, None, ctx, "f32", chunk=chunk, rollback=args.rollback)
+    print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk}, KV "
+          f"{per_session / 2**20:.1f} MiB per session x {args.sessions} session(s) = "
+          f"{per_session * args.sessions / 2**20:.1f} MiB", file=sys.stderr)
 
     def load() -> Any:
-        from ds4station.engine.pipeline import load_engine
-
-        return load_engine(path, ctx, device=args.device, chunk=args.prefill_chunk, rollback=args.rollback,
+        return Engine.load(path, ctx, route, sessions=args.sessions, chunk=chunk, rollback=args.rollback,
                            progress=scheduler.report_load, **opts)
 
-    scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=args.prefill_chunk,
-                          ctx=ctx)
+    scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx)
     name = args.name or os.path.splitext(os.path.basename(path))[0]
     app = create_app(scheduler, model_name=name, model_path=str(path), ctx=ctx, api_key=args.api_key or None,
                      cors=[o.strip() for o in args.cors.split(",") if o.strip()],
@@ -85,11 +90,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from ds4station.engine.gguf import GGUFError
-
     try:
         app, where = build(args)
-    except (GGUFError, ValueError) as e:  # bad file, route or expert-cache size
+    except (OSError, ValueError) as e:  # bad file, context, route or expert-cache size: nothing is bound yet
         print(f"ds4station serve: {e}", file=sys.stderr)
         return 2
     if where["host"] not in ("127.0.0.1", "localhost", "::1") and not args.api_key:

@@ -34,8 +34,8 @@ def _exit_on(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     import signal
 
+    from ds4station.model.sizes import parse_size
     from ds4station.planner import PresetError, load_preset
-    from ds4station.planner.sizes import parse_size
     from ds4station.tui.app import Ds4StationApp
 
     try:  # fail here with a message, not inside the running app

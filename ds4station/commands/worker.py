@@ -50,7 +50,7 @@ def add_pipeline_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def pipeline_options(args: argparse.Namespace) -> dict[str, object]:
-    """Keyword arguments for `ds4station.engine.pipeline.load_engine` from those flags."""
+    """Keyword arguments for `ds4station.engine.engine.Engine.load` from those flags."""
     remote = [int(r) for r in str(getattr(args, "remote_ranks", "") or "").split(",") if r.strip()]
     opts: dict[str, object] = {"route": args.route, "expert_cache": args.expert_cache,
                                "activation_bits": args.activation_bits}
@@ -61,7 +61,7 @@ def pipeline_options(args: argparse.Namespace) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     from ds4station.engine.stage import run_worker
-    from ds4station.planner.sizes import parse_size
+    from ds4station.model.sizes import parse_size
 
     try:
         cache = parse_size(args.expert_cache) if args.expert_cache is not None else None

@@ -1,1 +1,2 @@
-"""The model-file layer and the DS4 model: GGUF I/O, quant formats, tokenizer, chat format, reference model."""
+"""Runs the model: the engine (engine.py) over stages (stage.py) on their backends (gpu.py: the kernel stage;
+model.py: the fp32 reference), the scheduler, experts, tokenizer, chat format, sampler and benchmark."""

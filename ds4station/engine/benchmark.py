@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import FLASH, TINY, ModelConfig
-from .layout import TensorSpec, model_tensors
+from ds4station.model.config import FLASH, TINY, ModelConfig
+from ds4station.model.layout import TensorSpec, model_tensors
 
 SHAPES: dict[str, tuple[ModelConfig, str]] = {"flash-q2": (FLASH, "q2"), "tiny-q2": (TINY, "q2")}
 
@@ -98,11 +98,12 @@ def run(shape: str = "flash-q2", model: str | None = None, device: str = "cuda",
     torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     if model:
-        from .gguf import GGUFFile
+        from ds4station.engine.weights import load_tensors
+        from ds4station.model.gguf import GGUFFile
 
         f = GGUFFile.open(model)
         cfg, specs, name = f.config, list(f.specs.values()), str(model)
-        weights = f.load()
+        weights = load_tensors(f)
     else:
         cfg, recipe = SHAPES[shape]
         specs, name = model_tensors(cfg, recipe), shape
@@ -120,10 +121,10 @@ def run(shape: str = "flash-q2", model: str | None = None, device: str = "cuda",
     for n in sorted(set(prefills)):
         cache = stage.new_cache(ctx, chunk=chunk)
         tokens = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
-        stage.prefill(tokens[:chunk], stage.new_cache(ctx, chunk=chunk))  # warm-up (compiles)
+        stage.prefill(tokens[:chunk], stage.new_cache(ctx, chunk=chunk), logits=True)  # warm-up (compiles)
         torch.cuda.synchronize(dev)
         t = time.perf_counter()
-        stage.prefill(tokens, cache)
+        stage.prefill(tokens, cache, logits=True)
         torch.cuda.synchronize(dev)
         res.prefill[n] = n / (time.perf_counter() - t)
         log(f"prefill {n}: {res.prefill[n]:.1f} tok/s")
@@ -135,7 +136,7 @@ def run(shape: str = "flash-q2", model: str | None = None, device: str = "cuda",
     for n in sorted(set(prompts) - set(prefills)):
         cache = stage.new_cache(ctx, chunk=chunk)
         if n:
-            stage.prefill(torch.randint(2, cfg.vocab_size, (n,), generator=gen), cache)
+            stage.prefill(torch.randint(2, cfg.vocab_size, (n,), generator=gen), cache, logits=True)
         toks: list[int] = []
         res.decode[n] = _decode_rate(stage, cache, decode_tokens, runs, toks)
         if n == 0:
@@ -151,7 +152,7 @@ def run(shape: str = "flash-q2", model: str | None = None, device: str = "cuda",
 def planner_prediction(cfg: ModelConfig, specs: Sequence[TensorSpec], ctx: int, chunk: int, name: str) -> int:
     """What the planner predicts for this one-stage configuration, less the per-process runtime overhead
     (the CUDA context), which torch's allocator peak does not count."""
-    from ds4station.planner.footprint import FootprintSettings, shape_from_specs, stage_footprint
+    from ds4station.model.footprint import FootprintSettings, shape_from_specs, stage_footprint
 
     fp = stage_footprint(shape_from_specs(name, cfg, specs), range(cfg.n_layers), ctx,
                          FootprintSettings(prefill_chunk=chunk), embed=True, output=True)
@@ -161,13 +162,13 @@ def planner_prediction(cfg: ModelConfig, specs: Sequence[TensorSpec], ctx: int, 
 def _decode_rate(stage, cache, n_tokens: int, runs: int, out: list[int] | None = None) -> float:
     """Greedy decode: the median over `runs` runs of n_tokens each, after one warm-up step (graph capture)."""
     token = stage.cfg.bos_id
-    token = int(stage.decode(token, cache).argmax())
+    token = int(stage.decode(token, cache, logits=True).argmax())
     rates = []
     for _ in range(runs):
         torch.cuda.synchronize()
         t = time.perf_counter()
         for _ in range(n_tokens):
-            token = int(stage.decode(token, cache).argmax())  # the host needs the token, as a server does
+            token = int(stage.decode(token, cache, logits=True).argmax())  # the host needs the token, as a server does
             if out is not None:
                 out.append(token)
         rates.append(n_tokens / (time.perf_counter() - t))

@@ -531,3 +531,16 @@ def parse_completion(text: str, thinking: bool = False,
         elif isinstance(e, ToolCallArgsDelta):
             calls[e.index]["function"]["arguments"] += e.fragment
     return reasoning, content, calls
+
+
+def banned_tokens(tok: Any, thinking: bool, tools: bool) -> list[int]:
+    """Tokens the model must not produce in an assistant turn: turn markers always, the think tags where they
+    make no sense, and DSML when no tool may be called (tool_choice none, or no tools at all)."""
+    from .tokenizer import ASSISTANT, BOS, DSML, THINK_END, THINK_START, USER
+
+    banned = [tok.token_id(t) for t in (BOS, USER, ASSISTANT, THINK_START)]
+    if not thinking:
+        banned.append(tok.token_id(THINK_END))
+    if not tools:
+        banned.append(tok.token_id(DSML))
+    return banned

@@ -13,11 +13,12 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from .config import PRESETS, ModelConfig
-from .gguf import write_gguf
-from .layout import TensorSpec, model_tensors
-from .quants import QTensor, random_blocks
+from ds4station.kernels.quants import QTensor, random_blocks
+from ds4station.model.config import PRESETS, ModelConfig
+from ds4station.model.layout import TensorSpec, model_tensors
+
 from .tokenizer import build_demo_vocab, tokenizer_metadata
+from .weights import write_gguf
 
 DEMO_PRESET = "tiny"
 # Bump when the demo model's contents change, so old cached files are not reused.

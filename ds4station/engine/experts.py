@@ -34,10 +34,9 @@ from typing import Any
 
 import torch
 
-from ds4station.planner.sizes import GiB, format_size, gib
-
-from .config import ModelConfig
-from .quants import QTensor, dequantize
+from ds4station.kernels.quants import QTensor, dequantize
+from ds4station.model.config import ModelConfig
+from ds4station.model.sizes import GiB, format_size, gib
 
 PARTS = ("gate", "up", "down")
 ROLE_OF_PART = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}

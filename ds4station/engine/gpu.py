@@ -10,8 +10,8 @@ with every op a kernel of ds4station/kernels:
   compressor update and the indexer's top-k are one kernel each, attention reads the window from the ring;
 - every decode op has a static shape and no host synchronisation, so a whole decode step is captured in
   one CUDA graph (HIP graph on ROCm) and replayed; the context-dependent parts (indexer keys, compressed
-  rows) are read up to a power-of-two position bucket, one graph per bucket; a pipeline stage's layers
-  are captured the same way (`decode_hidden`);
+  rows) are read up to a power-of-two position bucket, one graph per bucket; a stage without the
+  embedding or the head captures its layers alone, from and to a static HC state;
 - prefill runs in chunks with bounded scratch: the indexer keeps a running top-k over column blocks, the
   attention kernel one query per program with an online softmax (no [T, keys] x heads tensor).
 On a CPU tensor every kernel call falls back to the kernels' torch references, so the same code is tested
@@ -40,15 +40,16 @@ from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_, swiglu
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q8_0 import PackedQ8_0
+from ds4station.kernels.quants import QTensor
+from ds4station.kernels.reference import HyperConnection, Rope
+from ds4station.kernels.reference import swiglu as swiglu_pair
 from ds4station.kernels.router import router
 from ds4station.kernels.rows import finish_rows
+from ds4station.model.config import ModelConfig
+from ds4station.model.layout import model_tensors
 
-from .config import ModelConfig
 from .kv import DEFAULT_CHUNK, Frontier, KVCache
-from .layout import model_tensors
-from .model import HyperConnection, Rope, RoundTrips
-from .model import swiglu as swiglu_pair
-from .quants import QTensor
+from .model import RoundTrips
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ class GpuStage:
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
         self._graphs: dict[tuple, _DecodeGraph] = {}
+        self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
@@ -419,28 +421,78 @@ class GpuStage:
         cfg = self.cfg
         return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
 
-    # ---- public forward ------------------------------------------------------------------------------------
+    # ---- the backend interface (engine/stage.py drives it) ---------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, tokens: Tensor | list[int], cache: KVCache) -> Tensor:
-        """Append tokens to the cache in chunks of cache.chunk -> logits of the last position [vocab]."""
+    def prefill(self, tokens: Tensor | list[int], cache: KVCache, X: Tensor | None = None, *,
+                logits: bool = False) -> Tensor:
+        """Append tokens [T] at positions cache.length.. to the cache, in pieces of at most cache.chunk, with
+        eager launches. X: their HC state [T, C, dim] coming from the previous stage (None: embedded here).
+        -> the HC state [T, C, dim] out of this stage's layers, or with `logits` the head's logits of the last
+        position [vocab]."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
-        logits = None
+        outs = []
         for s in range(0, tokens.numel(), cache.chunk):
             t = tokens[s:s + cache.chunk]
-            logits = self.head(self.run_hidden(self.embed(t), t, cache)[-1:])[0]
-        return logits
+            T = t.numel()
+            cache.check_room(T)
+            p0 = cache.length
+            st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
+            x = self.embed(t) if X is None else X[s:s + T].to(self.device, torch.float32)
+            outs.append(self.run_layers(x, t, cache, st))
+            cache.length += T
+        if logits:
+            return self.head(outs[-1][-1:])[0]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
-    def run_hidden(self, X: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
-        """A pipeline stage's step: HC state X [T, C, dim] of tokens [T] (T <= cache.chunk) at positions
-        cache.length.. through this stage's layers -> [T, C, dim]; extends the cache (eager launches)."""
-        T = X.shape[0]
-        cache.check_room(T)
-        p0 = cache.length
-        st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
-        X = self.run_layers(X, tokens, cache, st)
-        cache.length += T
-        return X
+    def decode(self, token: int, cache: KVCache, X: Tensor | None = None, *, logits: bool = False,
+               graph: bool | None = None) -> Tensor:
+        """One token at position cache.length, as `prefill` does it (X [1, C, dim] or None, -> [1, C, dim] or
+        with `logits` [vocab]) but with static shapes: on CUDA the step replays a captured graph (one per
+        cache, position bucket and form; embedding and head inside it when they run here). `graph=False`
+        launches the same ops eagerly (see _decode_graph for when that happens by itself). The result is
+        the graph's static output buffer: read (or copy) it before the next decode step overwrites it."""
+        cache.check_room(1)
+        bucket = self.bucket(cache)
+        if X is not None:
+            X = X.to(self.device, torch.float32)
+        key = (id(cache), bucket, X is None, logits)
+        g = self._decode_graph(graph, key, lambda: _DecodeGraph(self, cache, bucket, X is None, logits))
+        if g is None:
+            t = torch.tensor([token], device=self.device)
+            st = Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
+            out = self.run_layers(self.embed(t) if X is None else X, t, cache, st)
+            out = self.head(out)[0] if logits else out
+        else:
+            out = g.run(token, cache.length, X)
+        cache.length += 1
+        return out
+
+    def capture(self, cache: KVCache, *, embedded: bool, logits: bool, positions: int) -> int:
+        """Capture, ahead of use, the decode graphs of an empty `cache` for every position bucket up to
+        `positions` (what the engine does before it says ready, so that no request pays for a capture; the
+        capture's warm-up step writes KV rows of the bucket's first position, which must hold nothing yet).
+        -> graphs held."""
+        if cache.length:
+            raise ValueError("decode graphs are captured ahead on an empty cache only")
+        if self.device.type != "cuda" or not self.graphs:
+            return 0
+        n, length = 0, cache.length
+        while True:
+            bucket = self.bucket(cache)
+            key = (id(cache), bucket, embedded, logits)
+
+            def make(bucket: int = bucket) -> _DecodeGraph:
+                return _DecodeGraph(self, cache, bucket, embedded, logits)
+
+            if self._decode_graph(None, key, make) is None:
+                break
+            n += 1
+            if bucket >= min(positions, cache.ctx):
+                break
+            cache.length = bucket  # the next bucket's first position; nothing is written here
+        cache.length = length
+        return n
 
     def bucket(self, cache: KVCache) -> int:
         """Decode reads context up to this many positions: a power of two > the position decoded (or ctx)."""
@@ -463,47 +515,8 @@ class GpuStage:
                 return None
         return g
 
-    def _eager_step(self, token: int, cache: KVCache, bucket: int) -> tuple[Tensor, Step]:
-        t = torch.tensor([token], device=self.device)
-        return t, Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
-
-    @torch.inference_mode()
-    def decode(self, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
-        """One token -> logits [vocab]. On CUDA the step replays a captured graph (one per cache and
-        position bucket); `graph=False` runs the same ops eagerly (see _decode_graph for when that happens
-        by itself). The graph's logits are its static output buffer: read (or copy) them before the next
-        decode step overwrites them."""
-        cache.check_room(1)
-        bucket = self.bucket(cache)
-        g = self._decode_graph(graph, (id(cache), bucket), lambda: _DecodeGraph(self, cache, bucket))
-        if g is None:
-            t, st = self._eager_step(token, cache, bucket)
-            logits = self.head(self.run_layers(self.embed(t), t, cache, st))[0]
-        else:
-            logits = g.run(token, cache.length)
-        cache.length += 1
-        return logits
-
-    @torch.inference_mode()
-    def decode_hidden(self, X: Tensor, token: int, cache: KVCache, graph: bool | None = None) -> Tensor:
-        """A pipeline stage's decode step: HC state X [1, C, dim] of `token` through this stage's layers ->
-        [1, C, dim], as `decode` does it (static shapes; on CUDA one captured graph per cache and bucket,
-        whose output buffer the next step overwrites)."""
-        cache.check_room(1)
-        bucket = self.bucket(cache)
-        X = X.to(self.device, torch.float32)
-        g = self._decode_graph(graph, (id(cache), bucket, "hidden"),
-                               lambda: _DecodeGraph(self, cache, bucket, hidden=True))
-        if g is None:
-            t, st = self._eager_step(token, cache, bucket)
-            out = self.run_layers(X, t, cache, st)
-        else:
-            out = g.run(token, cache.length, X)
-        cache.length += 1
-        return out
-
     def drop_graphs(self, cache: KVCache) -> None:
-        """Release the decode graphs captured for a cache (when its session ends)."""
+        """Release the decode graphs captured for a cache (when the cache itself goes)."""
         for key in [k for k in self._graphs if k[0] == id(cache)]:
             del self._graphs[key]
 
@@ -517,21 +530,20 @@ def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
 
 
 class _DecodeGraph:
-    """One decode step captured in a CUDA graph, over static token / position buffers: the whole stage
-    (token -> logits), or, `hidden`, a pipeline stage's layers (static HC-state input -> HC state)."""
+    """One decode step captured in a CUDA graph, over static token / position buffers (and, for a stage that
+    does not embed, a static HC-state input); `logits`: the head is inside too."""
 
-    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, hidden: bool = False) -> None:
+    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, embedded: bool, logits: bool) -> None:
         dev, cfg = stage.device, stage.cfg
         self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
         self.tok = torch.zeros(1, dtype=torch.long, device=dev)
         self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)
-        self.x = torch.zeros(1, cfg.hc_mult, cfg.dim, device=dev) if hidden else None
+        self.x = None if embedded else torch.zeros(1, cfg.hc_mult, cfg.dim, device=dev)
         st = Step(self.pos, None, None, bucket)
 
         def step() -> Tensor:
-            if self.x is not None:
-                return stage.run_layers(self.x, self.tok, cache, st)
-            return stage.head(stage.run_layers(stage.embed(self.tok), self.tok, cache, st))[0]
+            X = stage.run_layers(stage.embed(self.tok) if self.x is None else self.x, self.tok, cache, st)
+            return stage.head(X)[0] if logits else X
 
         # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
         # position's KV slots, which the real replay overwrites with the same position's values.
@@ -541,7 +553,11 @@ class _DecodeGraph:
             step()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        # One memory pool for all of a stage's graphs: they replay one at a time and each output is read
+        # before the next replay, so their temporaries may share memory (as vLLM's captures do).
+        if stage.graph_pool is None:
+            stage.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=stage.graph_pool):
             self.out = step()
 
     def run(self, token: int, position: int, X: Tensor | None = None) -> Tensor:
@@ -566,8 +582,9 @@ class RandomWeights(Mapping[str, Weight]):
                                                                          output=output))}
 
     def __getitem__(self, name: str) -> Weight:
+        from ds4station.kernels.quants import random_blocks
+
         from .demo import random_weight
-        from .quants import random_blocks
 
         i, spec = self.specs[name]
         if spec.qtype in (Q.F32, Q.I32):

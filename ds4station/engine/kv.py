@@ -10,7 +10,8 @@ Rings are larger than the model strictly needs, by `slack = max(chunk, rollback)
 - `truncate(n)` can roll the sequence back by up to `slack` tokens (live-KV prefix reuse in the server),
   because the raw rows and frontier projections that position n needs are still in the rings.
 
-Sizes come from `kv_bytes`, a closed formula the planner uses; `KVCache.nbytes()` equals it (tested).
+Sizes follow model/footprint.py's `kv_bytes`, the one formula the planner and the engine use;
+`KVCache.nbytes()` equals it (tested).
 Raw/compressed rows and indexer keys are stored in `dtype`; frontiers always in float32 because the
 compressor pools in fp32 (DeepSeek's reference: "compression need fp32").
 """
@@ -22,53 +23,19 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from ds4station.kernels.reference import frontier_read
+from ds4station.model.config import ModelConfig
+from ds4station.model.footprint import frontier_rows, kv_slack
 
 DEFAULT_CHUNK = 256
 
 
-def _slack(chunk: int, rollback: int) -> int:
-    return max(chunk, rollback)
-
-
-def _frontier_rows(ratio: int, slack: int) -> int:
-    """Positions a compressor frontier ring holds: the pooled span (2r overlapping, r otherwise) + slack."""
-    coff = 2 if ratio == 4 else 1
-    return coff * ratio + slack
-
-
-def kv_bytes(cfg: ModelConfig, layers: range | None, ctx: int, dtype: torch.dtype = torch.float32, *,
-             chunk: int = DEFAULT_CHUNK, rollback: int = 0) -> int:
-    """Bytes `KVCache(cfg, layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback)` allocates."""
-    layers = range(cfg.n_layers) if layers is None else layers
-    item = torch.empty((), dtype=dtype).element_size()
-    f32 = 4
-    slack = _slack(chunk, rollback)
-    total = 0
-    for i in layers:
-        r = cfg.ratio(i)
-        total += (cfg.window + slack) * cfg.head_dim * item  # raw ring
-        if r:
-            total += math.ceil(ctx / r) * cfg.head_dim * item  # compressed rows
-            total += 2 * _frontier_rows(r, slack) * cfg.compressor_width(i) * f32  # kv + score
-        if cfg.has_indexer(i):
-            total += math.ceil(ctx / 4) * cfg.index_dim * item  # indexer keys
-            total += 2 * _frontier_rows(4, slack) * 2 * cfg.index_dim * f32
-    return total
-
-
-def kv_bytes_per_token(cfg: ModelConfig, layers: range | None = None, dtype: torch.dtype = torch.float32) -> float:
-    """Bytes per token of context (compressed rows + indexer keys), the part that grows with ctx."""
-    layers = range(cfg.n_layers) if layers is None else layers
-    item = torch.empty((), dtype=dtype).element_size()
-    per = 0.0
-    for i in layers:
-        r = cfg.ratio(i)
-        if r:
-            per += cfg.head_dim * item / r
-        if cfg.has_indexer(i):
-            per += cfg.index_dim * item / 4
-    return per
+def dtype_name(dtype: torch.dtype) -> str:
+    """The footprint formula's name for a KV dtype ("f32", "f16", "bf16")."""
+    names = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+    if dtype not in names:
+        raise ValueError(f"KV rows are kept in float32, float16 or bfloat16, not {dtype}")
+    return names[dtype]
 
 
 class Frontier:
@@ -87,10 +54,7 @@ class Frontier:
 
     def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [...] -> kv, score [..., width]; positions < 0 read as kv = 0, score = -inf (no weight)."""
-        slots = pos.clamp(min=0) % self.rows
-        kv, score = self.kv[slots], self.score[slots]
-        before = (pos < 0).unsqueeze(-1)
-        return kv.masked_fill(before, 0.0), score.masked_fill(before, float("-inf"))
+        return frontier_read(self.kv, self.score, pos)
 
     def nbytes(self) -> int:
         return self.kv.nbytes + self.score.nbytes
@@ -131,7 +95,7 @@ class KVCache:
             raise ValueError(f"bad KV cache size: ctx={ctx}, chunk={chunk}, rollback={rollback}")
         self.cfg, self.ctx, self.dtype, self.chunk, self.rollback = cfg, ctx, dtype, chunk, rollback
         self.layer_range = range(cfg.n_layers) if layers is None else layers
-        self.slack = _slack(chunk, rollback)
+        self.slack = kv_slack(chunk, rollback)
         self.length = 0  # positions written so far (the next token's position)
         self.layers: dict[int, LayerKV] = {}
         for i in self.layer_range:
@@ -139,10 +103,10 @@ class KVCache:
             kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device))
             if r:
                 kv.comp = torch.zeros(math.ceil(ctx / r), cfg.head_dim, dtype=dtype, device=device)
-                kv.comp_frontier = Frontier(_frontier_rows(r, self.slack), cfg.compressor_width(i), device)
+                kv.comp_frontier = Frontier(frontier_rows(r, self.slack), cfg.compressor_width(i), device)
             if cfg.has_indexer(i):
                 kv.index_keys = torch.zeros(math.ceil(ctx / 4), cfg.index_dim, dtype=dtype, device=device)
-                kv.index_frontier = Frontier(_frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
+                kv.index_frontier = Frontier(frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
             self.layers[i] = kv
 
     def __getitem__(self, layer: int) -> LayerKV:

@@ -14,8 +14,8 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
 - every finished request reports llama.cpp-style timings (cache_n, prompt_n, prompt_ms, predicted_n,
   predicted_ms) and its cached prefix length.
 
-The engine interface is deliberately narrow (`GenerationEngine` / `EngineSession` below) so the GPU and
-pipeline engines drop in without touching the server.
+The engine interface is deliberately narrow (`GenerationEngine` / `EngineSession` below): engine/engine.py's
+`Engine` is what runs, on any route; tests drive the scheduler with small fakes of the same interface.
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ class EngineSession(Protocol):
         """Keep only the first n tokens; False when the state cannot roll back that far."""
 
     def kv_bytes(self) -> int: ...
+
+    def close(self) -> None:
+        """Give the KV state back to the engine (its slot is reused by the next new session)."""
 
 
 class GenerationEngine(Protocol):
@@ -293,7 +296,7 @@ class SessionPool:
         common, live = chosen
         if len(live.tokens) > common and not live.session.truncate(common):
             self.resets += 1
-            live.session = None  # type: ignore[assignment]  # drop the old KV before allocating the new one
+            live.session.close()  # give the old KV back before taking a new one
             live.session = self.engine.new_session()
             common = 0
         if common > 0:
@@ -308,6 +311,7 @@ class SessionPool:
         """Forget a session whose state can no longer be trusted (the engine failed while extending it)."""
         if live in self.slots:
             self.slots.remove(live)
+            live.session.close()
 
     def describe(self) -> list[dict[str, Any]]:
         """Called from the HTTP thread while the worker runs: reads only, tolerates a slot being replaced."""
@@ -348,8 +352,10 @@ class Scheduler:
     def __init__(self, loader: Callable[[], GenerationEngine], *, sessions: int = 2, max_queue: int = 16,
                  prefill_chunk: int = 256, ctx: int | None = None,
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
-                 on_finish: Callable[[Job, Finished], None] | None = None) -> None:
+                 on_finish: Callable[[Job, Finished], None] | None = None, owns_engine: bool = True) -> None:
+        """`owns_engine=False`: `stop` leaves the loaded engine open (tests share one between schedulers)."""
         self._loader = loader
+        self.owns_engine = owns_engine
         self.capacity = sessions
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
@@ -399,8 +405,11 @@ class Scheduler:
         except queue.Full:
             pass
         self._thread.join(timeout)
-        close = getattr(self.engine, "close", None)  # a pipeline engine stops its worker processes
-        if close is not None:
+        if self.pool is not None:  # give the live KV back
+            for live in list(self.pool.slots):
+                self.pool.drop(live)
+        close = getattr(self.engine, "close", None)  # the engine stops its worker processes
+        if close is not None and self.owns_engine:
             close()
         if self.state != "failed":
             self.state = "stopped"

@@ -33,15 +33,18 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ds4station.planner.route import Route, RouteError, Stage, parse_route
+from ds4station.engine.weights import load_tensors
+from ds4station.kernels.quants import QTensor
+from ds4station.model.gguf import GGUFFile
+from ds4station.model.route import Route, RouteError, Stage, parse_route
 
 from .experts import PARTS, ROLE_OF_PART, ExpertCache, ExpertCacheTooSmall, install, is_routed_expert
-from .gguf import GGUFFile
 from .gpu import GpuStage
 from .kv import KVCache
 from .model import DS4Model, RoundTrips
@@ -159,12 +162,15 @@ class StageSettings:
     ctx: int
     chunk: int
     rollback: int
+    sessions: int = 1  # KV slots every stage allocates at load (the live sessions the engine can hold)
     kv_dtype: str = "float32"
     backend: str = "gloo"
     prefetch: bool = True
     fp8_kv: bool = True  # model.RoundTrips: the quantisation round trips of the real model (on by default)
     indexer_fp4: bool = True
-    fast: bool | None = None  # the kernel stage (engine/gpu.py); None = on GPU devices, resident experts
+    compute: str = "auto"  # the stage backend: auto (see choose_backend), kernels or reference
+    warm: bool = True  # compile the kernels and capture the decode graphs before reporting ready
+    world: int = 1
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -174,106 +180,179 @@ class StageSettings:
         return cls(**json.loads(text))
 
 
+COMPUTE = ("auto", "kernels", "reference")
+# Decode graphs captured before ready cover positions up to this many tokens (more buckets are captured
+# when a session first reaches them).
+WARM_POSITIONS = 65536
+
+
 def stage_label(rank: int, stage: Stage) -> str:
     return f"stage {rank} ({stage.device}, layers {stage.first_layer}-{stage.last_layer})"
 
 
+def choose_backend(device: torch.device, stage: Stage, compute: str = "auto") -> str:
+    """The one place that decides how a stage computes: "kernels" (engine/gpu.py: quantised weights, Triton
+    kernels, graph decode) on a GPU with resident experts; "reference" (the fp32 DS4Model slice) on the CPU
+    and where experts stream (until those run on the kernel stage). `compute` forces one (tests run the
+    kernel stage's CPU fallbacks with "kernels")."""
+    if compute not in COMPUTE:
+        raise ValueError(f"compute {compute!r}: use one of {', '.join(COMPUTE)}")
+    if compute == "kernels" and stage.streaming:
+        raise ValueError(f"{stage.device}: streamed experts need the reference slice; drop the stage's cache= "
+                         "or let the engine choose the backend")
+    if compute != "auto":
+        return compute
+    return "kernels" if device.type == "cuda" and not stage.streaming else "reference"
+
+
+class _Progress(Mapping[str, QTensor]):
+    """A stage's tensors, reporting `progress(bytes handed out, total bytes)` as each one is taken."""
+
+    def __init__(self, tensors: dict[str, QTensor], progress: Callable[[int, int], None]) -> None:
+        self.tensors, self.progress = tensors, progress
+        self.total, self.done = sum(q.nbytes for q in tensors.values()), 0
+
+    def __getitem__(self, name: str) -> QTensor:
+        q = self.tensors[name]
+        self.done += q.nbytes
+        self.progress(self.done, self.total)
+        return q
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
 class StageRunner:
-    """The compute of one stage: its layer slice (the kernel stage of engine/gpu.py, or the fp32 reference
-    DS4Model where experts stream or on CPU), its experts, one KVCache per session."""
+    """The compute of one stage: its layer slice on the backend `choose_backend` picks, its experts, and
+    `settings.sessions` KV slots for its layers, allocated at load (so what a stage holds is known when it
+    says ready). A session is a slot; a freed slot is reset and reused, with its decode graphs."""
 
     def __init__(self, gguf: GGUFFile, stage: Stage, settings: StageSettings, device: torch.device, *,
-                 rank: int = 0) -> None:
+                 rank: int = 0, progress: Callable[[int, int], None] | None = None) -> None:
         self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
-        tensors = gguf.load(stage.layers, embed=stage.embed, output=stage.output)
+        tensors: Mapping[str, QTensor] = load_tensors(gguf, stage.layers, embed=stage.embed, output=stage.output)
+        if progress is not None:
+            tensors = _Progress(dict(tensors), progress)
         self.experts: ExpertCache | None = None
         self.model: DS4Model | GpuStage
         round_trips = RoundTrips(settings.fp8_kv, settings.indexer_fp4)
-        fast = settings.fast if settings.fast is not None else device.type == "cuda"
-        if fast and stage.streaming:
-            if settings.fast:
-                raise ValueError(f"{stage_label(rank, stage)}: streamed experts need the reference slice; "
-                                 "drop the stage's cache= or run without the kernel stage")
-            fast = False
-        if fast and KV_DTYPES[settings.kv_dtype] not in (torch.float32, torch.float16):
-            raise ValueError(f"{stage_label(rank, stage)}: the kernel stage keeps KV in float32 or float16, "
-                             f"not {settings.kv_dtype}")
-        self.fast = fast
-        if fast:  # quantised weights straight from the mapped file, repacked on the device
+        self.compute = choose_backend(device, stage, settings.compute)
+        kv_dtype = KV_DTYPES[settings.kv_dtype]
+        if self.compute == "kernels":  # quantised weights straight from the mapped file, repacked on the device
+            if kv_dtype not in (torch.float32, torch.float16):
+                raise ValueError(f"{stage_label(rank, stage)}: the kernel stage keeps KV in float32 or float16, "
+                                 f"not {settings.kv_dtype}")
             self.model = GpuStage(self.cfg, tensors, stage.layers, embed=stage.embed, output=stage.output,
                                   device=device, round_trips=round_trips)
-            self.kv: dict[int, KVCache] = {}
+        else:
+            if stage.streaming:
+                self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
+                                           prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
+            weights: dict[str, Any] = {}
+            for name in tensors:
+                if self.experts is not None and is_routed_expert(name):
+                    layer, role = int(name.split(".")[1]), name.split(".")[2]
+                    part = next(p for p in PARTS if ROLE_OF_PART[p] == role)
+                    weights[name] = self.experts.view(layer, part)
+                else:
+                    weights[name] = tensors[name].dequantize().to(device)
+            self.model = DS4Model(self.cfg, weights, stage.layers, embed=stage.embed, output=stage.output,
+                                  round_trips=round_trips)
+            if self.experts is not None:
+                install(self.model, self.experts)
+        # The forms this stage's steps take: the first stage embeds; the head runs inside the step when this
+        # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`).
+        self.embeds = stage.embed
+        self.logits = stage.output and rank == settings.world - 1
+        self.slots = [self.model.new_cache(settings.ctx, chunk=settings.chunk, rollback=settings.rollback,
+                                           dtype=kv_dtype) for _ in range(settings.sessions)]
+        self.kv: dict[int, KVCache] = {}  # session id -> its slot
+        if settings.warm:
+            self.warm()
+
+    # ---- readiness ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def warm(self) -> None:
+        """Make the first request as fast as the tenth: on the kernel stage of a GPU, compile the prefill
+        kernels (a chunk-long step and a short odd one) on a slot, then capture every slot's decode graphs
+        for the first position buckets; the slot is reset after. Nothing to do for the reference."""
+        if self.compute != "kernels" or self.device.type != "cuda":
             return
-        if stage.streaming:
-            self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
-                                       prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
-        weights: dict[str, Any] = {}
-        for name, q in tensors.items():
-            if self.experts is not None and is_routed_expert(name):
-                layer, role = int(name.split(".")[1]), name.split(".")[2]
-                part = next(p for p in PARTS if ROLE_OF_PART[p] == role)
-                weights[name] = self.experts.view(layer, part)
-            else:  # as runtime.Engine.load does it, so a slice holds bit-for-bit the single-process weights
-                weights[name] = q.dequantize().to(device)
-        self.model = DS4Model(self.cfg, weights, stage.layers, embed=stage.embed, output=stage.output,
-                              round_trips=round_trips)
-        if self.experts is not None:
-            install(self.model, self.experts)
-        self.kv = {}
+        cfg, cache = self.cfg, self.slots[0]
+        gen = torch.Generator().manual_seed(self.rank)
+        for n in (min(self.settings.chunk, self.settings.ctx - 1), 19):
+            n = max(1, min(n, self.settings.ctx - 1))
+            tokens = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
+            X = None if self.embeds else torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
+            self.model.prefill(tokens, cache, X, logits=self.logits)
+            cache.reset()
+        assert isinstance(self.model, GpuStage)
+        for slot in self.slots:
+            self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
+        torch.cuda.synchronize(self.device)
 
     # ---- sessions ----------------------------------------------------------------------------------
     def new_session(self, sid: int) -> None:
-        s = self.settings
-        self.kv[sid] = self.model.new_cache(s.ctx, chunk=s.chunk, rollback=s.rollback, dtype=KV_DTYPES[s.kv_dtype])
-
+        used = {id(c) for c in self.kv.values()}
+        free = [c for c in self.slots if id(c) not in used]
+        if not free:
+            raise RuntimeError(f"{stage_label(self.rank, self.stage)}: all {len(self.slots)} KV slot(s) are in "
+                               "use; close a session first (or load with more sessions)")
+        free[0].reset()
+        self.kv[sid] = free[0]
 
     def free(self, sid: int) -> None:
-        cache = self.kv.pop(sid, None)
-        if cache is not None and self.fast:
-            self.model.drop_graphs(cache)
+        self.kv.pop(sid, None)
 
     def truncate(self, sid: int, n: int) -> bool:
         return self.kv[sid].truncate(n)
 
     # ---- compute -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(tokens.to(self.device))
-
-    @torch.inference_mode()
-    def run(self, sid: int, X: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        if self.fast and X.shape[0] == 1:  # decode: static shapes, one CUDA graph per bucket on a GPU
-            # the token id as the caller holds it (no device round trip); the graph reuses its output buffer
-            return self.model.decode_hidden(X, int(tokens[0]), self.kv[sid]).clone()
-        X, tokens = X.to(self.device, torch.float32), tokens.to(self.device)
-        if self.fast:
-            return self.model.run_hidden(X, tokens, self.kv[sid])
-        return self.model.run_layers(X, tokens, self.kv[sid])
+    def step(self, sid: int, tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
+        """Tokens [T] (and, on a stage that does not embed, their HC state X) through this stage -> the HC
+        state for the next stage, or on the last stage holding the head the last position's logits. One
+        token decodes (static shapes, a graph replay on a GPU); more prefill."""
+        cache = self.kv[sid]
+        if tokens.numel() == 1:  # the token id as the caller holds it: no device round trip
+            out = self.model.decode(int(tokens[0]), cache, X, logits=self.logits)
+            return out.clone()  # the graph reuses its output buffer
+        return self.model.prefill(tokens, cache, X, logits=self.logits)
 
     @torch.inference_mode()
     def head(self, X: torch.Tensor) -> torch.Tensor:
+        """Rank 0's head over the HC state the last stage sent back -> logits [T, vocab]."""
         return self.model.head(X.to(self.device, torch.float32))
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def kv_bytes(self) -> int:
+        """Bytes of every KV slot this stage allocated (what the plan must count)."""
+        return sum(c.nbytes() for c in self.slots)
+
     def stats(self) -> dict[str, Any]:
         sessions = dict(self.kv)  # a snapshot: /status may ask from another thread
         s = self.stage
         return {
             "rank": self.rank, "device": s.device, "torch_device": str(self.device), "pid": os.getpid(),
             "layers": [s.first_layer, s.last_layer + 1], "range": f"{s.first_layer}-{s.last_layer}",
-            "embed": s.embed, "output": s.output,
+            "embed": s.embed, "output": s.output, "compute": self.compute,
             "sessions": {str(k): {"tokens": c.length, "kv_bytes": c.nbytes()} for k, c in sessions.items()},
-            "kv_bytes": sum(c.nbytes() for c in sessions.values()),
+            "kv_bytes": sum(c.nbytes() for c in sessions.values()), "kv_allocated_bytes": self.kv_bytes(),
+            "kv_slots": len(self.slots),
             "expert_cache": None if self.experts is None else self.experts.report(),
         }
 
     def close(self) -> None:
         if self.experts is not None:
             self.experts.close()
-        for cache in self.kv.values():
-            if self.fast:
+        if isinstance(self.model, GpuStage):
+            for cache in self.slots:
                 self.model.drop_graphs(cache)
         self.kv.clear()
+        self.slots.clear()
 
 
 # ---- transport ---------------------------------------------------------------------------------------
@@ -469,15 +548,15 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
         if op == OP_EXTEND:
             assert payload is not None
             tokens, X = unpack(payload, n, bits, cfg.hc_mult, cfg.dim)
-            X = runner.run(sid, X, tokens)
+            out = runner.step(sid, tokens, X)
             if not last:
                 link.send(hdr, nxt)
-                link.send(pack(tokens, X, bits), nxt)
+                link.send(pack(tokens, out, bits), nxt)
             elif flags & FLAG_RESULT:
-                if runner.stage.output:  # the head is here: only the logits travel back
-                    link.send(runner.head(X[-1:])[0].float(), 0)
+                if runner.logits:  # the head is here: only the logits travel back
+                    link.send(out.float(), 0)
                 else:  # the head is on rank 0: send the last position's state back
-                    link.send(pack(tokens[-1:], X[-1:], bits), 0)
+                    link.send(pack(tokens[-1:], out[-1:], bits), 0)
             if time.monotonic() - published > 1.0:
                 publish()
             continue

@@ -63,7 +63,7 @@ def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tenso
     """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32.
     Masked compressed entries are zeroed before the call: their ids may be out of range and their rows
     arbitrary, and sink_attention multiplies p = 0 by the key (0 * inf would be NaN)."""
-    from ds4station.engine.model import sink_attention
+    from ds4station.kernels.reference import sink_attention
 
     kw, mask_w, mask_c = positional_masks(kw, mask_w, kc, mask_c, pos, window, ratio)
 

@@ -113,7 +113,7 @@ def ceilings(device: torch.device) -> tuple[float, float]:
 
 
 def _random_raw(qtype, lead: tuple[int, ...], k: int, gen: torch.Generator, scale: float) -> torch.Tensor:
-    from ds4station.engine.quants import random_blocks, row_bytes
+    from ds4station.kernels.quants import random_blocks, row_bytes
 
     return random_blocks(qtype, math.prod(lead) * k, gen, scale).view(*lead, row_bytes(qtype, k))
 
@@ -480,9 +480,9 @@ def bench_layer_ops(device: torch.device, copy_gbps: float, bf16_tflops: float, 
     with `ctx` positions of context, each captured 32 times in a CUDA graph (the decode step's own cost per
     launch), and the prefill forms over a chunk of `tokens` (median of do_bench). Outputs against the torch
     references (the indexer: the fraction of selected blocks that differ from the reference's set)."""
-    from ds4station.engine.config import FLASH
-    from ds4station.engine.model import rope_inv_freq
     from ds4station.kernels import attention, compressor, indexer, rows
+    from ds4station.kernels.reference import rope_inv_freq
+    from ds4station.model.config import FLASH
 
     H, D, IH, ID, W, r4 = FLASH.n_heads, FLASH.head_dim, FLASH.index_heads, FLASH.index_dim, FLASH.window, 4
     gen = torch.Generator(device=device).manual_seed(3)

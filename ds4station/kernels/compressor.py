@@ -49,16 +49,13 @@ class Finish:
 
 
 def _pool_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, blocks: Tensor, ratio: int, fin: Finish) -> None:
-    from ds4station.engine.kv import Frontier
-
+    from .reference import frontier_read
     from .rows import finish_rows_ref
 
     d = rows.shape[1]
     coff = fkv.shape[1] // d
-    fr = Frontier.__new__(Frontier)
-    fr.rows, fr.kv, fr.score = fkv.shape[0], fkv, fsc
     src = blocks[:, None] * ratio - (coff - 1) * ratio + torch.arange(coff * ratio, device=fkv.device)
-    kv_s, sc_s = fr.read(src)
+    kv_s, sc_s = frontier_read(fkv, fsc, src)
     if coff == 2:
         kv_s = torch.cat((kv_s[:, :ratio, :d], kv_s[:, ratio:, d:]), dim=1)
         sc_s = torch.cat((sc_s[:, :ratio, :d], sc_s[:, ratio:, d:]), dim=1)

@@ -33,13 +33,13 @@ Tensor = torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Torch references (the model's own functions, imported lazily: engine.model is the heavier module).
+# Torch references (kernels/reference.py's functions on fp32 copies of the inputs).
 
 
 def hc_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
                sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
-    """HyperConnection.pre of engine/model.py on fp32 copies of the inputs."""
-    from ds4station.engine.model import hc_mix, sinkhorn
+    """HyperConnection.pre of kernels/reference.py on fp32 copies of the inputs."""
+    from ds4station.kernels.reference import hc_mix, sinkhorn
 
     C = X.shape[1]
     Xf = X.float()
@@ -53,15 +53,15 @@ def hc_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: floa
 
 
 def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """HyperConnection.post of engine/model.py."""
-    from ds4station.engine.model import HyperConnection
+    """HyperConnection.post of kernels/reference.py."""
+    from ds4station.kernels.reference import HyperConnection
 
     return HyperConnection.post(out.float(), X.float(), post.float(), comb.float())
 
 
 def hc_head_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
     """DS4Model.head up to (not including) the output RMSNorm."""
-    from ds4station.engine.model import hc_mix
+    from ds4station.kernels.reference import hc_mix
 
     Xf = X.float()
     mix = hc_mix(Xf, fn.float(), rms_eps)

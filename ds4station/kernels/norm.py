@@ -120,7 +120,7 @@ def rope_triton_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, hea
 def swiglu_ref(gu: torch.Tensor, clamp: float) -> torch.Tensor:
     """gu [T, 2F] = (gate | up) -> silu(gate) * up [T, F], with DeepSeek's clamp (gate <= c, up in [-c, c];
     c <= 0 disables it), as engine/model.py's swiglu."""
-    from ds4station.engine.model import swiglu as swiglu_model
+    from ds4station.kernels.reference import swiglu as swiglu_model
 
     f = gu.shape[-1] // 2
     return swiglu_model(gu[:, :f].float(), gu[:, f:].float(), clamp)

@@ -59,7 +59,7 @@ class PackedQ4K:
 
 def repack_q4_k(raw: torch.Tensor, k: int) -> PackedQ4K:
     """Repack raw GGUF Q4_K bytes (uint8 [..., N, K/256*144] or flat) of rows of length `k`."""
-    from ds4station.engine.quants import _k_scale_min, _nibbles_32
+    from ds4station.kernels.quants import _k_scale_min, _nibbles_32
 
     if raw.dtype != torch.uint8:
         raise TypeError(f"raw Q4_K data must be uint8 bytes, got {raw.dtype}")

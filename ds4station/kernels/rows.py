@@ -40,8 +40,8 @@ def finish_rows_ref(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False, w
                     eps: float = 1e-6, inv_freq: Tensor | None = None, inverse: bool = False,
                     hadamard: bool = False, rt: str | None = None, nope: int = 0,
                     ring: Tensor | None = None) -> Tensor:
-    from ds4station.engine.model import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip
-    from ds4station.engine.model import hadamard as hadamard_ref
+    from ds4station.kernels.reference import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip
+    from ds4station.kernels.reference import hadamard as hadamard_ref
 
     from .norm import rms_norm_ref, rope_ref
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .sizes import GiB, format_size, parse_size
+from ds4station.model.sizes import GiB, format_size, parse_size
 
 if TYPE_CHECKING:
     from ds4station.hardware import Gpu

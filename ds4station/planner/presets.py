@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ds4station.model.footprint import DEFAULT_RUNTIME_OVERHEAD, FootprintSettings
+from ds4station.model.sizes import MiB, parse_size
+
 from .devices import DEFAULT_DESKTOP_HEADROOM
-from .footprint import DEFAULT_RUNTIME_OVERHEAD, FootprintSettings
-from .sizes import MiB, parse_size
 
 try:
     import tomllib

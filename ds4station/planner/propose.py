@@ -22,11 +22,19 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ds4station.model.footprint import (
+    ModelShape,
+    StageFootprint,
+    kv_bytes,
+    layer_kv_bytes,
+    scratch_bytes,
+    stage_footprint,
+)
+from ds4station.model.route import Route, Stage
+from ds4station.model.sizes import format_size, gib
+
 from .devices import DEFAULT_HOST_RESERVE, DeviceBudget
-from .footprint import ModelShape, StageFootprint, kv_bytes, layer_kv_bytes, scratch_bytes, stage_footprint
 from .presets import PlanSettings
-from .route import Route, Stage
-from .sizes import format_size, gib
 
 # Device memory (~1 TB/s on Vega 20, ~4 TB/s on an H200) over the host link an expert miss crosses
 # (PCIe 3.0/4.0 x16, ~13-25 GB/s): a missed byte costs this many resident bytes of decode time.

@@ -25,7 +25,6 @@ from starlette.requests import Request
 from ds4station.engine import chat
 from ds4station.engine.sampler import SamplingParams
 from ds4station.engine.scheduler import Finished, Handle, Job, NotReady, Prefill, QueueFull, Scheduler, Text
-from ds4station.engine.tokenizer import ASSISTANT, BOS, DSML, THINK_END, THINK_START, USER
 
 from .errors import ApiError
 from .toolguide import ToolCallGuide
@@ -163,17 +162,6 @@ def logit_bias(tok: Any, bias: dict[str, float] | None) -> dict[int, float]:
     return out
 
 
-def _banned(tok: Any, turn: ChatTurn, thinking: bool) -> list[int]:
-    """Tokens the model must not produce in this turn: turn markers always, the think tags where they make no
-    sense, and DSML when no tool may be called (tool_choice none, or no tools at all)."""
-    banned = [tok.token_id(t) for t in (BOS, USER, ASSISTANT, THINK_START)]
-    if not thinking:
-        banned.append(tok.token_id(THINK_END))
-    if not turn.tools or turn.tool_choice == "none":
-        banned.append(tok.token_id(DSML))
-    return banned
-
-
 async def start(state: ServerState, turn: ChatTurn) -> Run:
     """Render, check and queue a chat turn; raises ApiError for a bad request or a full queue."""
     thinking = turn.thinking
@@ -192,8 +180,9 @@ async def start(state: ServerState, turn: ChatTurn) -> Run:
             guide = ToolCallGuide(tok, fns, max_tokens, close_think=thinking)
         except ValueError as e:
             raise ApiError(400, str(e), code="max_tokens_too_small", param="max_tokens") from e
+    tools = bool(turn.tools) and turn.tool_choice != "none"
     job = Job(prompt=prompt, max_tokens=max_tokens, sampling=turn.sampling, stop=turn.stop,
-              stop_tokens={tok.eos_id}, banned_tokens=_banned(tok, turn, thinking),
+              stop_tokens={tok.eos_id}, banned_tokens=chat.banned_tokens(tok, thinking, tools),
               logit_bias=logit_bias(tok, turn.logit_bias), guide=guide, kind=turn.kind)
     handle = submit(state, job)
     prefix = turn.call_id_prefix

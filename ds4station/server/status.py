@@ -130,7 +130,7 @@ async def status(request: Request) -> dict[str, Any]:
                       "n_layers", "dim", "vocab_size", "n_experts", "n_experts_used", "context_length")}},
         "state": s["state"], "error": s["error"], "uptime_s": round(time.time() - st.started_at, 3),
         "route": extra.get("route") or (f"{device}: embed, 0-{n_layers - 1}, output" if n_layers else None),
-        "stages": extra.get("stages") or [_single_stage(sched, device, n_layers, s["sessions"]["kv_bytes"])],
+        "stages": _stages(sched, extra, device, n_layers, s["sessions"]["kv_bytes"]),
         "kv": {"bytes": s["sessions"]["kv_bytes"], "tokens": sum(x["tokens"] for x in s["sessions"]["live"]),
                "ctx": st.ctx},
         "sessions": s["sessions"], "queue": s["queue"], "running": s["running"],
@@ -144,11 +144,14 @@ async def status(request: Request) -> dict[str, Any]:
     }
 
 
-def _single_stage(sched: Scheduler, device: str, n_layers: int | None, kv_bytes: int) -> dict[str, Any]:
-    stage: dict[str, Any] = {"device": device, "layers": [0, n_layers], "kv_bytes": kv_bytes}
-    if sched.load_progress is not None:  # weight bytes read so far while loading, then the total
-        stage["loaded_bytes"], stage["weights_bytes"] = sched.load_progress
-    return stage
+def _stages(sched: Scheduler, extra: dict[str, Any], device: str, n_layers: int | None,
+            kv_bytes: int) -> list[dict[str, Any]]:
+    """The engine's stages (one placeholder while it loads), stage 0 with its weight bytes read so far."""
+    stages = [dict(st) for st in extra.get("stages") or [{"device": device, "layers": [0, n_layers],
+                                                          "kv_bytes": kv_bytes}]]
+    if sched.load_progress is not None:
+        stages[0]["loaded_bytes"], stages[0]["weights_bytes"] = sched.load_progress
+    return stages
 
 
 def _mean(values: Any) -> float | None:

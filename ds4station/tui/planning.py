@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ds4station.model.sizes import format_size, gib
 from ds4station.planner import (
     DeviceBudget,
     ModelShape,
@@ -25,7 +26,6 @@ from ds4station.planner import (
     named_shape,
     propose,
 )
-from ds4station.planner.sizes import format_size, gib
 
 DEMO_SHAPE = "tiny-q2"  # the shape of ds4station.engine.demo's built-in model (tiny preset, q2 recipe)
 PRESETS = ("speed", "context")
@@ -46,7 +46,7 @@ def demo_model() -> ModelChoice:
 
 def model_from_file(path: str) -> ModelChoice:
     """Read a GGUF's header and tensor table (imports torch through the GGUF reader: call from a worker)."""
-    from ds4station.engine.gguf import GGUFFile
+    from ds4station.model.gguf import GGUFFile
     from ds4station.planner import shape_from_specs
 
     f = GGUFFile.open(path)

@@ -10,7 +10,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, Select, Static
 
-from ds4station.planner.sizes import format_size, parse_size
+from ds4station.model.sizes import format_size, parse_size, parse_tokens
 
 from ..messages import ModelLoaded
 from ..planning import PRESETS, PlanEditor, demo_model, model_from_file
@@ -99,15 +99,13 @@ class PlanScreen(Screen[None]):
 
     @on(Input.Submitted, "#ctx")
     def _ctx(self, event: Input.Submitted) -> None:
-        from ds4station.commands.plan import parse_tokens
-
         ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
         if ed is None:
             return
         try:
             ed.set_ctx(parse_tokens(event.value))
         except ValueError as e:
-            ed.refusal = str(e).replace("--ctx ", "context ")
+            ed.refusal = f"context: {e}"
         self.app.plan_changed()  # type: ignore[attr-defined]
 
     @on(Input.Submitted, "#cache")

@@ -9,7 +9,7 @@
   compressed rows ceil(ctx/r) x head_dim on compressed layers, the indexer keys ceil(ctx/4) x index_dim on
   ratio-4 layers, and each compressor's frontier ring (projections + scores, fp32, the unfinished block +
   chunk rows). At f32 the per-token part is 13,760 bytes over Flash's 43 layers. This is engine/kv.py's
-  allocation, byte for byte (a test compares them), written without torch so the planner stays light.
+  allocation, byte for byte (a test compares them): the one formula, which the engine sizes its caches with.
 - scratch: the prefill chunk's activations (`activation_bytes_per_token` x chunk, fp32) and the indexer's
   score scratch, 2 x ceil(ctx/4) x chunk x 4 bytes on a
   stage with any ratio-4 layer (ds4's figure; it grows with ctx x chunk, which is why the context preset uses
@@ -28,9 +28,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from ds4station.engine.config import FLASH, TINY, ModelConfig
-from ds4station.engine.layout import TensorSpec, model_tensors
-
+from .config import FLASH, TINY, ModelConfig
+from .layout import TensorSpec, model_tensors
 from .sizes import MiB
 
 KV_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -57,27 +56,39 @@ def kv_bytes_per_token(cfg: ModelConfig, layers: Iterable[int], dtype: str = "f3
     return total
 
 
+def kv_slack(chunk: int, rollback: int) -> int:
+    """Extra positions every ring keeps beyond what decoding needs: a prefill chunk is written before it
+    is attended to, and `truncate` can roll back this far (live-KV prefix reuse)."""
+    return max(chunk, rollback)
+
+
+def frontier_rows(ratio: int, slack: int) -> int:
+    """Positions a compressor frontier ring holds: the pooled span (2r overlapping at ratio 4, r otherwise)
+    + slack."""
+    return (2 if ratio == 4 else 1) * ratio + slack
+
+
 def layer_kv_bytes(cfg: ModelConfig, layer: int, ctx: int, dtype: str = "f32", *, chunk: int = 256,
                    rollback: int = 0) -> int:
-    """Persistent KV state of one layer for `ctx` tokens, as engine/kv.py allocates it: rings carry
-    `slack = max(chunk, rollback)` extra positions (a prefill chunk is written before it is attended to)."""
+    """Persistent KV state of one layer for `ctx` tokens: exactly what engine/kv.py's KVCache allocates (the
+    one formula; a test compares them)."""
     b = KV_DTYPE_BYTES[dtype]
-    slack = max(chunk, rollback)
+    slack = kv_slack(chunk, rollback)
     r = cfg.ratio(layer)
     n = (cfg.window + slack) * cfg.head_dim * b  # raw ring
     if r:
         n += _cdiv(ctx, r) * cfg.head_dim * b  # compressed rows
-        # frontier: projections + scores of the unfinished block (ratio 4 overlaps two blocks) + slack, fp32
-        rows = (2 * r if r == 4 else r) + slack
-        n += 2 * rows * cfg.compressor_width(layer) * FRONTIER_BYTES
+        n += 2 * frontier_rows(r, slack) * cfg.compressor_width(layer) * FRONTIER_BYTES  # kv + score, fp32
     if cfg.has_indexer(layer):
         n += _cdiv(ctx, 4) * cfg.index_dim * b  # indexer keys
-        n += 2 * (8 + slack) * 2 * cfg.index_dim * FRONTIER_BYTES
+        n += 2 * frontier_rows(4, slack) * 2 * cfg.index_dim * FRONTIER_BYTES
     return n
 
 
-def kv_bytes(cfg: ModelConfig, layers: Iterable[int], ctx: int, dtype: str = "f32", *, chunk: int = 256,
+def kv_bytes(cfg: ModelConfig, layers: Iterable[int] | None, ctx: int, dtype: str = "f32", *, chunk: int = 256,
              rollback: int = 0) -> int:
+    """KV bytes of one session over `layers` (None: all of them)."""
+    layers = range(cfg.n_layers) if layers is None else layers
     return sum(layer_kv_bytes(cfg, i, ctx, dtype, chunk=chunk, rollback=rollback) for i in layers)
 
 
@@ -240,6 +251,6 @@ def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: Footprint
 
 __all__ = [
     "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "KV_DTYPE_BYTES", "ModelShape", "SHAPES", "StageFootprint",
-    "activation_bytes_per_token", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token", "layer_kv_bytes",
-    "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
+    "activation_bytes_per_token", "frontier_rows", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token",
+    "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
 ]

@@ -1,7 +1,9 @@
-"""Byte sizes as people write them: parse `16GiB`, `1.5 GiB`, `512M`, `2e9`; format bytes back.
+"""Sizes as people write them: bytes (`16GiB`, `1.5 GiB`, `512M`, `2e9`) and token counts (`32K`, `1M`).
 
 Binary units (KiB, MiB, GiB, TiB) are powers of 1024; decimal units (KB, MB, GB, TB) powers of 1000. A bare
-`G`/`M`/`K` means the binary unit, as in `--gpus 16G`, because memory sizes are binary in practice.
+`G`/`M`/`K` means the binary unit, as in `--gpus 16G`, because memory sizes are binary in practice. Token
+counts take K (1024) and M (1,048,576): `--ctx 1M` is the model's whole 1,048,576-token context. Every flag
+that takes either goes through these parsers.
 """
 
 from __future__ import annotations
@@ -52,3 +54,28 @@ def format_size(n: int) -> str:
 def gib(n: int) -> str:
     """Human form for tables: always GiB with two decimals."""
     return f"{n / GiB:.2f} GiB"
+
+
+_TOKENS = re.compile(r"^\s*([0-9]+)\s*([kKmM]?)\s*$")
+
+
+def parse_tokens(text: str | int) -> int:
+    """`32768`, `32K` (= 32768), `1M` (= 1048576) -> a token count. Raises ValueError naming the forms."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise ValueError(f"a token count must be >= 0, got {text}")
+        return text
+    m = _TOKENS.match(str(text))
+    if not m:
+        raise ValueError(f"not a token count: {text!r} (write e.g. 32768, 32K or 1M)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1 << 20}[m.group(2).lower()]
+
+
+def token_count(text: str) -> int:
+    """argparse `type=` for flags that take a token count (`--ctx 32K`)."""
+    import argparse
+
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

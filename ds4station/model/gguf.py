@@ -1,10 +1,11 @@
-"""GGUF I/O for the DS4 layout: read (validated, memory-mapped, per-stage) and write.
+"""The GGUF header and tensor table of a DS4 file: read, validated, memory-mapped read-only (numpy + gguf).
 
 `GGUFFile.open(path)` parses the header with gguf-py's reader, builds the ModelConfig from the
 `deepseek4.*` keys, and checks every tensor against the layout in `layout.py` (names, ggml shapes, types,
-data inside the file), failing with a message that names the offending key or tensor. Tensor data stays
-in the memory map: `load(layers=...)` returns zero-copy views for one pipeline stage only, so a stage never
-touches the pages of layers it does not own.
+data inside the file), failing with a message that names the offending key or tensor. The file is mapped
+read-only and shared (`mmap` mode "r"): no commit charge, so an 81 GiB file opens on a machine with less
+RAM, and pages are read only when a tensor's bytes are touched. `raw(name)` is a read-only numpy view of
+one tensor's blocks; engine/weights.py turns those views into torch tensors for one pipeline stage.
 """
 
 from __future__ import annotations
@@ -16,19 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader
 
-from .config import ARCH, ConfigError, ModelConfig
-from .layout import F32_ROLES, TensorSpec, model_tensors, quant_type, tensor_bytes
-from .quants import QTensor, quantize
+from .config import ConfigError, ModelConfig
+from .layout import F32_ROLES, TensorSpec, model_tensors, tensor_bytes
 
 # Types a DS4 weight may be stored in (ds4 accepts these; the dequantiser handles all of them).
 WEIGHT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.MXFP4}
-# Keys stored as 64-bit in ds4's files; every other integer key is u32.
-_U64_KEYS = {"context_length", "rope.scaling.original_context_length"}
-_TOKEN_TYPE_KEY = "tokenizer.ggml.token_type"
 
 
 class GGUFError(ValueError):
@@ -76,18 +72,13 @@ class GGUFFile:
         """The file's tensors for a layer slice plus embedding / head, in layout order."""
         return [self.specs[s.name] for s in model_tensors(self.config, "f32", layers, embed=embed, output=output)]
 
-    def tensor(self, name: str) -> QTensor:
-        """A zero-copy view of one tensor's raw blocks in the memory map."""
+    def raw(self, name: str) -> np.ndarray:
+        """A zero-copy, read-only view of one tensor's raw blocks in the memory map (uint8)."""
         spec = self.specs.get(name)
         if spec is None:
             raise KeyError(f"{self.path}: no tensor named {name}")
         off = self._offsets[name]
-        raw = self._reader.data[off: off + spec.n_bytes]
-        return QTensor(torch.from_numpy(np.asarray(raw)), spec.qtype, spec.torch_shape)
-
-    def load(self, layers: range | None = None, *, embed: bool = True, output: bool = True) -> dict[str, QTensor]:
-        """Views of exactly the tensors one pipeline stage needs; nothing else is touched."""
-        return {s.name: self.tensor(s.name) for s in self.tensor_specs(layers, embed=embed, output=output)}
+        return np.asarray(self._reader.data[off: off + spec.n_bytes])
 
     def bytes_by_layer(self) -> dict[str, dict[str, int]]:
         """{"global" | "blk.N": {tensor role: bytes}}, for reports and the planner."""
@@ -107,7 +98,7 @@ class _Reader(GGUFReader):
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        super().__init__(path, "c")  # copy-on-write: torch gets a writable view, the file is never changed
+        super().__init__(path, "r")  # read-only and shared: no commit charge, the file is never changed
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
         size = len(self.data)
@@ -149,72 +140,4 @@ def _check_tensors(path: Path, cfg: ModelConfig, found: Mapping[str, TensorSpec]
                             f"{', '.join(sorted(t.name for t in allowed))}")
 
 
-# ---- writing ----------------------------------------------------------------------------------
-def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, torch.Tensor | QTensor],
-               recipe: str = "q2", tokenizer_meta: Mapping[str, Any] | None = None,
-               extra_meta: Mapping[str, Any] | None = None) -> Path:
-    """Write a DS4 GGUF. Float tensors (torch order) are quantised to the recipe's type for their role;
-    QTensor values are written as they are, in their own type. Every tensor of the layout must be present.
-    The file appears under its name only once complete."""
-    path = Path(path)
-    specs = model_tensors(cfg, recipe)
-    names = {s.name for s in specs}
-    missing = [n for n in names if n not in tensors]
-    extra = [n for n in tensors if n not in names]
-    if missing or extra:
-        raise GGUFError(f"write_gguf: missing {sorted(missing)[:5]} unexpected {sorted(extra)[:5]}")
-    tmp = path.with_name(path.name + ".partial")
-    writer = GGUFWriter(tmp, ARCH)
-    for key, value in cfg.to_metadata().items():
-        _add_kv(writer, f"{ARCH}.{key}", value, u64=key in _U64_KEYS)
-    writer.add_uint32(f"{ARCH}.expert_group_count", 0)
-    writer.add_uint32(f"{ARCH}.expert_group_used_count", 0)
-    for key, value in {**(tokenizer_meta or {}), **(extra_meta or {})}.items():
-        _add_kv(writer, key, value)
-    for spec in specs:
-        t = tensors[spec.name]
-        if isinstance(t, QTensor):
-            spec = TensorSpec(spec.name, spec.shape, t.qtype, spec.layer)
-            raw = t.data
-        else:
-            if tuple(t.shape) != spec.torch_shape:
-                raise GGUFError(f"write_gguf: {spec.name} has shape {tuple(t.shape)}, expected {spec.torch_shape}")
-            raw = t.to(torch.int32) if spec.qtype == Q.I32 else quantize(t, spec.qtype)
-        arr = raw.detach().cpu().contiguous().numpy()
-        if spec.qtype in (Q.F32, Q.F16, Q.I32):
-            arr = arr.view({Q.F32: np.float32, Q.F16: np.float16, Q.I32: np.int32}[spec.qtype])
-            arr = arr.reshape(spec.torch_shape)
-            writer.add_tensor(spec.name, arr)
-        else:
-            byte_shape = (*spec.torch_shape[:-1], tensor_bytes(spec.shape[:1], spec.qtype))
-            writer.add_tensor(spec.name, arr.view(np.uint8).reshape(byte_shape), raw_dtype=spec.qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
-    return path
-
-
-def _add_kv(writer: GGUFWriter, key: str, value: Any, u64: bool = False) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, str):
-        writer.add_string(key, value)
-    elif isinstance(value, int):
-        (writer.add_uint64 if u64 else writer.add_uint32)(key, value)
-    elif isinstance(value, float):
-        writer.add_float32(key, value)
-    elif isinstance(value, (list, tuple)):
-        if value and isinstance(value[0], str):
-            writer.add_array(key, list(value))
-        elif value and isinstance(value[0], float):
-            writer.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=GGUFValueType.FLOAT32)
-        else:
-            sub = GGUFValueType.INT32 if key == _TOKEN_TYPE_KEY else GGUFValueType.UINT32
-            writer.add_key_value(key, [int(v) for v in value], GGUFValueType.ARRAY, sub_type=sub)
-    else:
-        raise GGUFError(f"cannot write metadata {key}={value!r} ({type(value).__name__})")
-
-
-__all__ = ["GGUFError", "GGUFFile", "WEIGHT_TYPES", "quant_type", "write_gguf"]
+__all__ = ["GGUFError", "GGUFFile", "WEIGHT_TYPES"]

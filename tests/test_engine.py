@@ -1,0 +1,199 @@
+"""The one engine on the tiny q2 GGUF (the demo model's file format), one stage in this process: sessions on
+preallocated KV slots, the backend choice, `generate` through the scheduler, the device and chunk defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from ds4station.engine.demo import make_model
+from ds4station.engine.engine import DEFAULT_GPU_CHUNK, Engine, check_settings, default_chunk
+from ds4station.engine.kv import DEFAULT_CHUNK
+from ds4station.engine.model import DS4Model
+from ds4station.engine.stage import choose_backend
+from ds4station.model.footprint import kv_bytes
+from ds4station.model.route import parse_route
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("model") / "tiny-q2.gguf", preset="tiny", seed=0, quant="q2")
+
+
+@pytest.fixture(scope="module")
+def engine(gguf_path):
+    e = Engine.load(gguf_path, ctx=128, device="cpu", sessions=3, chunk=16, rollback=16)
+    yield e
+    e.close()
+
+
+PROMPT = list(range(2, 50))  # 48 tokens: past the window, several compressed blocks
+
+
+def full_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits from the engine's own stage model (prefill + head over the whole state)."""
+    model = engine.runner.model
+    assert isinstance(model, DS4Model)
+    return model.head(model.prefill(tokens, model.new_cache(len(tokens), chunk=len(tokens))))
+
+
+def test_one_stage_runs_in_this_process_on_the_reference(engine) -> None:
+    assert engine.world == 1 and not engine.procs
+    assert engine.runner.compute == "reference" and str(engine.route) == "cpu=embed,0-5,output"
+    # every KV slot is allocated at load, as the formula says
+    assert engine.runner.kv_bytes() == 3 * kv_bytes(engine.cfg, None, 128, "f32", chunk=16, rollback=16)
+
+
+def test_session_extend_in_chunks_and_steps_matches_full_forward(engine):
+    full = full_logits(engine, PROMPT)
+    s = engine.new_session()
+    first = s.extend(PROMPT[:30], chunk=7)
+    torch.testing.assert_close(first, full[29], rtol=0, atol=1e-4 * float(full.abs().max()))
+    for i in range(30, len(PROMPT)):
+        last = s.extend([PROMPT[i]])
+        torch.testing.assert_close(last, full[i], rtol=0, atol=1e-4 * float(full.abs().max()))
+    assert s.tokens == PROMPT
+    assert s.kv_bytes() == kv_bytes(engine.cfg, None, 128, "f32", chunk=16, rollback=16)
+    s.close()
+
+
+def test_truncate_rolls_back_and_reextends(engine):
+    s = engine.new_session()
+    s.extend(PROMPT)
+    assert not s.truncate(len(PROMPT) - 17)  # beyond rollback=16 (chunk 16): refused, unchanged
+    assert s.tokens == PROMPT
+    assert s.truncate(40)
+    assert s.tokens == PROMPT[:40]
+    again = s.extend(PROMPT[40:])
+    fresh = engine.new_session()
+    torch.testing.assert_close(again, fresh.extend(PROMPT), rtol=0, atol=1e-4 * float(again.abs().max()))
+    s.close()
+    fresh.close()
+
+
+def test_sessions_take_slots_and_a_freed_slot_starts_empty(engine) -> None:
+    sessions = [engine.new_session() for _ in range(3)]
+    with pytest.raises(RuntimeError, match="all 3 KV slot"):
+        engine.new_session()
+    want = sessions[0].extend(PROMPT[:20])
+    sessions[0].close()
+    again = engine.new_session()  # the freed slot, reset: the same logits as a fresh start
+    torch.testing.assert_close(again.extend(PROMPT[:20]), want, rtol=0, atol=0)
+    del sessions[1]  # a session dropped without close() gives its slot back too
+    extra = engine.new_session()
+    for s in (again, extra, sessions[1]):
+        s.close()
+
+
+def test_load_reports_progress_in_weight_bytes(gguf_path) -> None:
+    seen: list[tuple[int, int]] = []
+    Engine.load(gguf_path, ctx=64, device="cpu", progress=lambda done, total: seen.append((done, total))).close()
+    totals = {t for _, t in seen}
+    assert len(totals) == 1 and seen[-1][0] == seen[-1][1] == totals.pop() > 0
+    assert all(a[0] < b[0] for a, b in zip(seen, seen[1:], strict=False))  # grows with every tensor
+
+
+def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
+    """compute="kernels" runs the kernel stage (engine/gpu.py, the default on a GPU; on the CPU its torch
+    fallbacks) behind the same Session interface: its logits follow the reference through prefill, decode
+    and a rollback."""
+    from ds4station.engine.gpu import GpuStage
+
+    ref = Engine.load(gguf_path, ctx=128, device="cpu")
+    fast = Engine.load(gguf_path, ctx=128, device="cpu", compute="kernels")
+    assert isinstance(fast.runner.model, GpuStage) and fast.runner.compute == "kernels"
+    a, b = ref.new_session(), fast.new_session()
+    prompt = [0, *range(5, 45)]
+    for step in (prompt, [7], [9], [11]):
+        la, lb = a.extend(step), b.extend(step)
+        assert (la - lb).abs().max() < 2e-2 * la.abs().max()  # FP8/FP4 round trips amplify 1e-6 differences
+    assert b.truncate(len(prompt)) and b.tokens == prompt
+    lb = b.extend([7])
+    assert a.truncate(len(prompt)) and (a.extend([7]) - lb).abs().max() < 2e-2 * lb.abs().max()
+    ref.close()
+    fast.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_engine_is_warm_and_gives_the_reference_tokens(gguf_path) -> None:
+    """On a GPU the default engine is the kernel stage, warmed at load (decode graphs captured for every
+    slot before the first request), and its greedy tokens are the reference engine's."""
+    from ds4station.engine.gpu import GpuStage
+
+    ref = Engine.load(gguf_path, ctx=256, device="cpu")
+    gpu = Engine.load(gguf_path, ctx=256, sessions=2)
+    assert gpu.runner.compute == "kernels" and gpu.chunk == DEFAULT_GPU_CHUNK
+    model = gpu.runner.model
+    assert isinstance(model, GpuStage) and len(model._graphs) == 2  # one bucket (ctx 256) x two slots
+    prompt = [0, *range(5, 45)]
+    got, want = [], []
+    for engine, out in ((ref, want), (gpu, got)):
+        s = engine.new_session()
+        out.append(int(s.extend(prompt).argmax()))
+        for _ in range(10):
+            out.append(int(s.extend([out[-1]]).argmax()))
+        s.close()
+    assert len(model._graphs) == 2  # no capture after ready
+    assert got == want
+    ref.close()
+    gpu.close()
+
+
+def test_backend_is_chosen_in_one_place() -> None:
+    route = parse_route("cpu=embed,0-1,output; cuda:0=2-3; cuda:1=4-5,cache=2GiB", 6)
+    cpu, gpu, streaming = route.stages
+    assert choose_backend(torch.device("cpu"), cpu) == "reference"
+    assert choose_backend(torch.device("cuda:0"), gpu) == "kernels"
+    assert choose_backend(torch.device("cuda:1"), streaming) == "reference"  # streamed experts: reference slice
+    assert choose_backend(torch.device("cpu"), cpu, "kernels") == "kernels"
+    with pytest.raises(ValueError, match="streamed experts"):
+        choose_backend(torch.device("cuda:1"), streaming, "kernels")
+    with pytest.raises(ValueError, match="compute 'fast'"):
+        choose_backend(torch.device("cpu"), cpu, "fast")
+
+
+def test_defaults_fit_the_machine(gguf_path) -> None:
+    assert default_chunk("cpu") == DEFAULT_CHUNK and default_chunk("cuda:0") == DEFAULT_GPU_CHUNK
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert str(check_settings(gguf_path, 4096)) == f"{want}=embed,0-5,output"
+    assert str(check_settings(gguf_path, 4096, device="cpu")) == "cpu=embed,0-5,output"
+    with pytest.raises(ValueError, match=r"--ctx 1048576 is outside this model's context: use 1 to 4,096"):
+        check_settings(gguf_path, 1 << 20)
+    with pytest.raises(ValueError, match="outside"):
+        Engine.load(gguf_path, ctx=0, device="cpu")
+
+
+def _generate_args(path, *extra: str) -> argparse.Namespace:
+    from ds4station.commands import generate
+
+    parser = argparse.ArgumentParser()
+    generate.add_arguments(parser)
+    return parser.parse_args(["--model", str(path), "--device", "cpu", *extra])
+
+
+def test_generate_command_streams_text_and_speed(gguf_path, capsys):
+    from ds4station.commands import generate
+
+    args = _generate_args(gguf_path, "--prompt", "hello there", "--max-tokens", "5", "--temperature", "0.7",
+                          "--seed", "3", "--ctx", "1K")
+    assert args.ctx == 1024
+    assert generate.run(args) == 0
+    out, err = capsys.readouterr()
+    assert "prompt:" in err and "tok/s" in err and "decode:" in err and "finish: length" in err
+    assert generate.run(args) == 0
+    assert capsys.readouterr().out == out  # same seed, same text
+    args.seed = 4
+    assert generate.run(args) == 0
+    assert capsys.readouterr().out != out
+
+
+def test_generate_refuses_a_context_beyond_the_model(gguf_path, capsys) -> None:
+    from ds4station.commands import generate
+
+    assert generate.run(_generate_args(gguf_path, "--prompt", "hi", "--ctx", "1M")) == 2
+    assert "--ctx 1048576 is outside this model's context" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _generate_args(gguf_path, "--prompt", "hi", "--ctx", "lots")
