@@ -4,7 +4,9 @@ preallocated KV slots, the backend choice, `generate` through the scheduler, the
 from __future__ import annotations
 
 import argparse
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -197,3 +199,40 @@ def test_generate_refuses_a_context_beyond_the_model(gguf_path, capsys) -> None:
     assert "--ctx 1048576 is outside this model's context" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _generate_args(gguf_path, "--prompt", "hi", "--ctx", "lots")
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_generate_and_serve_give_the_same_tokens(gguf_path, capsys, chat: bool) -> None:
+    """`generate` and `serve` run the same engine through the same scheduler: the same prompt and sampling
+    settings give the same text (a sampled one, so the sampler and its seed are part of the check), over
+    /v1/completions for a plain prompt and /v1/chat/completions for --chat, with the official client."""
+    import openai
+
+    from ds4station.commands import generate, serve
+    from ds4station.server.app import BackgroundServer
+
+    prompt, extra = "The station serves agents", ["--chat"] if chat else []
+    assert generate.run(_generate_args(gguf_path, "--prompt", prompt, "--max-tokens", "24", "--temperature", "0.9",
+                                       "--seed", "11", "--ctx", "1024", *extra)) == 0
+    generated = capsys.readouterr().out.rstrip("\n")
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    app, _ = serve.build(parser.parse_args(["--model", str(gguf_path), "--device", "cpu", "--ctx", "1K"]))
+    srv = BackgroundServer(app).start()
+    try:
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/health").status_code != 200:  # 503 while the engine loads
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        if chat:
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=24, temperature=0.9, seed=11,  # generate: no thinking
+                                               extra_body={"chat_template_kwargs": {"thinking": False}})
+            served = r.choices[0].message.content
+        else:
+            served = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.9,
+                                               seed=11).choices[0].text
+    finally:
+        srv.stop()
+    assert served and served == generated

@@ -2,7 +2,9 @@
 the GPU; `compile` builds every kernel ahead of time for NVIDIA and AMD targets (no GPU needed) and reports
 registers, spills, shared memory and the instructions that matter.
 
-Each WHAT is one entry in BENCHES (name -> (handler, help)); a model benchmark plugs in as another entry.
+`model` (the default) times one GPU stage at the real shape; `serve` starts the server on a file and
+measures it through the HTTP API like an agent, beside the engine bench of the same file. Each WHAT is one
+entry in BENCHES (name -> (handler, help)).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+
+from ds4station.model.sizes import token_count
 
 
 def _kernels(args: argparse.Namespace) -> int:
@@ -69,10 +73,42 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import shlex
+
+    from ds4station.server import bench
+
+    if not args.model:
+        print("bench serve needs --model FILE: it starts `ds4station serve` on that file", file=sys.stderr)
+        return 2
+    engine = True
+    if args.no_engine_bench:
+        engine = False
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("bench serve compares the server with the engine bench on a GPU; none is visible to torch "
+                  "(--no-engine-bench times the server alone)", file=sys.stderr)
+            return 2
+    prompt = args.prompt_tokens or 8192
+    res = bench.run(args.model, prompt_tokens=prompt, decode_tokens=args.decode_tokens, runs=args.runs,
+                    port=args.port, serve_args=shlex.split(args.serve_args), engine_bench=engine)
+    if args.json:
+        import dataclasses
+
+        with open(args.json, "w") as fh:
+            json.dump(dataclasses.asdict(res), fh, indent=1)
+    print(res.table())
+    return 0
+
+
 # name -> (handler, one-line help)
 BENCHES: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "kernels": (_kernels, "time every Triton kernel at the real decode / prefill shapes (GPU)"),
     "model": (_model, "decode / prefill tok/s of one GPU stage at the real shape (default)"),
+    "serve": (_serve, "start `ds4station serve --model FILE`, drive it with the openai client like an agent, and "
+                      "print its prefill / decode / TTFT beside the engine bench of the same file"),
     "compile": (_compile, "compile every kernel for cuda sm_90/sm_86 and hip gfx906/gfx1100/gfx1151 (no GPU)"),
 }
 
@@ -95,6 +131,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--decode-tokens", type=int, default=64, help="tokens per timed decode run (default 64)")
     model.add_argument("--runs", type=int, default=3, help="timed decode runs; the median is reported")
     model.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per step)")
+    serve = parser.add_argument_group("serve")
+    serve.add_argument("--prompt-tokens", type=token_count, default=None, metavar="N",
+                       help="length of the long chat prompt (default 8K)")
+    serve.add_argument("--port", type=int, default=8017, help="port for the server under test (default 8017)")
+    serve.add_argument("--serve-args", default="", help="extra arguments for `ds4station serve`, quoted")
+    serve.add_argument("--no-engine-bench", action="store_true", help="time the server alone (no GPU needed)")
     comp = parser.add_argument_group("compile")
     comp.add_argument("--targets", default="", help="comma-separated target names (default: all); "
                       "sm90, sm86, gfx906, gfx1100, gfx1151")

@@ -8,6 +8,7 @@ and quant types of the real q2 file. Same seed, same bytes.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -46,13 +47,38 @@ def random_weight(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> t
     return QTensor(random_blocks(spec.qtype, spec.n_elements, gen, scale), spec.qtype, shape)
 
 
+class _RandomTensors(Mapping[str, "torch.Tensor | QTensor"]):
+    """The tensors of a random model, each made when the writer asks for it, in layout order, from one
+    generator (so the same seed gives the same bytes, and the whole model never sits in memory)."""
+
+    def __init__(self, cfg: ModelConfig, specs: list[TensorSpec], seed: int) -> None:
+        self.cfg, self.specs, self.next = cfg, {s.name: s for s in specs}, 0
+        self.order = list(self.specs)
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __getitem__(self, name: str) -> torch.Tensor | QTensor:
+        if self.next >= len(self.order) or self.order[self.next] != name:
+            raise KeyError(f"{name}: random tensors are made once each, in layout order")
+        self.next += 1
+        return random_weight(self.specs[name], self.cfg, self.gen)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+
 def make_model(out: str | os.PathLike[str], preset: str = DEMO_PRESET, seed: int = 0, quant: str = "q2") -> Path:
-    """Write a complete DS4 GGUF of the named shape with random weights and the demo tokenizer."""
+    """Write a complete DS4 GGUF of the named shape with random weights and the demo tokenizer, one tensor at
+    a time (the full Flash shape needs its ~81 GiB of disk, not of RAM)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {s.name: random_weight(s, cfg, gen) for s in model_tensors(cfg, quant)}
+    tensors = _RandomTensors(cfg, model_tensors(cfg, quant), seed)
     meta = tokenizer_metadata(build_demo_vocab(cfg.vocab_size))
     extra = {"general.name": f"ds4station random {preset} ({quant}, seed {seed})"}
     return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra)

@@ -57,8 +57,9 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 class Sampler:
-    """Draws on the CPU whatever device the logits come from: one [vocab] copy per token is cheap, and a
-    seed then gives the same draws on every device."""
+    """Greedy picks the argmax where the logits are (a GPU sends back one id, not the [vocab] row); a draw
+    happens on the CPU whatever device the logits come from, so a seed gives the same draws on every
+    device."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -70,9 +71,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [vocab] (or [1, vocab]) of the last position -> token id."""
-        logits = logits.reshape(-1).float().cpu()
+        logits = logits.reshape(-1)
         if self.params.temperature == 0:
             return int(torch.argmax(logits))
+        logits = logits.float().cpu()
         probs = filtered_probs(logits, self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
