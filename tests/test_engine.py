@@ -13,7 +13,7 @@ import torch
 from ds4station.engine.demo import make_model
 from ds4station.engine.engine import DEFAULT_GPU_CHUNK, Engine, check_settings, default_chunk
 from ds4station.engine.kv import DEFAULT_CHUNK
-from ds4station.engine.model import DS4Model
+from ds4station.engine.model import OFF, DS4Model
 from ds4station.engine.stage import choose_backend
 from ds4station.model.footprint import kv_bytes
 from ds4station.model.route import parse_route
@@ -26,7 +26,8 @@ def gguf_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(gguf_path):
-    e = Engine.load(gguf_path, ctx=128, device="cpu", sessions=3, chunk=16, rollback=16)
+    # the round trips off: with them a last-bit difference between chunkings can flip an FP8 rounding (torch 2.11)
+    e = Engine.load(gguf_path, ctx=128, device="cpu", sessions=3, chunk=16, rollback=16, round_trips=OFF)
     yield e
     e.close()
 
@@ -120,26 +121,25 @@ def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_gpu_engine_is_warm_and_gives_the_reference_tokens(gguf_path) -> None:
+def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
     """On a GPU the default engine is the kernel stage, warmed at load (decode graphs captured for every
-    slot before the first request), and its greedy tokens are the reference engine's."""
+    slot before the first request, none after), and through prefill and graph decode its logits follow the
+    reference engine's on the same tokens (the int8-dot decode kernels are close, not bit-equal)."""
     from ds4station.engine.gpu import GpuStage
 
-    ref = Engine.load(gguf_path, ctx=256, device="cpu")
-    gpu = Engine.load(gguf_path, ctx=256, sessions=2)
-    assert gpu.runner.compute == "kernels" and gpu.chunk == DEFAULT_GPU_CHUNK
+    ref = Engine.load(gguf_path, ctx=256, device="cpu", round_trips=OFF)
+    gpu = Engine.load(gguf_path, ctx=256, sessions=2, round_trips=OFF)
+    assert gpu.runner.compute == "kernels" and gpu.chunk == DEFAULT_GPU_CHUNK and gpu.runner.warm_s > 0
     model = gpu.runner.model
     assert isinstance(model, GpuStage) and len(model._graphs) == 2  # one bucket (ctx 256) x two slots
+    a, b = ref.new_session(), gpu.new_session()
     prompt = [0, *range(5, 45)]
-    got, want = [], []
-    for engine, out in ((ref, want), (gpu, got)):
-        s = engine.new_session()
-        out.append(int(s.extend(prompt).argmax()))
-        for _ in range(10):
-            out.append(int(s.extend([out[-1]]).argmax()))
-        s.close()
+    la, lb = a.extend(prompt), b.extend(prompt)
+    for _ in range(10):
+        assert float((la - lb.cpu()).abs().max()) < 5e-2 * float(la.abs().max())
+        token = int(la.argmax())  # both continue with the reference's choice
+        la, lb = a.extend([token]), b.extend([token])
     assert len(model._graphs) == 2  # no capture after ready
-    assert got == want
     ref.close()
     gpu.close()
 

@@ -11,13 +11,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
     p.add_argument("--quant", default="q2", choices=["q2", "f16", "f32"],
                    help="q2: the quant types of the common q2 file (default); f16/f32: float weights")
+    p.add_argument("--device", default="cpu", help="where the random weights are drawn: cpu (default) or cuda "
+                   "(much faster for the flash shape; the file differs from the CPU one)")
 
 
 def run(args: argparse.Namespace) -> int:
     from ds4station.engine.demo import make_model
     from ds4station.model.gguf import GGUFFile
 
-    path = make_model(args.out, preset=args.preset, seed=args.seed, quant=args.quant)
+    path = make_model(args.out, preset=args.preset, seed=args.seed, quant=args.quant, device=args.device)
     f = GGUFFile.open(path)
     print(f"wrote {path}: {len(f.specs)} tensors, {f.total_bytes / 2**20:.1f} MiB, "
           f"{f.config.n_layers} layers, vocab {f.config.vocab_size}")

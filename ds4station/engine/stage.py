@@ -186,6 +186,27 @@ COMPUTE = ("auto", "kernels", "reference")
 WARM_POSITIONS = 65536
 
 
+def warm_lengths(chunk: int) -> list[int]:
+    """Prefill lengths that meet every variant the kernels compile for a step of 1..chunk tokens: the
+    matvec path of up to 8 rows takes the row count as a compile-time constant, tiles grow by powers of two
+    of the length, and Triton specialises integer arguments divisible by 16 (so b and b - 1 per power b)."""
+    out, b = set(range(1, 16)), 16
+    while b <= chunk:
+        out |= {b, b - 1}
+        b *= 2
+    return sorted(n for n in out | {chunk} if n <= chunk)
+
+
+def warm_positions(ctx: int) -> list[int]:
+    """Positions (powers of two from 64) where the context-dependent tiles change (the indexer's key count,
+    the compressed rows read), up to WARM_POSITIONS."""
+    out, p = [], 64
+    while p < min(ctx, WARM_POSITIONS):
+        out.append(p)
+        p *= 2
+    return out
+
+
 def stage_label(rank: int, stage: Stage) -> str:
     return f"stage {rank} ({stage.device}, layers {stage.first_layer}-{stage.last_layer})"
 
@@ -270,29 +291,38 @@ class StageRunner:
         self.slots = [self.model.new_cache(settings.ctx, chunk=settings.chunk, rollback=settings.rollback,
                                            dtype=kv_dtype) for _ in range(settings.sessions)]
         self.kv: dict[int, KVCache] = {}  # session id -> its slot
+        self.warm_s = 0.0
         if settings.warm:
             self.warm()
 
     # ---- readiness ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def warm(self) -> None:
-        """Make the first request as fast as the tenth: on the kernel stage of a GPU, compile the prefill
-        kernels (a chunk-long step and a short odd one) on a slot, then capture every slot's decode graphs
-        for the first position buckets; the slot is reset after. Nothing to do for the reference."""
+        """Make the first request as fast as the tenth: on the kernel stage of a GPU, run a prefill of every
+        length class the kernels specialise on (warm_lengths) and short prefills at the positions where the
+        context-dependent tiles change (warm_positions), so that Triton has compiled them all; then capture
+        every slot's decode graphs for the first position buckets. The scratch slot is reset after each
+        step. Nothing to do for the reference."""
         if self.compute != "kernels" or self.device.type != "cuda":
             return
-        cfg, cache = self.cfg, self.slots[0]
+        t0 = time.monotonic()
+        cfg, cache, ctx = self.cfg, self.slots[0], self.settings.ctx
         gen = torch.Generator().manual_seed(self.rank)
-        for n in (min(self.settings.chunk, self.settings.ctx - 1), 19):
-            n = max(1, min(n, self.settings.ctx - 1))
+        steps = [(0, n) for n in warm_lengths(min(self.settings.chunk, ctx))]
+        steps += [(p, n) for p in warm_positions(ctx) for n in (17, 64) if p + n <= ctx]
+        for position, n in steps:
             tokens = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
             X = None if self.embeds else torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
+            cache.length = position  # an empty slot: what lies before `position` is never read back
             self.model.prefill(tokens, cache, X, logits=self.logits)
             cache.reset()
         assert isinstance(self.model, GpuStage)
-        for slot in self.slots:
-            self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
+        graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
+                     for slot in self.slots)
         torch.cuda.synchronize(self.device)
+        self.warm_s = time.monotonic() - t0
+        print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "
+              f"steps compiled, {graphs} decode graphs captured)", file=sys.stderr, flush=True)
 
     # ---- sessions ----------------------------------------------------------------------------------
     def new_session(self, sid: int) -> None:
@@ -341,7 +371,7 @@ class StageRunner:
             "embed": s.embed, "output": s.output, "compute": self.compute,
             "sessions": {str(k): {"tokens": c.length, "kv_bytes": c.nbytes()} for k, c in sessions.items()},
             "kv_bytes": sum(c.nbytes() for c in sessions.values()), "kv_allocated_bytes": self.kv_bytes(),
-            "kv_slots": len(self.slots),
+            "kv_slots": len(self.slots), "warm_s": round(self.warm_s, 3),
             "expert_cache": None if self.experts is None else self.experts.report(),
         }
 
