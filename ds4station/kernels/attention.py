@@ -349,7 +349,7 @@ def attention_prefill_ref(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Te
         for t in range(q.shape[0])])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NC", "stride_it"])  # the compressed rows seen grow with the position
 def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_ptr, out_ptr,
                          H, D, NW, NC, ring_len, stride_qt, stride_qh, stride_kw, stride_kc, stride_it,
                          stride_ot, stride_oh, scale,

@@ -84,7 +84,7 @@ def compress_blocks_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int,
 # Kernel.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["b0"])  # the first block pooled: a position, not a shape
 def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, fkv_ptr, fsc_ptr, rows_ptr, w_ptr, f_ptr,
                      b0, Rf, W, d, eps,
                      R: tl.constexpr, COFF: tl.constexpr, WRITE: tl.constexpr, HALF: tl.constexpr,

@@ -110,7 +110,9 @@ def _score_dot(qt, ktt, DOT_FP16: tl.constexpr):
     return s
 
 
-@triton.jit
+# Position-dependent integers are not specialised on (Triton would compile a variant for every value that is
+# 1 or divisible by 16: new compiles in the middle of serving); shapes and strides fixed by the model still are.
+@triton.jit(do_not_specialize=["n0", "n1", "col0", "stride_ot"])
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col0,
                     stride_qt, stride_qh, stride_wt, stride_k, stride_ot, ratio,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -175,7 +177,7 @@ def _count(m):
 _PAD_KEY = tl.constexpr(-(1 << 63) + (1 << 32) - 1)  # high half INT32_MIN, low half -1: below every real key
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_b", "col0", "n", "stride_o", "K"])  # position-dependent
 def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr):
     """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
