@@ -146,7 +146,7 @@ class Experts:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32."""
         few = xn.shape[0] <= ops.MAX_MATVEC_ROWS
         if dispatch.use_triton(xn):  # no host synchronisation on either path
-            if few:
+            if xn.shape[0] <= ops.MOE_DECODE_ROWS:  # about one token per expert: the decode kernels
                 return moe_k.moe_decode(xn, self.gate, self.up, self.down, ids, wts, self.clamp,
                                         int_dot=self.int_dot)
             return moe_prefill(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
