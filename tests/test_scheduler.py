@@ -261,3 +261,24 @@ def test_forced_call_chooses_among_tools_and_fits_a_tight_budget(engine, make_sc
 def test_forced_call_refuses_a_budget_below_its_structure(engine) -> None:
     with pytest.raises(ValueError, match="too small"):
         ToolCallGuide(engine.tokenizer, [WEATHER], 10)
+
+
+def test_ready_means_the_request_loop_ran_and_left_nothing_behind(tmp_path) -> None:
+    """Before ready the scheduler runs its own short requests through prefill, sampling and settling (first
+    uses paid before the first client); they leave no live session, no statistics and no free KV slot lost."""
+    from ds4station.engine.engine import Engine
+
+    path = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
+    engine = Engine.load(path, ctx=256, device="cpu", sessions=1)
+    s = Scheduler(lambda: engine, ctx=256, sessions=1).start()
+    try:
+        assert s.ready.wait(30) and s.state == "ready", s.error
+        assert next(engine._sids) == 2  # a warm-up session was opened (id 1; the second request reused it)...
+        st = s.status()
+        # ...and forgotten
+        assert st["sessions"]["live"] == [] and st["totals"]["requests"] == 0 and st["recent"] == []
+        assert st["sessions"]["prefix_hits"] == st["sessions"]["prefix_misses"] == 0
+        (text, fin), = run(s, Job(prompt=prompt(engine, "Hello"), max_tokens=4))  # the one slot is free again
+        assert fin.reason in ("stop", "length") and s.status()["totals"]["requests"] == 1
+    finally:
+        s.stop()

@@ -189,6 +189,19 @@ class Finished:
 Event = Prefill | Text | Finished
 
 
+WARM = "warm"  # the kind of the scheduler's own warm-up jobs (never recorded)
+
+
+class _Discard:
+    """Where a warm-up job's events go: nowhere."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    def _post(self, event: Event) -> None:
+        pass
+
+
 class Handle:
     """The async side of one submitted job: iterate its events, or cancel it."""
 
@@ -445,6 +458,7 @@ class Scheduler:
         try:
             self.engine = self._loader()
             self.pool = SessionPool(self.engine, self.capacity)
+            self._warm()
         except Exception as e:  # a missing or damaged model file: /health says why
             self.error = f"loading the model failed: {type(e).__name__}: {e}"
             self.state = "failed"
@@ -472,6 +486,21 @@ class Scheduler:
                 fin = Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=f"{type(e).__name__}: {e}")
                 self._record(job, fin)
                 handle._post(fin)
+
+    def _warm(self) -> None:
+        """Before ready: two short requests through the whole loop (prefill, a biased greedy pick and a
+        seeded draw, detokenizing, settling), so the first real request meets no first-use costs (lazily
+        loaded GPU kernels, first calls into the tokenizer); nothing of them stays in the pool or the stats."""
+        tok = self.engine.tokenizer  # type: ignore[union-attr]
+        prompt = [tok.bos_id, *tok.encode("warm up", allow_special=False)]
+        for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)):
+            job = Job(prompt=prompt, max_tokens=2, sampling=sampling, stop_tokens={tok.eos_id},
+                      banned_tokens=[tok.eos_id], logit_bias={tok.bos_id: -1.0}, kind=WARM)
+            self._run(job, _Discard(job))  # type: ignore[arg-type]
+        assert self.pool is not None
+        for live in list(self.pool.slots):
+            self.pool.drop(live)
+        self.pool.hits = self.pool.misses = self.pool.resets = 0
 
     def _finish_unstarted(self, job: Job, handle: Handle, reason: str) -> None:
         fin = Finished(reason, len(job.prompt), 0, Timings(), (time.monotonic() - job.queued_at) * 1000, 0.0)
@@ -630,6 +659,8 @@ class Scheduler:
             session.extend(rest, chunk=self.prefill_chunk)
 
     def _record(self, job: Job, fin: Finished) -> None:
+        if job.kind == WARM:
+            return
         t = fin.timings
         self.totals["requests"] += 1
         self.totals["prompt_tokens"] += fin.prompt_tokens

@@ -38,8 +38,9 @@ _REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k, 
 MAX_MATVEC_ROWS = 8
 # Up to this many tokens the routed experts run on the decode kernels (one program per token and slot, each
 # reading its expert once): a short prompt sends about one token to each expert, where the prefill kernel's
-# 64-row tiles run nearly empty (H200, 22 tokens through one Flash layer: 4.8 ms in moe_prefill).
-MOE_DECODE_ROWS = 128
+# 64-row tiles run nearly empty. H200, one Flash layer (docs/PERFORMANCE.md): 22 tokens 6.6 ms in moe_prefill, 0.9
+# ms on the decode kernels; 256 tokens 14.7 against 10.6 ms; from 512 tokens the prefill kernel is faster.
+MOE_DECODE_ROWS = 256
 
 
 def repack(raw: torch.Tensor, qtype: str, k: int) -> Packed:
