@@ -236,3 +236,9 @@ def test_generate_and_serve_give_the_same_tokens(gguf_path, capsys, chat: bool) 
     finally:
         srv.stop()
     assert served and served == generated
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_a_gpu_device_without_a_gpu_is_refused_before_loading(gguf_path) -> None:
+    with pytest.raises(ValueError, match="device cuda:0: torch sees no GPU"):
+        check_settings(gguf_path, 1024, device="cuda")

@@ -1,4 +1,4 @@
-"""The pipeline engine with real worker processes over gloo on the tiny model (engine/pipeline.py, stage.py,
+"""The pipeline engine with real worker processes over gloo on the tiny model (engine/engine.py, stage.py,
 commands/worker.py): exact tokens against the single-process engine, 16-bit activation tolerance, per-stage
 KV bytes, a streaming worker stage, remote join with a refused cache, and a worker killed mid-generation."""
 

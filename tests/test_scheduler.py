@@ -282,3 +282,28 @@ def test_ready_means_the_request_loop_ran_and_left_nothing_behind(tmp_path) -> N
         assert fin.reason in ("stop", "length") and s.status()["totals"]["requests"] == 1
     finally:
         s.stop()
+
+
+def test_settling_waits_for_idle_and_never_delays_the_next_request(make_scheduler, engine, monkeypatch) -> None:
+    """A finished turn is settled (its answer fed into the live KV) only when no request comes within
+    SETTLE_GRACE: a request sent right after is served from the KV as it is; once idle, the turn is settled."""
+    from ds4station.engine import scheduler as sched
+
+    monkeypatch.setattr(sched, "SETTLE_GRACE", 1.0)  # long enough to look before it runs out, on any machine
+    s = make_scheduler(sessions=2)
+    p1 = prompt(engine, "The quick brown fox jumps over the lazy dog.")
+    p2 = prompt(engine, "Something else entirely, sent right after.")
+
+    async def back_to_back() -> list[Finished]:
+        out = []
+        for p in (p1, p2):
+            handle = s.submit(greedy(p, 6))
+            out += [ev async for ev in handle.events() if isinstance(ev, Finished)]
+        return out
+
+    first, _ = asyncio.run(back_to_back())
+    live = next(x for x in s.pool.slots if x.tokens[:len(p1)] == p1)
+    held = len(live.tokens)  # right after the second request: the first turn not settled yet...
+    assert held == len(p1) + first.completion_tokens - 1 and live.unsettled is not None
+    assert s.wait_idle(30)  # ...and settled once the worker had nothing else to do
+    assert live.unsettled is None and len(live.tokens) >= held

@@ -218,6 +218,8 @@ def test_tool_continuation_reuses_the_whole_previous_turn(engine, fresh, call_to
     # an unrelated request in between takes the other slot and leaves this conversation's KV alone
     oai(srv).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=3,
                                      extra_body=NO_THINK)
+    # the agent runs its tool meanwhile: the server settles the finished turns while it is idle
+    assert srv.server.config.app.state.ds4.scheduler.wait_idle(30)
 
     history = [*msgs, assistant_turn(r1.choices[0].message)]
     previous = turn_ids(engine, history, TOOLS)

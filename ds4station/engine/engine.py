@@ -681,8 +681,12 @@ def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: st
         raise ValueError(f"--ctx {ctx} is outside this model's context: use 1 to {limit:,} tokens")
     if activation_bits not in ACTIVATION_BITS:
         raise ValueError(f"--activation-bits {activation_bits}: use 16 or 32")
-    resolved = resolve_route(route, gguf.config.n_layers, expert_cache,
-                             default_device() if device == "auto" else device)
+    device = default_device() if device == "auto" else "cuda:0" if device == "cuda" else device
+    resolved = resolve_route(route, gguf.config.n_layers, expert_cache, device)
+    first = resolved.stages[0].device  # the stage this process runs
+    if first != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"device {first}: torch sees no GPU on this machine (CPU-only build, or no driver); use "
+                         "--device cpu or auto")
     check_expert_caches(gguf, resolved)
     return resolved
 

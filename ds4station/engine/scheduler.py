@@ -2,7 +2,8 @@
 
 The scheduler owns everything between "a list of prompt token ids" and "a stream of text pieces":
 - one worker thread runs the engine (torch is driven from one thread only); it also loads the engine, so
-  the HTTP server answers /health while the weights load;
+  the HTTP server answers /health while the weights load, and runs two short requests of its own before it
+  says ready (first-use costs paid before the first client);
 - requests beyond the running one wait in a bounded queue; a full queue raises `QueueFull` at once so
   the server can answer 503 + Retry-After instead of piling up work;
 - up to `max_sessions` live KV states are kept; each request is served from the session with the longest
@@ -11,11 +12,13 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
 - the decode loop samples, detokenizes incrementally, applies stop tokens / stop strings / max tokens,
   and checks the request's cancel flag before every step, so a client that goes away stops the
   generation within one decode step;
+- a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) only when
+  no request arrives within SETTLE_GRACE: settling never delays the next request;
 - every finished request reports llama.cpp-style timings (cache_n, prompt_n, prompt_ms, predicted_n,
   predicted_ms) and its cached prefix length.
 
 The engine interface is deliberately narrow (`GenerationEngine` / `EngineSession` below): engine/engine.py's
-`Engine` is what runs, on any route; tests drive the scheduler with small fakes of the same interface.
+`Engine` is what runs, on any route.
 """
 
 from __future__ import annotations
@@ -190,6 +193,8 @@ Event = Prefill | Text | Finished
 
 
 WARM = "warm"  # the kind of the scheduler's own warm-up jobs (never recorded)
+# Seconds a finished turn waits for the next request before the worker settles it (see Scheduler._next).
+SETTLE_GRACE = 0.05
 
 
 class _Discard:
@@ -248,6 +253,7 @@ class LiveSession:
     session: EngineSession
     last_used: float = 0.0
     requests: int = 0
+    unsettled: tuple[int, list[int]] | None = None  # (prompt length, generated tokens) of a turn to settle
 
     @property
     def tokens(self) -> list[int]:
@@ -467,9 +473,7 @@ class Scheduler:
         self.state = "ready"
         self.ready.set()
         while True:
-            if self._queue.empty():
-                self._idle.set()
-            item = self._queue.get()
+            item = self._next()
             self._idle.clear()
             if item is None:
                 return
@@ -502,6 +506,33 @@ class Scheduler:
             self.pool.drop(live)
         self.pool.hits = self.pool.misses = self.pool.resets = 0
 
+    def _next(self) -> tuple[Job, Handle] | None:
+        """The next queued item. Turns still to settle wait for SETTLE_GRACE first: a request arriving right
+        after the previous one (an agent's next call, another agent) is served before them, and the settling
+        is only done when the worker would otherwise wait."""
+        while True:
+            unsettled = [live for live in (self.pool.slots if self.pool else []) if live.unsettled]
+            if not unsettled:
+                if self._queue.empty():
+                    self._idle.set()
+                return self._queue.get()
+            try:
+                return self._queue.get(timeout=SETTLE_GRACE)
+            except queue.Empty:
+                for live in unsettled:
+                    self._settle_turn(live)
+
+    def _settle_turn(self, live: LiveSession) -> None:
+        turn, live.unsettled = live.unsettled, None
+        if turn is None or live.session is None:
+            return
+        try:
+            self._settle(live.session, *turn)
+        except Exception:  # the client has its answer already; only this live KV is lost
+            traceback.print_exc()
+            assert self.pool is not None
+            self.pool.drop(live)
+
     def _finish_unstarted(self, job: Job, handle: Handle, reason: str) -> None:
         fin = Finished(reason, len(job.prompt), 0, Timings(), (time.monotonic() - job.queued_at) * 1000, 0.0)
         self._record(job, fin)
@@ -511,6 +542,7 @@ class Scheduler:
         assert self.pool is not None and self.engine is not None
         started = time.monotonic()
         live, cached = self.pool.acquire(job.prompt)
+        live.unsettled = None  # taken as it is: the prompt's common prefix with what the KV holds is reused
         try:
             self._generate(job, handle, live, cached, started)
         except Exception:
@@ -629,12 +661,7 @@ class Scheduler:
         timings.predicted_ms = (time.monotonic() - t_prompt) * 1000
         finish(reason, generated, ttft_ms, matched)
         if reason != "cancelled" and outputs:
-            try:
-                self._settle(session, len(job.prompt), outputs)
-            except Exception:  # the client has its answer already; only this live KV is lost
-                traceback.print_exc()
-                assert self.pool is not None
-                self.pool.drop(live)
+            live.unsettled = (len(job.prompt), outputs)  # settled when the worker is idle (see _next)
 
     def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int]) -> None:
         """After the client has its answer: make the live KV hold this turn as the next prompt will spell it.

@@ -1,10 +1,15 @@
-"""One pipeline stage: its layer slice, the KV of every live session for those layers, its experts; and the
+"""One stage of a route: its layer slice on its backend, the KV slots of its layers, its experts; and the
 worker loop that runs a stage in its own process (`ds4station worker`).
 
-Shared by both ends of the pipeline (pipeline.py is the coordinator, rank 0):
-- `StageRunner`: builds the `DS4Model` slice of a route stage from the memory-mapped GGUF (only that
-  stage's tensors are touched), resident or with streamed experts (experts.py), and keeps one `KVCache` per
-  session sized for the stage's layers only;
+Shared by the engine (engine.py, rank 0, which runs stage 0 in its own process) and the workers:
+- `choose_backend`, the one place that decides how a stage computes: the kernel stage (gpu.py) on a GPU
+  with resident experts, the fp32 reference slice (model.py) on the CPU and where experts stream. Both
+  backends have one interface: `prefill(tokens, cache, X, logits=)` / `decode(token, cache, X, logits=)`
+  take the HC state from the previous stage (or embed the tokens) and give the next stage's state (or the
+  head's logits), with `embed` and `head` as their building blocks;
+- `StageRunner`: builds the backend from the memory-mapped GGUF (only that stage's tensors are touched),
+  allocates `sessions` KV slots sized for the stage's layers at load (a session is a slot, reused with its
+  decode graphs), and warms up (`warm`: kernels compiled, decode graphs captured) before the stage is ready;
 - the wire protocol: every message is an int64 header [op, session, n, bits, flags, arg, payload bytes, 0]
   followed, when payload bytes > 0, by one uint8 payload. Messages flow down the chain rank 0 -> 1 -> ... ->
   n-1, each worker applying and forwarding them, so a worker only ever listens to its predecessor; the last

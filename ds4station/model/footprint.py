@@ -191,7 +191,7 @@ def named_shape(name: str) -> ModelShape:
 
 
 def shape_from_specs(name: str, cfg: ModelConfig, specs: Sequence[TensorSpec]) -> ModelShape:
-    """From a GGUF file's tensor table (engine.gguf.GGUFFile.tensor_specs())."""
+    """From a GGUF file's tensor table (model.gguf.GGUFFile.tensor_specs())."""
     return ModelShape(name, cfg, tuple(specs))
 
 
