@@ -5,11 +5,16 @@ BIN := $(VENV)/bin
 # A CPU build of torch is enough to run the demo model and the tests; on a GPU host install the CUDA or
 # ROCm build of torch into $(VENV) first (see README), and `make` keeps it.
 TORCH ?= torch>=2.11
+# CUDA builds of torch bring triton and ROCm builds pytorch-triton-rocm (both import as `triton`); the CPU
+# build brings none, and the kernels (the CPU interpreter in the tests) need it: installed only when missing,
+# so it never replaces the one a GPU build of torch brought.
+TRITON ?= triton>=3.6
 
 $(BIN)/ds4station: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -c "import triton" 2>/dev/null || $(BIN)/python -m pip install -q "$(TRITON)"
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
