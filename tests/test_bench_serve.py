@@ -1,0 +1,53 @@
+"""`ds4station bench serve` end to end on the demo model (CPU): a real `serve` process, the official openai
+client streaming chat requests, and the table it prints."""
+
+from __future__ import annotations
+
+import socket
+
+from ds4station.engine.demo import make_model
+from ds4station.engine.stage import WARM_POSITIONS, warm_lengths, warm_positions
+from ds4station.engine.tokenizer import Tokenizer
+from ds4station.model.gguf import GGUFFile
+from ds4station.server import bench
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_chat_text_reaches_the_asked_prompt_length(tmp_path) -> None:
+    from ds4station.engine import chat
+
+    path = make_model(tmp_path / "tiny.gguf")
+    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
+    for n in (20, 300):
+        text = bench.chat_text(tok, n, seed=1)
+        got = len(tok.encode(chat.render_prompt([{"role": "user", "content": text}], tools=None, thinking=False)))
+        assert n <= got <= n + 8  # the fewest words that reach n tokens (a word is a few tokens)
+    assert bench.chat_text(tok, 300, seed=1) != bench.chat_text(tok, 300, seed=2)  # fresh text per run
+
+
+def test_bench_serve_drives_a_real_server_like_an_agent(tmp_path) -> None:
+    path = make_model(tmp_path / "tiny.gguf")
+    res = bench.run(str(path), prompt_tokens=300, decode_tokens=8, runs=2, short_runs=1, port=_free_port(),
+                    serve_args=["--device", "cpu"], engine_bench=False, ready_timeout=120, log=lambda _: None)
+    assert res.first is not None and res.first.ttft_s > 0 and len(res.short) == 1 and len(res.long) == 2
+    for turn in res.long:
+        assert 300 <= turn.prompt_tokens <= 310 and turn.cached_tokens < 10  # fresh text: little reuse
+        assert turn.completion_tokens >= 1 and turn.prefill_tps > 0
+        assert turn.server_timings["prompt_n"] == turn.prompt_tokens - turn.cached_tokens
+    table = res.table()
+    assert "prefill 300-token chat prompt, tok/s" in table and "TTFT" in table and "through serve" in table
+
+
+def test_warm_up_covers_the_length_classes_and_position_buckets() -> None:
+    lengths = warm_lengths(2048)
+    assert lengths[:15] == list(range(1, 16)) and lengths[-1] == 2048
+    for b in (16, 32, 64, 128, 256, 512, 1024, 2048):  # a power of two and the odd length below it
+        assert b in lengths and b - 1 in lengths
+    assert warm_lengths(100) == [*range(1, 17), 31, 32, 63, 64, 100]
+    assert warm_positions(8512) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
+    assert warm_positions(1 << 20)[-1] == WARM_POSITIONS // 2
