@@ -408,7 +408,7 @@ class GpuStage:
             y = y + down(swiglu(gate_up(xn), cfg.swiglu_clamp_shared[L.layer]))
         return y
 
-    def run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
+    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
         eps = self.cfg.rms_eps
         for L in self.blocks:  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
             x, post, comb = self._hc_pre(L.hc_attn, X)
@@ -438,7 +438,7 @@ class GpuStage:
             p0 = cache.length
             st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
             x = self.embed(t) if X is None else X[s:s + T].to(self.device, torch.float32)
-            outs.append(self.run_layers(x, t, cache, st))
+            outs.append(self._run_layers(x, t, cache, st))
             cache.length += T
         if logits:
             return self.head(outs[-1][-1:])[0]
@@ -461,7 +461,7 @@ class GpuStage:
         if g is None:
             t = torch.tensor([token], device=self.device)
             st = Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
-            out = self.run_layers(self.embed(t) if X is None else X, t, cache, st)
+            out = self._run_layers(self.embed(t) if X is None else X, t, cache, st)
             out = self.head(out)[0] if logits else out
         else:
             out = g.run(token, cache.length, X)
@@ -542,7 +542,7 @@ class _DecodeGraph:
         st = Step(self.pos, None, None, bucket)
 
         def step() -> Tensor:
-            X = stage.run_layers(stage.embed(self.tok) if self.x is None else self.x, self.tok, cache, st)
+            X = stage._run_layers(stage.embed(self.tok) if self.x is None else self.x, self.tok, cache, st)
             return stage.head(X)[0] if logits else X
 
         # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
