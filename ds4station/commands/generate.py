@@ -72,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: the prompt ({len(prompt)} tokens) does not fit in --ctx {args.ctx}", file=sys.stderr)
         return 2
     chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
-    scheduler = Scheduler(lambda: Engine.load(path, args.ctx, route, sessions=1, chunk=chunk, **opts),
+    # one prompt: no warm-up of every prefill length and position (serve's "ready means warm"); the kernels
+    # this prompt needs compile as it runs
+    scheduler = Scheduler(lambda: Engine.load(path, args.ctx, route, sessions=1, chunk=chunk, warm=False, **opts),
                           sessions=1, max_queue=1, prefill_chunk=chunk, ctx=args.ctx)
     job = Job(prompt=prompt, max_tokens=min(args.max_tokens, args.ctx - len(prompt)), sampling=params,
               stop_tokens={tok.eos_id}, banned_tokens=banned, kind="generate")
