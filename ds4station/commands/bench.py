@@ -54,13 +54,14 @@ def _model(args: argparse.Namespace) -> int:
     import torch
 
     from ds4station.engine import benchmark
+    from ds4station.model.sizes import parse_tokens
 
     if not torch.cuda.is_available():
         print("bench model measures a GPU; none is visible to torch.", file=sys.stderr)
         return 2
 
     def ints(text: str) -> tuple[int, ...]:
-        return tuple(int(v) for v in text.split(",") if v.strip())
+        return tuple(parse_tokens(v) for v in text.split(",") if v.strip())
 
     res = benchmark.run(args.random_shape, model=args.model, prompts=ints(args.prompts), prefills=ints(args.prefills),
                         decode_tokens=args.decode_tokens, runs=args.runs, chunk=args.chunk)
@@ -120,17 +121,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default="", help="also write the results as JSON to this file")
     kern = parser.add_argument_group("kernels")
     kern.add_argument("--rows", default="1,4", help="decode activation rows to time, comma-separated (1-8)")
-    kern.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill matmuls")
+    kern.add_argument("--prefill-tokens", type=token_count, default=2048, help="tokens of the prefill matmuls")
     kern.add_argument("--sweep", action="store_true", help="also time decode tile variants at a few shapes")
     model = parser.add_argument_group("model")
     model.add_argument("--random-shape", default="flash-q2", choices=["flash-q2", "tiny-q2"],
                        help="build this shape with random valid weights in GPU memory (default flash-q2)")
     model.add_argument("--model", default=None, help="a DS4 GGUF file instead of random weights")
-    model.add_argument("--prompts", default="0,8192,32768", help="decode after prompts of these lengths")
+    model.add_argument("--prompts", default="0,8192,32768", help="decode after prompts of these lengths (8K forms too)")
     model.add_argument("--prefills", default="2048,8192,32768", help="prefill speed at these prompt lengths")
-    model.add_argument("--decode-tokens", type=int, default=64, help="tokens per timed decode run (default 64)")
+    model.add_argument("--decode-tokens", type=token_count, default=64, help="tokens per timed decode run (default 64)")
     model.add_argument("--runs", type=int, default=3, help="timed decode runs; the median is reported")
-    model.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per step)")
+    model.add_argument("--chunk", type=token_count, default=2048, help="prefill chunk (tokens per step)")
     serve = parser.add_argument_group("serve")
     serve.add_argument("--prompt-tokens", type=token_count, default=None, metavar="N",
                        help="length of the long chat prompt (default 8K)")
