@@ -202,3 +202,26 @@ def test_cli_make_model_and_inspect(tmp_path: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "ds4station.cli", "inspect", str(out)], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "truncated" in r.stdout
+
+
+@pytest.mark.parametrize("preset", ["tiny", "flash"])
+def test_header_reader_agrees_with_gguf_py(tmp_path: Path, preset: str) -> None:
+    """model/gguf.py reads the header itself (gguf-py's reader builds a view per vocabulary entry): the same
+    metadata, tensor names, shapes, types and data offsets as gguf.GGUFReader, on the demo model and on a
+    sparse file of the full Flash layout."""
+    from gguf import GGUFReader
+
+    from ds4station.engine.tokenizer import build_demo_vocab, tokenizer_metadata
+    from ds4station.model.config import PRESETS
+
+    cfg = PRESETS[preset]
+    path = write_gguf(tmp_path / f"{preset}.gguf", cfg, None, tokenizer_meta=tokenizer_metadata(
+        build_demo_vocab(cfg.vocab_size)), extra_meta={"general.name": "héllo ✓", "test.flag": True}) \
+        if preset == "flash" else make_model(tmp_path / f"{preset}.gguf")
+    ours = GGUFFile.open(path)
+    ref = GGUFReader(path, "r")
+    want = {name: f.contents() for name, f in ref.fields.items() if not name.startswith("GGUF.")}
+    assert ours.metadata == want
+    assert [(n, s.shape, s.qtype) for n, s in ours.specs.items()] == \
+        [(t.name, tuple(int(d) for d in t.shape), t.tensor_type) for t in ref.tensors]
+    assert [ours._offsets[t.name] for t in ref.tensors] == [int(t.data_offset) for t in ref.tensors]

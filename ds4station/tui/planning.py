@@ -45,7 +45,7 @@ def demo_model() -> ModelChoice:
 
 
 def model_from_file(path: str) -> ModelChoice:
-    """Read a GGUF's header and tensor table (no torch; seconds for a Flash file's vocabulary: call from a worker)."""
+    """Read a GGUF's header and tensor table (no torch; file I/O, so call it from a worker)."""
     from ds4station.model.gguf import GGUFFile
     from ds4station.planner import shape_from_specs
 

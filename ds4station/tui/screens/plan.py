@@ -129,7 +129,7 @@ class PlanScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="model")
     def _load_model(self, path: str) -> None:
-        # Reading a GGUF header takes seconds for a Flash file (its 129,280-token vocabulary): never on the UI thread.
+        # Reading a GGUF header is file I/O (a slow disk, a network mount): never on the UI thread.
         try:
             self.post_message(ModelLoaded(model_from_file(path)))
         except Exception as e:  # GGUFError, OSError: shown as the refusal, the previous model stays
