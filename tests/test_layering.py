@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from import_watch import WATCH
+
 REPO = Path(__file__).resolve().parent.parent
 PKG = REPO / "ds4station"
 TORCH_FREE = ("model", "planner", "hardware", "tui")
@@ -17,18 +19,9 @@ HEAVY = ("torch", "triton")
 
 # Run in a fresh interpreter (pytest has torch loaded already). A meta-path finder records the stack the
 # first time torch or triton is asked for, so a failure names the import chain, not just the fact.
-_IMPORT_ALL = r"""
-import importlib, json, pkgutil, sys, traceback
+_IMPORT_ALL = WATCH + r"""
+import importlib, json, pkgutil
 
-class Watch:
-    chain = None
-    def find_spec(self, name, path=None, target=None):
-        if Watch.chain is None and name.split(".")[0] in ("torch", "triton"):
-            Watch.chain = [name] + [f"{f.filename}:{f.lineno}: {f.line}" for f in traceback.extract_stack()[:-1]
-                                    if "importlib._bootstrap" not in f.filename]
-        return None
-
-sys.meta_path.insert(0, Watch())
 imported = []
 for pkg in ("ds4station.model", "ds4station.planner", "ds4station.hardware", "ds4station.tui"):
     mod = importlib.import_module(pkg)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from import_watch import WATCH
 
 from ds4station.engine.demo import make_model
 from ds4station.hardware import detect_devices
@@ -19,18 +20,9 @@ HOST1 = REPO / "tests" / "fixtures" / "sysfs" / "gfx906-workstation"
 
 # argv: GGUF path, sysfs root. Prints one JSON line. A meta-path finder records the stack of the first
 # torch/triton import, so a failure names the chain.
-_CHILD = r"""
-import asyncio, json, sys, time, traceback
+_CHILD = WATCH + r"""
+import asyncio, json, time
 
-class Watch:
-    chain = None
-    def find_spec(self, name, path=None, target=None):
-        if Watch.chain is None and name.split(".")[0] in ("torch", "triton"):
-            Watch.chain = [name] + [f"{f.filename}:{f.lineno}: {f.line}" for f in traceback.extract_stack()[:-1]
-                                    if "importlib._bootstrap" not in f.filename]
-        return None
-
-sys.meta_path.insert(0, Watch())
 gguf, sysfs = sys.argv[1], sys.argv[2]
 
 from ds4station.tui.app import Ds4StationApp

@@ -259,9 +259,8 @@ class StageRunner:
     def __init__(self, gguf: GGUFFile, stage: Stage, settings: StageSettings, device: torch.device, *,
                  rank: int = 0, progress: Callable[[int, int], None] | None = None) -> None:
         self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
-        tensors: Mapping[str, QTensor] = load_tensors(gguf, stage.layers, embed=stage.embed, output=stage.output)
-        if progress is not None:
-            tensors = _Progress(dict(tensors), progress)
+        views = load_tensors(gguf, stage.layers, embed=stage.embed, output=stage.output)
+        tensors: Mapping[str, QTensor] = views if progress is None else _Progress(views, progress)
         self.experts: ExpertCache | None = None
         self.model: DS4Model | GpuStage
         round_trips = RoundTrips(settings.fp8_kv, settings.indexer_fp4)
