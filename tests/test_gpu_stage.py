@@ -95,8 +95,57 @@ def test_eager_decode_equals_prefill_path(tiny: GGUFFile, reference) -> None:
             assert close.all() if rt == OFF else close.float().mean() > 0.99, (i, close.float().mean())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["full", "middle"])
+def test_short_prefill_as_a_static_step_equals_chunked_prefill(tiny: GGUFFile, device: str, form: str) -> None:
+    """A short prompt as one static-shape step padded to its row class (a CUDA graph on a GPU; the same ops
+    launched eagerly on a CPU) gives the chunked prefill's result and leaves the cache as the chunked prefill
+    does: the turns after it, decode included, agree. Turns of 22 (class 24), 5 (8) and 30 (32) tokens: the
+    padding runs past window, ratio-4 and ratio-16 block ends that the real rows do not reach."""
+    cfg = tiny.config
+    middle = form == "middle"
+    layers = range(2, 5) if middle else None
+    w = load_tensors(tiny, layers, embed=not middle, output=not middle)
+    stage = GpuStage(cfg, w, layers, embed=not middle, output=not middle, device=device, round_trips=OFF,
+                     int_dot=False)
+    stage.graphs = device == "cuda"  # on a CPU: the static steps' ops launched eagerly (graphs off)
+    gen = torch.Generator().manual_seed(21)
+    tokens = torch.randint(0, cfg.vocab_size, (70,), generator=gen).to(device)
+    X = (torch.randn(70, cfg.hc_mult, cfg.dim, generator=gen) * 0.5).to(device) if middle else None
+    a, b = stage.new_cache(128, chunk=32, rollback=16), stage.new_cache(128, chunk=32, rollback=16)
+    tol = 2e-3 if device == "cuda" else 1e-5
+    cuts = [0, 22, 27, 57]
+    for s, e in zip(cuts, cuts[1:]):
+        assert stage.short_rows(e - s, a) in (8, 24, 32)
+        x = None if X is None else X[s:e]
+        got = stage.prefill(tokens[s:e], a, x, logits=not middle, graph=True)
+        want = stage.prefill(tokens[s:e], b, x, logits=not middle, graph=False)
+        assert got.shape == want.shape
+        _close(got, want, tol)
+    assert a.length == b.length == 57 and a.written == 59 and b.written == 57  # 30 tokens padded to 32
+    # the padding's rows took ring slots: a truncate back over them is refused (slack 32: 57 - 26 would do)
+    assert not a.truncate(26) and a.length == 57 and 57 - 26 <= b.max_rollback
+    for j in range(57, 62):  # decode on: over the KV the static steps wrote (blocks closing at 59 and 63)
+        x = None if X is None else X[j:j + 1]
+        _close(stage.decode(int(tokens[j]), a, x, logits=not middle), stage.decode(int(tokens[j]), b, x,
+                                                                             logits=not middle), tol)
+    for i in stage.layers:
+        if a[i].comp is not None:
+            n = 62 // cfg.ratio(i)  # the blocks real positions closed (padded ones wrote rows past them)
+            assert torch.allclose(a[i].comp[:n].float(), b[i].comp[:n].float(), rtol=0, atol=tol * 10)
+
+
+def test_short_rows_classes(tiny: GGUFFile) -> None:
+    stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
+    cache = stage.new_cache(100, chunk=16)
+    assert [stage.short_rows(n, cache) for n in (1, 2, 4, 5, 16, 17)] == [0, 4, 4, 8, 16, 0]  # 17 > chunk
+    cache.length = 90
+    assert stage.short_rows(8, cache) == 8 and stage.short_rows(9, cache) == 0  # 90 + 16 > ctx
+    assert stage.bucket(cache, 8) == 100  # the context caps the bucket
+
+
 class _NoGraphs:
-    """Stands in for a decode graph where capture is unsupported (a driver or ROCm build without graphs)."""
+    """Stands in for a step graph where capture is unsupported (a driver or ROCm build without graphs)."""
 
     made = 0
 
@@ -109,7 +158,7 @@ def test_graph_capture_failure_falls_back_to_eager(tiny: GGUFFile, monkeypatch: 
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A failed capture warns once and decode goes on with eager launches (the same logits, no retries);
     DS4STATION_CUDA_GRAPHS=0 never tries."""
-    monkeypatch.setattr(gpu, "_DecodeGraph", _NoGraphs)
+    monkeypatch.setattr(gpu, "_StepGraph", _NoGraphs)
     monkeypatch.setattr(_NoGraphs, "made", 0)
     tokens = torch.randint(0, tiny.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3)).tolist()
     stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
@@ -182,11 +231,16 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
     want = ref.head(ref.prefill(tokens, ref.new_cache(13, chunk=13)))
     stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device="cpu", round_trips=OFF, int_dot=False)
     cache = stage.new_cache(64, chunk=12)
+    short = stage.new_cache(64, chunk=16)
+    stage.graphs = False  # the short prompt's static step (rows padded to 16), its ops launched eagerly
     with dispatch.interpreted_kernels():
         got = [stage.prefill(tokens[:12], cache, logits=True),
-               stage.decode(int(tokens[12]), cache, logits=True, graph=False)]
+               stage.decode(int(tokens[12]), cache, logits=True, graph=False),
+               stage.prefill(tokens[:12], short, logits=True, graph=True)]
     _close(got[0], want[11], 2e-2)  # prefill feeds fp16 into tl.dot
     _close(got[1], want[12], 1e-3)  # fp32 decode kernels, over KV the fp16 prefill wrote
+    _close(got[2], want[11], 2e-2)
+    assert short.written == 16 and cache.written == 13
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -44,6 +44,45 @@ def test_matmul_tiles_per_backend() -> None:
     assert dispatch.matmul_tiles("q8_0", 5, 4096, 4096, "cuda").block_m == 16
 
 
+# DS4's Q8_0 prefill matmuls (N, K): q_a + kv stacked, q_b, one group of output a, output b, shared expert
+# gate + up stacked and down, the indexer's q_b.
+DS4_MATMULS = [(1536, 4096), (32768, 1024), (1024, 4096), (4096, 8192), (4096, 4096), (4096, 2048), (8192, 1024)]
+
+
+def _programs(t: dispatch.MatmulTiles, m: int, n: int) -> int:
+    return -(-m // t.block_m) * -(-n // t.block_n) * t.split_k
+
+
+@pytest.mark.parametrize(("n", "k"), DS4_MATMULS)
+@pytest.mark.parametrize("m", [9, 22, 33, 64])
+def test_small_m_matmul_tiles_split_k(m: int, n: int, k: int) -> None:
+    t = dispatch.matmul_tiles("q8_0", m, n, k, "cuda")
+    assert (t.block_n, t.block_k, t.num_warps, t.w_as_a) == (64, 128, 4, True)  # wgmma: A's M = 64 per warpgroup
+    assert t.block_m == min(64, max(16, 1 << (m - 1).bit_length())) and t.block_m >= m
+    steps = -(-k // t.block_k)
+    per = -(-steps // t.split_k)  # the kernel's block_k steps per slice
+    assert per >= 2 and -(-steps // per) == t.split_k  # slices of >= 256 weights, none empty
+    tiles = _programs(t, m, n) // t.split_k
+    if tiles >= 2 * 132:
+        assert t.split_k == 1
+    else:  # ~two programs per SM (equal slices round the count down, by < 1/4), or the shortest slices
+        assert t.split_k > 1 or steps < 4
+        assert _programs(t, m, n) >= 0.75 * 2 * 132 or per == 2
+
+
+def test_small_m_matmul_tiles_fill_the_h200() -> None:
+    t = dispatch.matmul_tiles("q8_0", 22, 1536, 4096, "cuda")
+    assert t.block_m == 32 and t.split_k > 1 and _programs(t, 22, 1536) >= 264
+    assert dispatch.matmul_tiles("q8_0", 22, 32768, 1024, "cuda").split_k == 1  # 512 programs already
+    # large M keeps the big tensor-core tiles; the other backends and Q4_K never split K
+    assert dispatch.matmul_tiles("q8_0", 2048, 4096, 4096, "cuda") == dispatch.MatmulTiles(
+        block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    assert dispatch.matmul_tiles("q8_0", 65, 1536, 4096, "cuda").block_n == 128
+    for backend in ("hip64", "hip32", "cpu"):
+        assert dispatch.matmul_tiles("q8_0", 22, 1536, 4096, backend).split_k == 1
+    assert dispatch.matmul_tiles("q4_k", 22, 4096, 4096, "cuda").split_k == 1
+
+
 def test_backend_of_cpu_and_errors() -> None:
     assert dispatch.device_backend("cpu") == "cpu"
     assert not dispatch.use_triton(torch.zeros(1))

@@ -136,6 +136,40 @@ def test_matmul_weights_as_register_operand() -> None:
     assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-4
 
 
+# The small-M (short prefill) tiles at the interpreter's scale: 64 weight rows as the dot's A operand, K slices
+# of whole block_k steps; K = 96 * 32 = 3072 is 24 steps of 128, so 4 slices of 6 steps (and 9 steps of 352
+# are 3 slices of 3 and a tail of 1 step, partly masked: K = 1120 is not a multiple of block_k).
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize(("m", "n", "k"), [(9, 70, 96 * 32), (22, 64, 1120), (33, 40, 512), (64, 96, 96 * 32)])
+def test_matmul_split_k_matches_reference(poisoned_empty: None, split: int, m: int, n: int, k: int) -> None:
+    w = repack_q8_0(raw_q8_0((n,), k, seed=m + n + k).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(DEVICE, torch.float16)
+    tiles = dispatch.MatmulTiles(block_m=min(64, max(16, 1 << (m - 1).bit_length())), block_n=64, block_k=128,
+                                 group_m=1, num_warps=4, num_stages=2, w_as_a=True, split_k=split)
+    want = q8_0_matmul_ref(x, w, out_dtype=torch.float32)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    assert q8_0_matmul(x, w, out=out, tiles=tiles) is out
+    # fp16 operands with fp32 sums: the slices only change the summation order
+    assert rel_err(out, want) < 1e-5
+    y = q8_0_matmul(x, w, tiles=tiles)  # no `out`: the partials' sum cast to x's dtype
+    assert y.dtype == torch.float16 and y.shape == (m, n)
+    assert rel_err(y.float(), want) < 2e-3
+    # the fixed-order reduction is bit-stable from run to run
+    assert torch.equal(q8_0_matmul(x, w, out_dtype=torch.float32, tiles=tiles), out)
+
+
+def test_matmul_split_k_more_slices_than_steps() -> None:
+    """A split_k above the number of K steps runs one step per slice (no slice without K)."""
+    m, n, k = 12, 20, 256
+    w = repack_q8_0(raw_q8_0((n,), k, seed=7).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(8)).to(DEVICE, torch.float32)
+    tiles = dispatch.MatmulTiles(block_m=16, block_n=16, block_k=64, group_m=1, num_warps=1, num_stages=1,
+                                 split_k=9)
+    out = q8_0_matmul(x, w, tiles=tiles)
+    assert out.dtype == torch.float32
+    assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-5
+
+
 @pytest.mark.parametrize(("n", "k", "m", "groups"), [(37, 96, 1, 1), (24, 64, 3, 4)])
 def test_int_dot_matvec_from_16bit_activations(n: int, k: int, m: int, groups: int) -> None:
     """Integer-dot Q8_0 (dp4a on CUDA, the same integer sums in the interpreter) on activations quantised to

@@ -15,6 +15,8 @@ from ds4station.kernels.compressor import (
     compress_blocks_triton,
     compress_decode_ref,
     compress_decode_triton,
+    compress_rows_ref,
+    compress_rows_triton,
 )
 from ds4station.kernels.norm import swiglu, swiglu_ref
 from ds4station.kernels.reference import Rope, fp4_e2m1_roundtrip, fp8_e4m3_roundtrip, hadamard, rope_inv_freq
@@ -158,6 +160,15 @@ def test_compressor_decode_and_blocks_match_the_reference(ratio: int, d: int, rt
     compress_blocks_triton(A[0], A[1], A[2], 1, 2, ratio, fin)
     compress_blocks_ref(B[0], B[1], B[2], 1, 2, ratio, fin)
     assert A[2][0].isnan().all() and A[2][3:].isnan().all()
+    _close(A[2][1:3], B[2][1:3], atol=1e-5)
+    # a static step of several positions: each pools the block it closes (here block 2 by its last position,
+    # block 1 by its own; the positions that close nothing pool nothing), the same rows as the prefill pooling
+    for R in (A, B):
+        R[2].fill_(float("nan"))
+    pos = torch.tensor([3 * ratio - 3, 3 * ratio - 2, 3 * ratio - 1, 2 * ratio - 1], device=DEVICE)
+    compress_rows_triton(A[0], A[1], A[2], pos, ratio, fin)
+    compress_rows_ref(B[0], B[1], B[2], pos, ratio, fin)
+    assert A[2][0].isnan().all() and A[2][3:].isnan().all(), "a block no position closed was pooled"
     _close(A[2][1:3], B[2][1:3], atol=1e-5)
 
 

@@ -120,6 +120,22 @@ def test_truncate_then_extend_equals_recomputation(model, tokens, full):
     assert rel(got, full[29:]) < 1e-5
 
 
+def test_truncate_is_bounded_by_the_furthest_write(model, tokens, full):
+    """Ring slots are reused by position: the rows of a rolled-back turn overwrote what earlier positions
+    need, so a second truncate is bounded by the furthest position ever written, not the current length."""
+    cache = model.new_cache(N, chunk=8, rollback=12)
+    forward(model, tokens[:40], cache)
+    assert cache.truncate(29)
+    forward(model, tokens[29:33], cache)
+    assert not cache.truncate(22)  # 33 - 22 <= 12, but position 35 took the ring slot of 15, which 22 reads
+    assert cache.length == 33 and cache.written == 40
+    assert cache.truncate(28)
+    got = forward(model, tokens[28:N], cache)
+    assert rel(got, full[28:]) < 1e-5
+    cache.reset()
+    assert cache.length == cache.written == 0
+
+
 @pytest.mark.parametrize("layers", [range(0, 6), range(0, 2), range(2, 5), range(5, 6)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kv_bytes_formula_matches_allocation(layers, dtype):

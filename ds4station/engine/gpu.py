@@ -12,8 +12,12 @@ with every op a kernel of ds4station/kernels:
   one CUDA graph (HIP graph on ROCm) and replayed; the context-dependent parts (indexer keys, compressed
   rows) are read up to a power-of-two position bucket, one graph per bucket; a stage without the
   embedding or the head captures its layers alone, from and to a static HC state;
-- prefill runs in chunks with bounded scratch: the indexer keeps a running top-k over column blocks, the
-  attention kernel one query per program with an online softmax (no [T, keys] x heads tensor).
+- a short prefill (up to 32 tokens: a chat turn's first prompt, a settled answer) is the same static-shape
+  step over a row class of 4-32 positions (the prompt padded with rows past its end, which nothing reads
+  before real tokens overwrite them), replayed from a graph per (row class, bucket): eager launches of
+  ~2,300 kernels cost more host time than the whole step takes on the GPU;
+- longer prefill runs in chunks with bounded scratch: the indexer keeps a running top-k over column blocks,
+  the attention kernel one query per program with an online softmax (no [T, keys] x heads tensor).
 On a CPU tensor every kernel call falls back to the kernels' torch references, so the same code is tested
 against the reference model without a GPU (tests/test_gpu_stage.py), and under `interpreted_kernels()` the
 Triton kernels themselves run in the interpreter.
@@ -32,7 +36,7 @@ from ds4station.kernels import dispatch, ops
 from ds4station.kernels import hc as hc_k
 from ds4station.kernels import moe as moe_k
 from ds4station.kernels.attention import attention_decode, attention_prefill
-from ds4station.kernels.compressor import Finish, compress_blocks, compress_decode
+from ds4station.kernels.compressor import Finish, compress_blocks, compress_decode, compress_rows
 from ds4station.kernels.f16 import f16_matvec
 from ds4station.kernels.indexer import index_topk
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
@@ -58,6 +62,8 @@ Weight = QTensor | Tensor
 
 SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score block
 MIN_BUCKET = 4096  # smallest decode position bucket
+# Row classes of the static-shape short prefill: a prompt of 2..32 tokens runs padded to the next class.
+SHORT_ROWS = (4, 8, 16, 24, 32)
 
 
 def _q(w: Weight) -> QTensor:
@@ -235,8 +241,9 @@ class GpuLayer:
 # ---- the stage -----------------------------------------------------------------------------------------------
 @dataclass
 class Step:
-    """Where a forward call sits: positions pos [T] (device) and, for prefill, their host bounds.
-    `bucket` > 0 marks a static-shape decode step that reads context up to `bucket` positions."""
+    """Where a forward call sits: positions pos [T] (device) and, for chunked prefill, their host bounds.
+    `bucket` > 0 marks a static-shape step (decode, or a padded short prefill) that reads context up to
+    `bucket` positions and bounds nothing by a host integer."""
 
     pos: Tensor
     p0: int | None
@@ -244,7 +251,7 @@ class Step:
     bucket: int = 0
 
     @property
-    def decode(self) -> bool:
+    def static(self) -> bool:
         return self.bucket > 0
 
 
@@ -274,7 +281,7 @@ class GpuStage:
                                             for k in ("fn", "scale", "base")), cfg)
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
-        self._graphs: dict[tuple, _DecodeGraph] = {}
+        self._graphs: dict[tuple, _StepGraph] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -297,13 +304,16 @@ class GpuStage:
         return self.output(rms_norm(x, self.output_norm, cfg.rms_eps))
 
     def _compress(self, c: CompressorW, proj: Tensor, st: Step, frontier: Frontier, rows: Tensor) -> None:
-        """Write these positions' projections into the frontier and pool the blocks they close (one kernel;
-        decode decides on the device whether its block closes)."""
+        """Write these positions' projections into the frontier and pool the blocks they close (one kernel for
+        decode; a static step decides on the device which blocks its positions close)."""
         kv, sc = proj[:, c.offset:c.offset + c.width], proj[:, c.offset + c.width:c.offset + 2 * c.width]
-        if st.decode:
+        if st.static and kv.shape[0] == 1:
             compress_decode(kv, sc, c.ape, st.pos, frontier.kv, frontier.score, rows, c.ratio, c.fin)
             return
         frontier.write(st.pos, kv, sc + c.ape[st.pos % c.ratio])
+        if st.static:
+            compress_rows(frontier.kv, frontier.score, rows, st.pos, c.ratio, c.fin)
+            return
         b0 = st.p0 // c.ratio
         compress_blocks(frontier.kv, frontier.score, rows, b0, st.p1 // c.ratio - b0, c.ratio, c.fin)
 
@@ -311,7 +321,7 @@ class GpuStage:
         """Lightning indexer -> (selected block ids [T, k], valid [T, k])."""
         cfg, T = self.cfg, qr.shape[0]
         self._compress(L.index_comp, proj, st, kv.index_frontier, kv.index_keys)
-        n_blocks = st.bucket // 4 if st.decode else st.p1 // 4
+        n_blocks = st.bucket // 4 if st.static else st.p1 // 4
         if n_blocks == 0:
             z = torch.zeros(T, 1, dtype=torch.long, device=qr.device)
             return z, z.bool()
@@ -338,14 +348,15 @@ class GpuStage:
         ids = valid = None
         if indexed:
             ids, valid = self._index(L, proj, qr, st, kv)  # per-query row ids into kv.comp
-        if st.decode:  # the kernel derives the window and the visible compressed rows from the position
+        if st.static and T == 1:  # the kernel derives the window and the visible compressed rows from the position
             n_blocks = st.bucket // L.ratio if L.ratio else 0
             kc = kv.comp if indexed else kv.comp[:n_blocks] if n_blocks else None
             o = attention_decode(q.view(H, D), kv.raw, None, kc, valid[0] if indexed else None, L.sinks, D ** -0.5,
                                  ids=ids[0] if indexed else None, pos=st.pos, window=W,
                                  ratio=0 if indexed else L.ratio)[None]
-        elif dispatch.use_triton(xn):  # prefill kernel: each query's own window and rows, online softmax
-            kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
+        elif dispatch.use_triton(xn) or st.static:  # each query's own window and rows, online softmax
+            seen = st.bucket if st.static else st.p1
+            kc = kv.comp if indexed else kv.comp[:seen // L.ratio] if L.ratio else None
             o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
                                   0 if indexed else L.ratio)
         else:
@@ -424,12 +435,18 @@ class GpuStage:
     # ---- the backend interface (engine/stage.py drives it) ---------------------------------------------------
     @torch.inference_mode()
     def prefill(self, tokens: Tensor | list[int], cache: KVCache, X: Tensor | None = None, *,
-                logits: bool = False) -> Tensor:
-        """Append tokens [T] at positions cache.length.. to the cache, in pieces of at most cache.chunk, with
-        eager launches. X: their HC state [T, C, dim] coming from the previous stage (None: embedded here).
-        -> the HC state [T, C, dim] out of this stage's layers, or with `logits` the head's logits of the last
-        position [vocab]."""
+                logits: bool = False, graph: bool | None = None) -> Tensor:
+        """Append tokens [T] at positions cache.length.. to the cache. X: their HC state [T, C, dim] coming
+        from the previous stage (None: embedded here). -> the HC state [T, C, dim] out of this stage's layers,
+        or with `logits` the head's logits of the last position [vocab].
+        A short prompt (2..32 tokens, see `short_rows`) runs as one static-shape step padded to its row class,
+        on CUDA from a captured graph (as decode does), and anywhere with `graph=True` (eager launches of the
+        same ops where graphs are off). Longer prompts, short ones on a CPU by default, and any with
+        `graph=False` run in pieces of at most cache.chunk with eager launches."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+        rows = self.short_rows(tokens.numel(), cache)  # the padded rows fit the chunk and the context
+        if rows and (graph if graph is not None else self._graphs_on()):
+            return self._static(tokens, cache, X, logits, rows, graph)
         outs = []
         for s in range(0, tokens.numel(), cache.chunk):
             t = tokens[s:s + cache.chunk]
@@ -439,7 +456,7 @@ class GpuStage:
             st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
             x = self.embed(t) if X is None else X[s:s + T].to(self.device, torch.float32)
             outs.append(self._run_layers(x, t, cache, st))
-            cache.length += T
+            cache.advance(T)
         if logits:
             return self.head(outs[-1][-1:])[0]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
@@ -448,60 +465,96 @@ class GpuStage:
     def decode(self, token: int, cache: KVCache, X: Tensor | None = None, *, logits: bool = False,
                graph: bool | None = None) -> Tensor:
         """One token at position cache.length, as `prefill` does it (X [1, C, dim] or None, -> [1, C, dim] or
-        with `logits` [vocab]) but with static shapes: on CUDA the step replays a captured graph (one per
+        with `logits` [vocab]): the static-shape step of one row; on CUDA it replays a captured graph (one per
         cache, position bucket and form; embedding and head inside it when they run here). `graph=False`
-        launches the same ops eagerly (see _decode_graph for when that happens by itself). The result is
-        the graph's static output buffer: read (or copy) it before the next decode step overwrites it."""
+        launches the same ops eagerly (see _graph for when that happens by itself). The result is the
+        graph's static output buffer: read (or copy) it before the next decode step overwrites it."""
         cache.check_room(1)
-        bucket = self.bucket(cache)
+        return self._static(token, cache, X, logits, 1, graph)
+
+    def short_rows(self, n: int, cache: KVCache) -> int:
+        """The row class a prompt of n tokens runs in as one static-shape step at cache.length, or 0 when it
+        runs chunked (a single token decodes; longer than the largest class; the padding would pass the
+        chunk or the context)."""
+        rows = next((r for r in SHORT_ROWS if r >= n), 0) if n > 1 else 0
+        return rows if rows and rows <= cache.chunk and cache.length + rows <= cache.ctx else 0
+
+    def _static(self, tokens: Tensor | int, cache: KVCache, X: Tensor | None, logits: bool, rows: int,
+                graph: bool | None) -> Tensor:
+        """tokens (a token id, or [T] with T <= rows) as one static-shape step of `rows` positions at
+        cache.length: a captured graph's replay (see _graph for when), eager launches otherwise."""
+        n = 1 if isinstance(tokens, int) else tokens.numel()
+        p0, bucket = cache.length, self.bucket(cache, rows)
         if X is not None:
             X = X.to(self.device, torch.float32)
-        key = (id(cache), bucket, X is None, logits)
-        g = self._decode_graph(graph, key, lambda: _DecodeGraph(self, cache, bucket, X is None, logits))
+        key = (id(cache), rows, bucket, X is None, logits)
+        g = self._graph(graph, key, lambda: _StepGraph(self, cache, rows, bucket, X is None, logits))
         if g is None:
-            t = torch.tensor([token], device=self.device)
-            st = Step(torch.tensor([cache.length], device=self.device), None, None, bucket)
-            out = self._run_layers(self.embed(t) if X is None else X, t, cache, st)
-            out = self.head(out)[0] if logits else out
+            g = _StepInputs(self, rows, X is None, p0)
+            g.set(tokens, p0, X)
+            out = self._step(g, cache, bucket, logits)
         else:
-            out = g.run(token, cache.length, X)
-        cache.length += 1
-        return out
+            out = g.run(tokens, p0, X)
+        cache.advance(n, p0 + rows)
+        if rows == 1:
+            return out
+        return out.clone() if logits else out[:n].clone()  # a prefill's result outlives the next replay
 
-    def capture(self, cache: KVCache, *, embedded: bool, logits: bool, positions: int) -> int:
-        """Capture, ahead of use, the decode graphs of an empty `cache` for every position bucket up to
-        `positions` (what the engine does before it says ready, so that no request pays for a capture; the
-        capture's warm-up step writes KV rows of the bucket's first position, which must hold nothing yet).
-        -> graphs held."""
+    def _step(self, inp: _StepInputs, cache: KVCache, bucket: int, logits: bool) -> Tensor:
+        """The static-shape step (what a graph captures): layers over inp's rows, the head over its last
+        real row."""
+        st = Step(inp.pos, None, None, bucket)
+        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, cache, st)
+        if not logits:
+            return X
+        return self.head(X if X.shape[0] == 1 else X.index_select(0, inp.last))[0]
+
+    def capture(self, cache: KVCache, *, embedded: bool, logits: bool, positions: int,
+                rows: tuple[int, ...] = (1, *SHORT_ROWS)) -> int:
+        """Capture, ahead of use, the static-step graphs of an empty `cache` (decode: 1 row; short prefill:
+        the row classes) for every position bucket up to `positions` (what the engine does before it says
+        ready, so that no request pays for a capture; a capture's warm-up step writes KV rows of the bucket's
+        first positions, which must hold nothing yet). -> graphs held."""
         if cache.length:
-            raise ValueError("decode graphs are captured ahead on an empty cache only")
-        if self.device.type != "cuda" or not self.graphs:
+            raise ValueError("step graphs are captured ahead on an empty cache only")
+        if not self._graphs_on():
             return 0
-        n, length = 0, cache.length
-        while True:
+        n, length, first = 0, cache.length, 0
+        while True:  # first: the first position of a bucket (0, then each bucket's predecessor)
+            for r in rows:
+                cache.length = first
+                if (r > 1 and not self.short_rows(r, cache)) or first + r > cache.ctx:
+                    continue
+                bucket = self.bucket(cache, r)
+                key = (id(cache), r, bucket, embedded, logits)
+
+                def make(r: int = r, bucket: int = bucket) -> _StepGraph:
+                    return _StepGraph(self, cache, r, bucket, embedded, logits)
+
+                if self._graph(True, key, make) is None:
+                    cache.length = length
+                    return n
+                n += 1
+            cache.length = first
             bucket = self.bucket(cache)
-            key = (id(cache), bucket, embedded, logits)
-
-            def make(bucket: int = bucket) -> _DecodeGraph:
-                return _DecodeGraph(self, cache, bucket, embedded, logits)
-
-            if self._decode_graph(None, key, make) is None:
-                break
-            n += 1
             if bucket >= min(positions, cache.ctx):
                 break
-            cache.length = bucket  # the next bucket's first position; nothing is written here
+            first = bucket  # the next bucket's first position; nothing is written here
         cache.length = length
         return n
 
-    def bucket(self, cache: KVCache) -> int:
-        """Decode reads context up to this many positions: a power of two > the position decoded (or ctx)."""
-        return min(max(MIN_BUCKET, 1 << cache.length.bit_length()), cache.ctx)
+    def bucket(self, cache: KVCache, rows: int = 1) -> int:
+        """A static step of `rows` positions at cache.length reads context up to this many positions: a power
+        of two > the last position it writes (or ctx)."""
+        return min(max(MIN_BUCKET, 1 << (cache.length + rows - 1).bit_length()), cache.ctx)
 
-    def _decode_graph(self, graph: bool | None, key: tuple, make: Callable[[], _DecodeGraph]) -> _DecodeGraph | None:
-        """The captured decode graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
+    def _graphs_on(self) -> bool:
+        return self.device.type == "cuda" and self.graphs
+
+    def _graph(self, graph: bool | None, key: tuple, make: Callable[[], _StepGraph]) -> _StepGraph | None:
+        """The captured graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
         `graph` is True), when `graph` is False, with DS4STATION_CUDA_GRAPHS=0, or after a capture failed on
-        this stage (warned once; decode goes on with eager launches of the same ops)."""
+        this stage (warned once; steps go on with eager launches of the same ops)."""
         if not (self.device.type == "cuda" if graph is None else graph) or not self.graphs:
             return None
         g = self._graphs.get(key)
@@ -510,13 +563,13 @@ class GpuStage:
                 g = self._graphs[key] = make()
             except Exception as exc:  # e.g. a driver / ROCm build without graph support: eager launches instead
                 self.graphs = False
-                log.warning("decode graph capture failed on %s (%s: %s); decoding with eager launches",
+                log.warning("step graph capture failed on %s (%s: %s); running with eager launches",
                             self.device, type(exc).__name__, exc)
                 return None
         return g
 
     def drop_graphs(self, cache: KVCache) -> None:
-        """Release the decode graphs captured for a cache (when the cache itself goes)."""
+        """Release the step graphs captured for a cache (when the cache itself goes)."""
         for key in [k for k in self._graphs if k[0] == id(cache)]:
             del self._graphs[key]
 
@@ -529,28 +582,46 @@ def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
     return x
 
 
-class _DecodeGraph:
-    """One decode step captured in a CUDA graph, over static token / position buffers (and, for a stage that
-    does not embed, a static HC-state input); `logits`: the head is inside too."""
+class _StepInputs:
+    """The device inputs of a static step of `rows` positions: token ids, positions, the index of the last
+    real row and (for a stage that does not embed) the HC state. Rows past the real ones keep whatever they
+    held: their results are never read, and a real row's never depends on them."""
 
-    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, embedded: bool, logits: bool) -> None:
+    def __init__(self, stage: GpuStage, rows: int, embedded: bool, position: int) -> None:
         dev, cfg = stage.device, stage.cfg
-        self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
-        self.tok = torch.zeros(1, dtype=torch.long, device=dev)
-        self.pos = torch.full((1,), cache.length, dtype=torch.long, device=dev)
-        self.x = None if embedded else torch.zeros(1, cfg.hc_mult, cfg.dim, device=dev)
-        st = Step(self.pos, None, None, bucket)
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.base = torch.arange(rows, device=dev)
+        self.pos = self.base + position
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+        self.x = None if embedded else torch.zeros(rows, cfg.hc_mult, cfg.dim, device=dev)
 
-        def step() -> Tensor:
-            X = stage._run_layers(stage.embed(self.tok) if self.x is None else self.x, self.tok, cache, st)
-            return stage.head(X)[0] if logits else X
+    def set(self, tokens: Tensor | int, position: int, X: Tensor | None) -> None:
+        if isinstance(tokens, int):
+            self.tok.fill_(tokens)
+        else:
+            n = tokens.numel()
+            self.tok[:n].copy_(tokens)
+            self.last.fill_(n - 1)
+        torch.add(self.base, position, out=self.pos)
+        if self.x is not None:
+            self.x[:X.shape[0]].copy_(X)
+
+
+class _StepGraph(_StepInputs):
+    """A static step of `rows` positions of one cache captured in a CUDA graph over static inputs (the head
+    inside when `logits`)."""
+
+    def __init__(self, stage: GpuStage, cache: KVCache, rows: int, bucket: int, embedded: bool,
+                 logits: bool) -> None:
+        super().__init__(stage, rows, embedded, cache.length)
+        self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
 
         # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
-        # position's KV slots, which the real replay overwrites with the same position's values.
+        # positions' KV slots, which the real replay overwrites with the same positions' values.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()
+            stage._step(self, cache, bucket, logits)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         # One memory pool for all of a stage's graphs: they replay one at a time and each output is read
@@ -558,13 +629,10 @@ class _DecodeGraph:
         if stage.graph_pool is None:
             stage.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(self.graph, pool=stage.graph_pool):
-            self.out = step()
+            self.out = stage._step(self, cache, bucket, logits)
 
-    def run(self, token: int, position: int, X: Tensor | None = None) -> Tensor:
-        if self.x is not None:
-            self.x.copy_(X)
-        self.tok.fill_(token)
-        self.pos.fill_(position)
+    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
+        self.set(tokens, position, X)
         self.graph.replay()
         return self.out
 

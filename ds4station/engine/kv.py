@@ -97,6 +97,9 @@ class KVCache:
         self.layer_range = range(cfg.n_layers) if layers is None else layers
         self.slack = kv_slack(chunk, rollback)
         self.length = 0  # positions written so far (the next token's position)
+        # One past the highest position any step wrote rows for: a static-shape step of a short prompt pads it
+        # to its row class and writes rows past `length` (never read: every read is bounded by the position).
+        self.written = 0
         self.layers: dict[int, LayerKV] = {}
         for i in self.layer_range:
             r = cfg.ratio(i)
@@ -134,12 +137,21 @@ class KVCache:
             return False
         if n == self.length:
             return True
-        if self.length - n > self.slack:
+        # A ring slot of a position p is next written by position p + its size: what n needs is gone once any
+        # position more than `slack` beyond n was written, including a padded row, or a row of a turn that an
+        # earlier truncate rolled back (hence the high-water mark, not the current length).
+        if max(self.written, self.length) - n > self.slack:
             return False
         # Compressed rows of blocks that closed after n, frontier and ring entries at positions >= n are
         # simply overwritten later: every read is bounded by `length`.
         self.length = n
         return True
 
+    def advance(self, n: int, written: int | None = None) -> None:
+        """After a step: n more positions hold the sequence; rows were written up to `written` (default
+        the new length)."""
+        self.length += n
+        self.written = max(self.written, self.length, written or 0)
+
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.written = 0

@@ -320,7 +320,7 @@ class DS4Model:
             pos = torch.arange(cache.length, cache.length + T, device=self.device)
             for block in self.blocks:
                 x = block(x, t, pos, cache[block.layer])
-            cache.length += T
+            cache.advance(T)
             outs.append(x)
         if logits:
             return self.head(outs[-1][-1:])[0]

@@ -305,7 +305,7 @@ class StageRunner:
         """Make the first request as fast as the tenth: on the kernel stage of a GPU, run a prefill of every
         length class the kernels specialise on (warm_lengths) and short prefills at the positions where the
         context-dependent tiles change (warm_positions), so that Triton has compiled them all; then capture
-        every slot's decode graphs for the first position buckets. The scratch slot is reset after each
+        every slot's step graphs (decode, and short prefills of each row class) for the first position buckets. The scratch slot is reset after each
         step. Nothing to do for the reference."""
         if self.compute != "kernels" or self.device.type != "cuda":
             return
@@ -318,7 +318,7 @@ class StageRunner:
             tokens = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
             X = None if self.embeds else torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
             cache.length = position  # an empty slot: what lies before `position` is never read back
-            self.model.prefill(tokens, cache, X, logits=self.logits)
+            self.model.prefill(tokens, cache, X, logits=self.logits, graph=False)  # the chunked path's kernels
             cache.reset()
         assert isinstance(self.model, GpuStage)
         graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
@@ -326,7 +326,7 @@ class StageRunner:
         torch.cuda.synchronize(self.device)
         self.warm_s = time.monotonic() - t0
         print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "
-              f"steps compiled, {graphs} decode graphs captured)", file=sys.stderr, flush=True)
+              f"steps compiled, {graphs} step graphs captured)", file=sys.stderr, flush=True)
 
     # ---- sessions ----------------------------------------------------------------------------------
     def new_session(self, sid: int) -> None:

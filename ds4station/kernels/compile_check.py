@@ -232,18 +232,18 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
                                            ("r4 index 128 fp4", 128, 4, True, 2, 0)):
         coff = 2 if ratio == 4 else 1
         t = dispatch.compressor_tiles(d, coff * ratio, backend)
-        for write in (True, False):
+        for mode, form in ((1, "decode"), (0, "prefill"), (2, "short prefill")):
             out.append(KernelSpec(
-                f"compress {label} {'decode' if write else 'prefill'}", compressor._compress_kernel,
+                f"compress {label} {form}", compressor._compress_kernel,
                 {"kv_ptr": p32, "sc_ptr": p32, "ape_ptr": p32, "pos_ptr": "*i64", "fkv_ptr": p32, "fsc_ptr": p32,
                  "rows_ptr": p32, "w_ptr": p32, "f_ptr": p32, "b0": i32, "Rf": i32, "W": i32, "d": i32, "eps": "fp32",
-                 "R": "constexpr", "COFF": "constexpr", "WRITE": "constexpr", "HALF": "constexpr",
+                 "R": "constexpr", "COFF": "constexpr", "MODE": "constexpr", "HALF": "constexpr",
                  "HADAMARD": "constexpr", "RT": "constexpr", "NOPE": "constexpr", "BLOCK_D": "constexpr",
                  "LOG_D": "constexpr", "BLOCK_J": "constexpr"},
-                {"R": ratio, "COFF": coff, "WRITE": write, "HALF": 32, "HADAMARD": had, "RT": rt, "NOPE": nope,
+                {"R": ratio, "COFF": coff, "MODE": mode, "HALF": 32, "HADAMARD": had, "RT": rt, "NOPE": nope,
                  "BLOCK_D": d, "LOG_D": d.bit_length() - 1, "BLOCK_J": t.block_j},
                 ("kv_ptr", "sc_ptr", "ape_ptr", "fkv_ptr", "fsc_ptr", "rows_ptr", "w_ptr", "W", "d"), t.num_warps, 1,
-                decode=write))
+                decode=mode != 0))
     from ds4station.kernels import f16, q4_k
 
     q4 = {"x_ptr": p32, "qs_ptr": "*i32", "sc_ptr": "*u8", "mn_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": p32}

@@ -15,6 +15,9 @@ The result goes to rows[b].
   zero trips otherwise), so a decode step needs no host branch and can be replayed from a CUDA graph.
 - `compress_blocks(fkv, fsc, rows, b0, n, ...)`: prefill: pools blocks b0 .. b0 + n - 1 from a frontier that
   already holds their positions, one program per block.
+- `compress_rows(fkv, fsc, rows, pos, ...)`: a static-shape step of several positions pos [T] (device), whose
+  projections the frontier already holds: each position pools the block it closes, decided on the device
+  (one program per position), so a short prefill can be replayed from a CUDA graph too.
 Each is one launch with one program per pooled block; `compress_*_ref` run the model's torch code.
 """
 
@@ -80,6 +83,12 @@ def compress_blocks_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int,
         _pool_ref(fkv, fsc, rows, torch.arange(b0, b0 + n, device=fkv.device), ratio, fin)
 
 
+def compress_rows_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+    closing = pos[(pos + 1) % ratio == 0]
+    if closing.numel():
+        _pool_ref(fkv, fsc, rows, closing // ratio, ratio, fin)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Kernel.
 
@@ -87,21 +96,24 @@ def compress_blocks_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int,
 @triton.jit(do_not_specialize=["b0"])  # the first block pooled: a position, not a shape
 def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, fkv_ptr, fsc_ptr, rows_ptr, w_ptr, f_ptr,
                      b0, Rf, W, d, eps,
-                     R: tl.constexpr, COFF: tl.constexpr, WRITE: tl.constexpr, HALF: tl.constexpr,
+                     R: tl.constexpr, COFF: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
                      HADAMARD: tl.constexpr, RT: tl.constexpr, NOPE: tl.constexpr, BLOCK_D: tl.constexpr,
                      LOG_D: tl.constexpr, BLOCK_J: tl.constexpr):
+    # MODE 0: pool blocks b0 + program id; 1: write position pos[0] into the frontier, then pool the block it
+    # closes, if it does; 2: pool the block position pos[program id] closes, if it does.
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < d
-    if WRITE:
-        pos = tl.load(pos_ptr).to(tl.int64)
-        slot = pos % Rf
-        for c in tl.static_range(COFF):
-            kv_w = tl.load(kv_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
-            sc_w = tl.load(sc_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
-            sc_w += tl.load(ape_ptr + (pos % R) * W + c * d + offs, mask=dmask, other=0.0)
-            tl.store(fkv_ptr + slot * W + c * d + offs, kv_w, mask=dmask)
-            tl.store(fsc_ptr + slot * W + c * d + offs, sc_w, mask=dmask)
-        tl.debug_barrier()  # the pooling below reads the slot just written (same program)
+    if MODE != 0:
+        pos = tl.load(pos_ptr + tl.program_id(0)).to(tl.int64)
+        if MODE == 1:
+            slot = pos % Rf
+            for c in tl.static_range(COFF):
+                kv_w = tl.load(kv_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
+                sc_w = tl.load(sc_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
+                sc_w += tl.load(ape_ptr + (pos % R) * W + c * d + offs, mask=dmask, other=0.0)
+                tl.store(fkv_ptr + slot * W + c * d + offs, kv_w, mask=dmask)
+                tl.store(fsc_ptr + slot * W + c * d + offs, sc_w, mask=dmask)
+            tl.debug_barrier()  # the pooling below reads the slot just written (same program)
         closing = (pos + 1) % R == 0
         smask = dmask & (((tl.zeros((BLOCK_D,), tl.int64) + pos + 1) % R) == 0)
         b = pos // R
@@ -153,7 +165,7 @@ def _check(fkv: Tensor, fsc: Tensor, rows: Tensor, ratio: int, fin: Finish) -> t
 
 
 def _launch(grid: int, kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
-            b0: int, ratio: int, fin: Finish, write: bool) -> None:
+            b0: int, ratio: int, fin: Finish, mode: int) -> None:
     d, coff = _check(fkv, fsc, rows, ratio, fin)
     block = max(64 if fin.rt == "fp8" else 32, triton.next_power_of_2(d))
     if fin.hadamard and block != d:
@@ -161,7 +173,7 @@ def _launch(grid: int, kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Te
     tiles = dispatch.compressor_tiles(d, coff * ratio, dispatch.launch_backend(fkv))
     _compress_kernel[(grid,)](
         kv, sc, ape, pos, fkv, fsc, rows, fin.norm, fin.inv_freq, b0, fkv.shape[0], fkv.shape[1], d, float(fin.eps),
-        R=ratio, COFF=coff, WRITE=write, HALF=fin.inv_freq.numel(), HADAMARD=fin.hadamard, RT=_RT[fin.rt],
+        R=ratio, COFF=coff, MODE=mode, HALF=fin.inv_freq.numel(), HADAMARD=fin.hadamard, RT=_RT[fin.rt],
         NOPE=fin.nope, BLOCK_D=block, LOG_D=block.bit_length() - 1, BLOCK_J=tiles.block_j, num_warps=tiles.num_warps)
 
 
@@ -173,12 +185,18 @@ def compress_decode_triton(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv
         raise ValueError(f"projections must be unit-stride rows of {W}")
     if tuple(ape.shape) != (ratio, W) or not ape.is_contiguous() or ape.dtype != torch.float32:
         raise ValueError(f"ape must be contiguous float32 [{ratio}, {W}], got {tuple(ape.shape)}")
-    _launch(1, kv, sc, ape, pos, fkv, fsc, rows, 0, ratio, fin, write=True)
+    _launch(1, kv, sc, ape, pos, fkv, fsc, rows, 0, ratio, fin, mode=1)
 
 
 def compress_blocks_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
     if n > 0:
-        _launch(n, fkv, fsc, fkv, fkv, fkv, fsc, rows, b0, ratio, fin, write=False)
+        _launch(n, fkv, fsc, fkv, fkv, fkv, fsc, rows, b0, ratio, fin, mode=0)
+
+
+def compress_rows_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+    if pos.dim() != 1 or not pos.is_contiguous():
+        raise ValueError(f"pos must be a contiguous [T] tensor, got {tuple(pos.shape)}")
+    _launch(pos.numel(), fkv, fsc, fkv, pos, fkv, fsc, rows, 0, ratio, fin, mode=2)
 
 
 def compress_decode(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
@@ -191,3 +209,8 @@ def compress_decode(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tenso
 def compress_blocks(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
     f = compress_blocks_triton if dispatch.use_triton(fkv) else compress_blocks_ref
     f(fkv, fsc, rows, b0, n, ratio, fin)
+
+
+def compress_rows(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+    f = compress_rows_triton if dispatch.use_triton(fkv) else compress_rows_ref
+    f(fkv, fsc, rows, pos, ratio, fin)

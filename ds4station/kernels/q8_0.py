@@ -12,7 +12,8 @@ Kernels:
 - `_q8_0_matvec_i8_kernel`: the same product from an activation quantised to two int8 digits per value
   (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
 - `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate),
-  optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a).
+  optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a), and optionally
+  split-K (dispatch's split_k: fp32 partials per K slice, summed by the launcher; short prefills).
 """
 
 from __future__ import annotations
@@ -257,6 +258,14 @@ def _q8_0_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_AS_A: tl.constexpr,
 ):
+    # Split-K: program axis 1 is the K slice, num_programs(1) slices of cdiv(K / BLOCK_K, slices) steps each
+    # (the last may be shorter); slice s writes Y's partial s of [slices, M, N] (stride M * stride_ym). With
+    # one slice this is the plain matmul: the whole K, written to Y.
+    pid_s = tl.program_id(1)
+    k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1)) * BLOCK_K
+    k_lo = pid_s * k_slice
+    k_hi = tl.minimum(K, k_lo + k_slice)
+    y_ptr += pid_s.to(tl.int64) * M * stride_ym
     # Grouped program order: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -279,7 +288,7 @@ def _q8_0_matmul_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < K
         kb_mask = (k0 // 32 + offs_kb) < K // 32
@@ -314,7 +323,11 @@ def q8_0_matmul(
     out_dtype: torch.dtype | None = None,
     tiles: dispatch.MatmulTiles | None = None,
 ) -> torch.Tensor:
-    """Triton Y = X @ W^T for prefill: x [M, K] -> [M, N]; fp16 tensor-core dots, fp32 accumulation."""
+    """Triton Y = X @ W^T for prefill: x [M, K] -> [M, N]; fp16 tensor-core dots, fp32 accumulation.
+
+    With tiles.split_k = S > 1 the K loop runs in S slices (multiples of block_k) on separate programs, which
+    write fp32 partials [S, M, N]; their sum in a fixed order (torch's, not atomics) keeps the output
+    bit-stable from run to run."""
     if x.dim() != 2 or x.shape[1] != w.k:
         raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
     if x.stride(1) != 1:
@@ -322,12 +335,20 @@ def q8_0_matmul(
     m, k = x.shape
     n = w.n
     tiles = tiles or dispatch.matmul_tiles("q8_0", m, n, k, dispatch.launch_backend(x))
-    if out is None:
-        out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n),)
+    split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
+    if split > 1:
+        y = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+    else:
+        y = out if out is not None else torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
     _q8_0_matmul_kernel[grid](
-        x, w.qs, w.d, out, m, n, k, x.stride(0), out.stride(0),
+        x, w.qs, w.d, y, m, n, k, x.stride(0), y.stride(-2),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_AS_A=tiles.w_as_a, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    return out
+    if split == 1:
+        return y
+    total = y.sum(0)
+    if out is None:
+        return total.to(out_dtype or x.dtype)
+    return out.copy_(total)
