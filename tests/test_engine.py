@@ -102,7 +102,7 @@ def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
     """compute="kernels" runs the kernel stage (engine/gpu.py, the default on a GPU; on the CPU its torch
     fallbacks) behind the same Session interface: its logits follow the reference through prefill, decode
     and a rollback."""
-    from ds4station.engine.gpu import GpuStage
+    from ds4station.engine.gpu import SHORT_ROWS, GpuStage
 
     ref = Engine.load(gguf_path, ctx=128, device="cpu")
     fast = Engine.load(gguf_path, ctx=128, device="cpu", compute="kernels")
@@ -122,16 +122,18 @@ def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
-    """On a GPU the default engine is the kernel stage, warmed at load (decode graphs captured for every
-    slot before the first request, none after), and through prefill and graph decode its logits follow the
-    reference engine's on the same tokens (the int8-dot decode kernels are close, not bit-equal)."""
-    from ds4station.engine.gpu import GpuStage
+    """On a GPU the default engine is the kernel stage, warmed at load (decode and short-prefill graphs
+    captured for every slot before the first request, none after), and through prefill, short-prefill and
+    decode graphs its logits follow the reference engine's on the same tokens (the int8-dot decode kernels
+    are close, not bit-equal)."""
+    from ds4station.engine.gpu import SHORT_ROWS, GpuStage
 
     ref = Engine.load(gguf_path, ctx=256, device="cpu", round_trips=OFF)
     gpu = Engine.load(gguf_path, ctx=256, sessions=2, round_trips=OFF)
     assert gpu.runner.compute == "kernels" and gpu.chunk == DEFAULT_GPU_CHUNK and gpu.runner.warm_s > 0
     model = gpu.runner.model
-    assert isinstance(model, GpuStage) and len(model._graphs) == 2  # one bucket (ctx 256) x two slots
+    graphs = 2 * (1 + len(SHORT_ROWS))  # one bucket (ctx 256) x two slots x (decode + the short row classes)
+    assert isinstance(model, GpuStage) and len(model._graphs) == graphs
     a, b = ref.new_session(), gpu.new_session()
     prompt = [0, *range(5, 45)]
     la, lb = a.extend(prompt), b.extend(prompt)
@@ -139,7 +141,9 @@ def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
         assert float((la - lb.cpu()).abs().max()) < 5e-2 * float(la.abs().max())
         token = int(la.argmax())  # both continue with the reference's choice
         la, lb = a.extend([token]), b.extend([token])
-    assert len(model._graphs) == 2  # no capture after ready
+    la, lb = a.extend([7, 8, 9, 10, 11]), b.extend([7, 8, 9, 10, 11])  # a short turn: its static-step graph
+    assert float((la - lb.cpu()).abs().max()) < 5e-2 * float(la.abs().max())
+    assert len(model._graphs) == graphs  # no capture after ready
     ref.close()
     gpu.close()
 
