@@ -39,8 +39,12 @@ def test_bench_serve_drives_a_real_server_like_an_agent(tmp_path) -> None:
         assert 300 <= turn.prompt_tokens <= 310 and turn.cached_tokens < 10  # fresh text: little reuse
         assert turn.completion_tokens >= 1 and turn.prefill_tps > 0
         assert turn.server_timings["prompt_n"] == turn.prompt_tokens - turn.cached_tokens
+    for turn in (res.first, *res.short, *res.long):  # the server's own record of each turn, matched in order
+        assert turn.server["prompt_tokens"] == turn.prompt_tokens
+        assert 0 < turn.server["ttft_ms"] <= 1000 * turn.ttft_s
     table = res.table()
     assert "prefill 300-token chat prompt, tok/s" in table and "TTFT" in table and "through serve" in table
+    assert "(server " in table
 
 
 def test_warm_up_covers_the_length_classes_and_position_buckets() -> None:

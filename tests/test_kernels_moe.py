@@ -103,6 +103,10 @@ def test_int_dot_numerics() -> None:
         moe_decode(dev[0], *packed, dev[1], dev[2], out=out, int_dot=True,
                    tiles=dataclasses.replace(tiles, iq2_decode=decode))
         assert rel_err(out, quant) < 1e-5
+    # a padded static step: the tokens after `last` are skipped and come out zero, the real ones unchanged
+    last = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    out = moe_decode(dev[0], *packed, dev[1], dev[2], int_dot=True, tiles=tiles, last=last)
+    assert rel_err(out[:1], quant[:1]) < 1e-5 and not out[1:].any()
 
 
 def test_moe_decode_rejects_mismatched_experts() -> None:

@@ -148,13 +148,14 @@ class Experts:
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
 
-    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor) -> Tensor:
-        """xn [T, D], ids / wts [T, S] -> [T, D] fp32."""
+    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
+        """xn [T, D], ids / wts [T, S] -> [T, D] fp32. `last` (device, [1]): the last real token of a padded
+        static step; the decode kernels may skip the tokens after it (their rows are never read)."""
         few = xn.shape[0] <= ops.MAX_MATVEC_ROWS
         if dispatch.use_triton(xn):  # no host synchronisation on either path
             if xn.shape[0] <= ops.MOE_DECODE_ROWS:  # about one token per expert: the decode kernels
                 return moe_k.moe_decode(xn, self.gate, self.up, self.down, ids, wts, self.clamp,
-                                        int_dot=self.int_dot)
+                                        int_dot=self.int_dot, last=last)
             return moe_prefill(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
         if few:
             return moe_k.moe_decode_ref(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
@@ -249,6 +250,7 @@ class Step:
     p0: int | None
     p1: int | None
     bucket: int = 0
+    last: Tensor | None = None  # a padded static step: the index of its last real row, [1] on the device
 
     @property
     def static(self) -> bool:
@@ -409,11 +411,11 @@ class GpuStage:
             out.append(o)
         return torch.cat(out)
 
-    def _moe(self, L: GpuLayer, xn: Tensor, tokens: Tensor) -> Tensor:
+    def _moe(self, L: GpuLayer, xn: Tensor, tokens: Tensor, st: Step) -> Tensor:
         cfg = self.cfg  # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
-        y = L.experts(xn, ids, wts)
+        y = L.experts(xn, ids, wts, st.last)
         if L.shared is not None:
             gate_up, down = L.shared
             y = y + down(swiglu(gate_up(xn), cfg.swiglu_clamp_shared[L.layer]))
@@ -425,7 +427,7 @@ class GpuStage:
             x, post, comb = self._hc_pre(L.hc_attn, X)
             X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
             x, post, comb = self._hc_pre(L.hc_ffn, X)
-            X = hc_k.hc_post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens), X, post, comb)
+            X = hc_k.hc_post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens, st), X, post, comb)
         return X
 
     def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -503,7 +505,7 @@ class GpuStage:
     def _step(self, inp: _StepInputs, cache: KVCache, bucket: int, logits: bool) -> Tensor:
         """The static-shape step (what a graph captures): layers over inp's rows, the head over its last
         real row."""
-        st = Step(inp.pos, None, None, bucket)
+        st = Step(inp.pos, None, None, bucket, None if inp.tok.numel() == 1 else inp.last)
         X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, cache, st)
         if not logits:
             return X

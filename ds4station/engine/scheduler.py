@@ -576,6 +576,8 @@ class Scheduler:
             self._running["done"] = start + len(todo[start:start + self.prefill_chunk])
             handle._post(Prefill(self._running["done"], len(todo), cached))
         assert logits is not None
+        if logits.is_cuda:  # graph replays return before the GPU is done: the prompt ends when its logits do
+            torch.cuda.current_stream(logits.device).synchronize()
         t_prompt = time.monotonic()
         timings.prompt_ms = (t_prompt - started) * 1000
         self._running["phase"] = "decode"

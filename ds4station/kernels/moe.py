@@ -172,14 +172,16 @@ def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, signs_ptr, rows, n_mask
 @triton.jit
 def _moe_gate_up_i8_kernel(
     xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr, signs_ptr,
-    g0, g1, g2, u0, u1, u2,
+    g0, g1, g2, u0, u1, u2, last_ptr,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    DECODE: tl.constexpr,
+    DECODE: tl.constexpr, PADDED: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = (slot // S).to(tl.int64)
+    if PADDED:  # tokens after the last real one (a padded static step): zero-trip dot loops, zero rows out
+        D = tl.where(t <= tl.load(last_ptr), D, 0)
     e = tl.load(ids_ptr + slot).to(tl.int64)
     wt = tl.load(wts_ptr + slot).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -197,16 +199,20 @@ def _moe_gate_up_i8_kernel(
 @triton.jit
 def _moe_down_i8_kernel(
     xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr, signs_ptr,
-    d0, d1, d2,
+    d0, d1, d2, last_ptr,
     F, D, stride_yt,
     S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, DECODE: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < D
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for s in range(S):
+    n_slots = S
+    if PADDED:
+        n_slots = tl.where(t <= tl.load(last_ptr), S, 0)
+    for s in range(n_slots):
         slot = (t * S + s).to(tl.int64)
         e = tl.load(ids_ptr + slot).to(tl.int64)
         rows = e * D + offs_n.to(tl.int64)
@@ -232,11 +238,14 @@ def moe_decode(
     out: torch.Tensor | None = None,
     tiles: dispatch.MoeTiles | None = None,
     int_dot: bool | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton fused MoE for a few tokens: x [T, D], ids [T, S] (int32/int64), weights [T, S] -> y [T, D] fp32.
 
     int_dot (default: dispatch.use_int_dot for the device): quantise the activations per 32 to int8 and use
     dp4a (four launches: quantise x, gate+up, quantise h, down); otherwise the fp32-math kernels (two).
+    last: the index of the last real token, [1] int64 on the device (a short prefill padded to its static
+    row class): the integer-dot kernels skip the tokens after it, whose rows come out zero.
     """
     if type(gate) is not type(up):
         raise TypeError("gate and up experts must have the same quant type")
@@ -255,7 +264,7 @@ def moe_decode(
     if int_dot is None:
         int_dot = dispatch.use_int_dot(dispatch.launch_backend(x))
     if int_dot:
-        return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles)
+        return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles, last)
     sub_in, sub_h = _UNIT[gate.qtype], _UNIT[down.qtype]
     ht = torch.empty((t_count, n_slots, d_ff), device=x.device, dtype=torch.float32)
     grid_tab = grid_words(x.device)
@@ -287,6 +296,7 @@ def _moe_decode_i8(
     clamp: float | None,
     out: torch.Tensor | None,
     tiles: dispatch.MoeTiles,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
     t_count, d_model = x.shape
     d_ff, n_slots = gate.n, ids.shape[1]
@@ -297,9 +307,10 @@ def _moe_decode_i8(
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     gu = tiles.gate_up
     _moe_gate_up_i8_kernel[(t_count * n_slots, triton.cdiv(d_ff, gu.block_n))](
-        xq, xs, xsum, ids, weights, h, grid_tab, signs, *_ptrs(gate), *_ptrs(up), d_ff, d_model, float(clamp or 0.0),
+        xq, xs, xsum, ids, weights, h, grid_tab, signs, *_ptrs(gate), *_ptrs(up), ids if last is None else last,
+        d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None, BLOCK_N=gu.block_n,
-        BLOCK_U=gu.block_k // _UNIT[gate.qtype], DECODE=decode, num_warps=gu.num_warps,
+        BLOCK_U=gu.block_k // _UNIT[gate.qtype], DECODE=decode, PADDED=last is not None, num_warps=gu.num_warps,
         num_stages=gu.num_stages,
     )
     hq, hs, hsum = quantize_act(h, down.qtype)
@@ -307,8 +318,9 @@ def _moe_decode_i8(
         out = torch.empty((t_count, d_model), device=x.device, dtype=torch.float32)
     dn = tiles.down
     _moe_down_i8_kernel[(t_count, triton.cdiv(d_model, dn.block_n))](
-        hq, hs, hsum, ids, out, grid_tab, signs, *_ptrs(down), d_ff, d_model, out.stride(0),
-        S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n, BLOCK_U=dn.block_k // _UNIT[down.qtype],
-        DECODE=decode, num_warps=dn.num_warps, num_stages=dn.num_stages,
+        hq, hs, hsum, ids, out, grid_tab, signs, *_ptrs(down), ids if last is None else last, d_ff, d_model,
+        out.stride(0), S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n,
+        BLOCK_U=dn.block_k // _UNIT[down.qtype], DECODE=decode, PADDED=last is not None, num_warps=dn.num_warps,
+        num_stages=dn.num_stages,
     )
     return out
