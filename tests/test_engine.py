@@ -102,7 +102,7 @@ def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
     """compute="kernels" runs the kernel stage (engine/gpu.py, the default on a GPU; on the CPU its torch
     fallbacks) behind the same Session interface: its logits follow the reference through prefill, decode
     and a rollback."""
-    from ds4station.engine.gpu import SHORT_ROWS, GpuStage
+    from ds4station.engine.gpu import GpuStage
 
     ref = Engine.load(gguf_path, ctx=128, device="cpu")
     fast = Engine.load(gguf_path, ctx=128, device="cpu", compute="kernels")

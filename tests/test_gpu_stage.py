@@ -115,7 +115,7 @@ def test_short_prefill_as_a_static_step_equals_chunked_prefill(tiny: GGUFFile, d
     a, b = stage.new_cache(128, chunk=32, rollback=16), stage.new_cache(128, chunk=32, rollback=16)
     tol = 2e-3 if device == "cuda" else 1e-5
     cuts = [0, 22, 27, 57]
-    for s, e in zip(cuts, cuts[1:]):
+    for s, e in zip(cuts[:-1], cuts[1:], strict=True):
         assert stage.short_rows(e - s, a) in (8, 24, 32)
         x = None if X is None else X[s:e]
         got = stage.prefill(tokens[s:e], a, x, logits=not middle, graph=True)

@@ -151,7 +151,7 @@ def test_public_op_uses_reference_on_cpu() -> None:
 def test_rejects_bad_arguments() -> None:
     c = _case(4, 64, 9, 5, False, torch.float32, seed=9)
     with pytest.raises(ValueError, match="q must be"):
-        attention_decode_triton(c["q"][None], c["kw"], c["mask_w"], None, None, c["sinks"], 0.1)
+        attention_decode_triton(c["q"][None, None], c["kw"], c["mask_w"], None, None, c["sinks"], 0.1)
     with pytest.raises(ValueError, match="kw must be"):
         attention_decode_triton(c["q"], c["kw"][:, :-1], c["mask_w"], None, None, c["sinks"], 0.1)
     with pytest.raises(ValueError, match="mask_c must be"):
@@ -239,6 +239,42 @@ def test_prefill_attention_matches_per_query_reference(poisoned_empty: None, bac
     assert not got.isnan().any()
     tol = TOL_DEFAULT if tiles.precision == "tf32" else TOL
     assert torch.allclose(got.cpu(), want.cpu(), **tol), (got.cpu() - want.cpu()).abs().max()
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip64"])
+@pytest.mark.parametrize("layer", ["indexed", "ratio", "window"])
+def test_several_queries_in_one_split_launch(poisoned_empty: None, backend: str, layer: str) -> None:
+    """The decode kernels over T queries at once (a static step of a short prompt: grid axis 2 is the query,
+    each with its own position, indexed rows and partials) equal the per-query reference, with the tl.dot
+    (cuda) and the CUDA-core (hip64) split forms; padded queries past the real ones change nothing."""
+    from ds4station.kernels.attention import attention_prefill_ref
+
+    H, D, T, W = 5, 96, 7, 16
+    gen = torch.Generator().manual_seed(17)
+    q, sinks = torch.randn(T, H, D, generator=gen), torch.randn(H, generator=gen)
+    ring, comp = torch.randn(40, D, generator=gen), torch.randn(30, D, generator=gen)
+    pos = torch.arange(3, 3 + T)
+    ids, valid = torch.randint(0, 30, (T, 13), generator=gen), torch.rand(T, 13, generator=gen) > 0.3
+    valid[0] = False
+    kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:6], mask_c=None, ids=None, ratio=2),
+          "window": dict(kc=None, mask_c=None, ids=None)}[layer]
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    common = dict(scale=D ** -0.5, pos=pos.to(DEVICE), window=W)
+    tiles = attention_tiles(H, D, W + (13 if layer == "indexed" else 6 if layer == "ratio" else 0), backend)
+    got = attention_decode_triton(q.to(DEVICE), ring.to(DEVICE), None, dev["kc"], dev["mask_c"], sinks.to(DEVICE),
+                                  ids=dev["ids"], **common, ratio=kw.get("ratio", 0), tiles=tiles)
+    want = attention_prefill_ref(q, ring, kw["kc"], kw["mask_c"], sinks, D ** -0.5, kw["ids"], pos, W,
+                                 kw.get("ratio", 0))
+    tol = TOL_DEFAULT if tiles.precision == "tf32" else TOL
+    assert got.shape == (T, H, D) and torch.allclose(got.cpu(), want, **tol), (got.cpu() - want).abs().max()
+    one = attention_decode_triton(q[2].to(DEVICE), ring.to(DEVICE), None, dev["kc"],
+                                  None if dev["mask_c"] is None else dev["mask_c"][2], sinks.to(DEVICE),
+                                  ids=None if dev["ids"] is None else dev["ids"][2], scale=D ** -0.5,
+                                  pos=pos[2:3].to(DEVICE), window=W, ratio=kw.get("ratio", 0), tiles=tiles)
+    assert torch.equal(one, got[2])  # a query's result does not depend on the others in the launch
+    with pytest.raises(ValueError, match="ring"):
+        attention_decode_triton(q.to(DEVICE), ring.to(DEVICE), None, None, None, sinks.to(DEVICE), 1.0,
+                                pos=pos.to(DEVICE), window=0)
 
 
 def test_prefill_attention_rejects_bad_input() -> None:

@@ -4,6 +4,8 @@ machine without a GPU the Triton kernels run in the interpreter (tests/conftest.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from gguf import quants as gguf_quants
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import dequantize_act16, quantize_act16
 from ds4station.kernels.q8_0 import (
+    PackedQ8_0,
     dequantize_q8_0,
     q8_0_matmul,
     q8_0_matmul_ref,
@@ -168,6 +171,26 @@ def test_matmul_split_k_more_slices_than_steps() -> None:
     out = q8_0_matmul(x, w, tiles=tiles)
     assert out.dtype == torch.float32
     assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-5
+
+
+@pytest.mark.parametrize("split", [1, 2])
+def test_grouped_matmul_in_one_launch(split: int) -> None:
+    """The grouped projection (the attention output's first half): G groups of rows, group g reading its own
+    K columns of x, in one launch (and split-K); equals G separate products."""
+    groups, rows, k, m = 4, 32, 96, 11
+    w = repack_q8_0(raw_q8_0((groups * rows,), k, seed=31).to(DEVICE), k)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    tiles = dispatch.MatmulTiles(block_m=16, block_n=16, block_k=32, group_m=2, num_warps=1, num_stages=1,
+                                 split_k=split)
+    out = q8_0_matmul(x, w, tiles=tiles, groups=groups)
+    parts = [q8_0_matmul_ref(x[:, g * k:(g + 1) * k], PackedQ8_0(w.qs[g * rows:(g + 1) * rows],
+                                                                 w.d[g * rows:(g + 1) * rows]))
+             for g in range(groups)]
+    assert rel_err(out, torch.cat(parts, dim=1)) < 1e-5
+    with pytest.raises(ValueError, match="divide"):
+        q8_0_matmul(x, w, tiles=dataclasses.replace(tiles, block_n=64), groups=groups)
+    with pytest.raises(ValueError, match="group"):
+        q8_0_matmul(x[:, :k], w, groups=groups)
 
 
 @pytest.mark.parametrize(("n", "k", "m", "groups"), [(37, 96, 1, 1), (24, 64, 3, 4)])

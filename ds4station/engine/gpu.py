@@ -350,15 +350,14 @@ class GpuStage:
         ids = valid = None
         if indexed:
             ids, valid = self._index(L, proj, qr, st, kv)  # per-query row ids into kv.comp
-        if st.static and T == 1:  # the kernel derives the window and the visible compressed rows from the position
+        if st.static:  # split-K over the keys, per query; window and visible rows derived from the positions
             n_blocks = st.bucket // L.ratio if L.ratio else 0
             kc = kv.comp if indexed else kv.comp[:n_blocks] if n_blocks else None
-            o = attention_decode(q.view(H, D), kv.raw, None, kc, valid[0] if indexed else None, L.sinks, D ** -0.5,
-                                 ids=ids[0] if indexed else None, pos=st.pos, window=W,
-                                 ratio=0 if indexed else L.ratio)[None]
-        elif dispatch.use_triton(xn) or st.static:  # each query's own window and rows, online softmax
-            seen = st.bucket if st.static else st.p1
-            kc = kv.comp if indexed else kv.comp[:seen // L.ratio] if L.ratio else None
+            o = attention_decode(q.view(T, H, D), kv.raw, None, kc, valid if indexed else None, L.sinks, D ** -0.5,
+                                 ids=ids if indexed else None, pos=st.pos, window=W,
+                                 ratio=0 if indexed else L.ratio)
+        elif dispatch.use_triton(xn):  # prefill kernel: each query's own window and rows, online softmax
+            kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
             o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
                                   0 if indexed else L.ratio)
         else:

@@ -305,8 +305,8 @@ class StageRunner:
         """Make the first request as fast as the tenth: on the kernel stage of a GPU, run a prefill of every
         length class the kernels specialise on (warm_lengths) and short prefills at the positions where the
         context-dependent tiles change (warm_positions), so that Triton has compiled them all; then capture
-        every slot's step graphs (decode, and short prefills of each row class) for the first position buckets. The scratch slot is reset after each
-        step. Nothing to do for the reference."""
+        every slot's step graphs (decode, and short prefills of each row class) for the first position
+        buckets. The scratch slot is reset after each step. Nothing to do for the reference."""
         if self.compute != "kernels" or self.device.type != "cuda":
             return
         t0 = time.monotonic()

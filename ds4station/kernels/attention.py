@@ -60,10 +60,17 @@ def positional_masks(kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_
 def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
                          sinks: Tensor, scale: float, ids: Tensor | None = None, *, pos: Tensor | None = None,
                          window: int = 0, ratio: int = 0) -> Tensor:
-    """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32.
+    """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32
+    (q [T, H, D]: each query t as one, at pos[t] with ids[t] / mask_c[t] -> [T, H, D]).
     Masked compressed entries are zeroed before the call: their ids may be out of range and their rows
     arbitrary, and sink_attention multiplies p = 0 by the key (0 * inf would be NaN)."""
     from ds4station.kernels.reference import sink_attention
+
+    if q.dim() == 3:
+        return torch.stack([attention_decode_ref(
+            q[t], kw, mask_w, kc, mask_c if ids is None or mask_c is None else mask_c[t], sinks, scale,
+            None if ids is None else ids[t], pos=pos[t:t + 1], window=window, ratio=ratio)
+            for t in range(q.shape[0])])
 
     kw, mask_w, mask_c = positional_masks(kw, mask_w, kc, mask_c, pos, window, ratio)
 
@@ -127,13 +134,26 @@ def _query_position(pos_ptr, NEEDED: tl.constexpr):
 
 
 @triton.jit
+def _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, H, D, stride_qt, stride_it):
+    """The pointers of query program_id(2) (several queries in one launch: a static step of a few positions,
+    each with its own position, indexed rows and partials; S = the launch's key splits)."""
+    t = tl.program_id(2).to(tl.int64)
+    part = t * tl.num_programs(0) * H
+    return (q_ptr + t * stride_qt, pos_ptr + t, mc_ptr + t * stride_it, ids_ptr + t * stride_it, m_ptr + part,
+            l_ptr + part, acc_ptr + part * D)
+
+
+@triton.jit
 def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                       H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, scale,
+                       H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, scale,
                        INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Partials of key block `split` for heads [hb * BLOCK_H, ...): m, l [S, H] and acc [S, H, D]."""
+    """Partials of key block `split` for heads [hb * BLOCK_H, ...) of query program_id(2): m, l [T, S, H] and
+    acc [T, S, H, D]."""
     split = tl.program_id(0)
     hb = tl.program_id(1)
+    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr = _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr,
+                                                                    acc_ptr, H, D, stride_qt, stride_it)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -170,7 +190,7 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
 
 @triton.jit
 def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                           H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, scale,
+                           H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, scale,
                            INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
                            PRECISION: tl.constexpr):
@@ -180,6 +200,8 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
     also write m and l). Same partials as `_attn_split_kernel`."""
     split = tl.program_id(0)
     dv = tl.program_id(1)
+    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr = _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr,
+                                                                    acc_ptr, H, D, stride_qt, stride_it)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -209,10 +231,15 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
 
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, stride_o,
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, stride_o, stride_ot,
                          BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
-    """out[h, d-block] = sum_s exp(m_s - M) acc_s / (sum_s exp(m_s - M) l_s + exp(sink - M)),
-    M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked."""
+    """out[t, h, d-block] = sum_s exp(m_s - M) acc_s / (sum_s exp(m_s - M) l_s + exp(sink - M)), for query
+    t = program_id(2); M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked."""
+    t = tl.program_id(2).to(tl.int64)
+    m_ptr += t * S * H
+    l_ptr += t * S * H
+    acc_ptr += t * S * H * D
+    out_ptr += t * stride_ot
     h = tl.program_id(0)
     d = tl.program_id(1) * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = d < D
@@ -267,7 +294,10 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
                             tiles: dispatch.AttentionTiles | None = None) -> Tensor:
     """The Triton launcher of `attention_decode`, two launches.
 
-    q [H, D]; window keys kw [Nw, D] with mask_w [Nw] (bool or int, nonzero = attend); compressed keys
+    q [H, D], or [T, H, D] for T queries at once (a static step of several positions: each query its own
+    position pos[t], indexed rows ids[t] under mask_c[t]; then the window must come from the ring and shared
+    compressed rows from `ratio`; -> [T, H, D]); window keys kw [Nw, D] with mask_w [Nw] (bool or int,
+    nonzero = attend); compressed keys
     kc [Nc, D] with mask_c [Nc], or, with ids [k] (int32/int64), the compressed table kc [R, D] of which rows
     ids are attended under mask_c [k] (masked ids are never dereferenced); kc None = window only. sinks [H],
     scale the logit scale (D^-0.5). -> out [H, D] fp32 (written into `out` when given).
@@ -278,13 +308,16 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
     row c visible iff (c + 1) * ratio <= pos + 1 (mask_c ignored)."""
     if not q.is_cuda and not dispatch.interpreting():
         raise ValueError("attention_decode_triton needs GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
-    if q.dim() != 2:
-        raise ValueError(f"q must be [H, D] (one query token), got {tuple(q.shape)}")
-    H, D = q.shape
-    q = q if q.stride(1) == 1 else q.contiguous()
+    if q.dim() not in (2, 3):
+        raise ValueError(f"q must be [H, D] (one query) or [T, H, D], got {tuple(q.shape)}")
+    rows = q.dim() == 3
+    T, (H, D) = (q.shape[0] if rows else 1), q.shape[-2:]
+    q = q if q.stride(-1) == 1 else q.contiguous()
     kw = _rows(kw, "kw", D)
-    if (window or ratio) and (pos is None or pos.numel() != 1):
-        raise ValueError("window / ratio masks need the query position pos [1]")
+    if (window or ratio) and (pos is None or pos.numel() != T):
+        raise ValueError(f"window / ratio masks need the query positions pos [{T}]")
+    if rows and (not window or (kc is not None and ids is None and not ratio)):
+        raise ValueError("several queries take their window from the ring and their compressed rows by ratio or ids")
     if ratio and ids is not None:
         raise ValueError("ratio masks are for shared compressed rows; indexed rows come with their mask")
     nw = window or kw.shape[0]
@@ -299,37 +332,46 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
         if mask_c is None and not ratio:
             raise ValueError("compressed keys need mask_c (or ratio and pos)")
         if ids is not None:
-            if ids.dim() != 1:
-                raise ValueError(f"ids must be [k], got {tuple(ids.shape)}")
-            nc, idx = ids.shape[0], ids.contiguous()
+            if ids.shape != ((T, ids.shape[-1]) if rows else (ids.shape[-1],)):
+                raise ValueError(f"ids must be [{'T, ' if rows else ''}k], got {tuple(ids.shape)}")
+            nc, idx = ids.shape[-1], ids.contiguous()
+            if not ratio:
+                mask_c = mask_c.contiguous()
+                if mask_c.shape != ids.shape:
+                    raise ValueError(f"mask_c must be {tuple(ids.shape)} like ids, got {tuple(mask_c.shape)}")
         else:
             nc, idx = kc.shape[0], mask_w
-        mask_c = kc if ratio else _mask(mask_c, nc, "mask_c")
+        if ratio:
+            mask_c = kc
+        elif ids is None:
+            mask_c = _mask(mask_c, nc, "mask_c")
+    shape = (T, H, D) if rows else (H, D)
     if out is None:
-        out = torch.empty(H, D, dtype=torch.float32, device=q.device)
-    elif out.shape != (H, D) or out.dtype != torch.float32 or out.stride(1) != 1:
-        raise ValueError(f"out must be fp32 [H={H}, D={D}] with unit stride on D")
+        out = torch.empty(shape, dtype=torch.float32, device=q.device)
+    elif out.shape != shape or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out must be fp32 {list(shape)} with unit stride on D")
     tiles = tiles or dispatch.attention_tiles(H, D, nw + nc, dispatch.launch_backend(q))
     # At least one split, so an empty key list still writes out (all zeros: only the sink in the softmax).
     n_split = max(1, triton.cdiv(nw + nc, tiles.block_n))
-    m = torch.empty(n_split, H, dtype=torch.float32, device=q.device)
-    lsum = torch.empty(n_split, H, dtype=torch.float32, device=q.device)
-    acc = torch.empty(n_split, H, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(T, n_split, H, dtype=torch.float32, device=q.device)
+    lsum = torch.empty(T, n_split, H, dtype=torch.float32, device=q.device)
+    acc = torch.empty(T, n_split, H, D, dtype=torch.float32, device=q.device)
+    stride_it = idx.stride(0) if rows and ids is not None else 0
     args = (q, kw, mask_w, kc, mask_c, idx, pos if pos is not None else q, m, lsum, acc, H, D, nw, nc, kw.shape[0],
-            q.stride(0), kw.stride(0), kc.stride(0), float(scale))
+            q.stride(-2), kw.stride(0), kc.stride(0), q.stride(0) if rows else 0, stride_it, float(scale))
     flags = {"INDEXED": ids is not None, "RING": window > 0, "RATIO": ratio}
     if tiles.block_dv:  # matrix-unit form: all heads per program, grid over key blocks x value-dim blocks
         if tiles.block_h < H:
             raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")
-        _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv))](
+        _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d,
             BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision, num_warps=tiles.num_warps)
     else:
-        _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h))](
+        _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             num_warps=tiles.num_warps)
-    _attn_combine_kernel[(H, triton.cdiv(D, tiles.block_dc))](
-        m, lsum, acc, sinks, out, n_split, H, D, out.stride(0),
+    _attn_combine_kernel[(H, triton.cdiv(D, tiles.block_dc), T)](
+        m, lsum, acc, sinks, out, n_split, H, D, out.stride(-2), out.stride(0) if rows else 0,
         BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, num_warps=tiles.num_warps_c)
     return out
 

@@ -84,11 +84,11 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "q8_0_matmul prefill 2048x4096x8192", q8_0._q8_0_matmul_kernel,
         {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr16, "M": i32, "N": i32, "K": i32,
-         "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+         "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
          "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "W_AS_A": "constexpr"},
         {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "GROUP_M": mt.group_m,
          "W_AS_A": mt.w_as_a},
-        ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "N", "K", "stride_xm", "stride_ym"),
+        ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "N", "K", "rows_per_group", "stride_xm", "stride_ym"),
         mt.num_warps, mt.num_stages, wants_dot=True))
     t = dispatch.matvec_tiles("iq2_xxs", 2048, 4096, 1, backend)
     specs.append(KernelSpec(
@@ -378,7 +378,8 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
             sig = {"q_ptr": "*fp32", "kw_ptr": f"*{kv}", "mw_ptr": "*i1", "kc_ptr": f"*{kv}", "mc_ptr": "*i1",
                    "ids_ptr": "*i64", "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
                    "H": "i32", "D": "i32", "NW": "i32", "NC": "i32", "ring_len": "i32", "stride_q": "i32",
-                   "stride_kw": "i32", "stride_kc": "i32", "scale": "fp32", "INDEXED": "constexpr",
+                   "stride_kw": "i32", "stride_kc": "i32", "stride_qt": "i32", "stride_it": "i32", "scale": "fp32",
+                   "INDEXED": "constexpr",
                    "RING": "constexpr", "RATIO": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr"}
             consts = {"INDEXED": indexed, "RING": True, "RATIO": 128 if nc == 8192 else 0, "BLOCK_H": t.block_h,
                       "BLOCK_N": t.block_n}
@@ -409,7 +410,8 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
         out.append(KernelSpec(
             f"attn_combine {label}", attention._attn_combine_kernel,
             {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
-             "S": "i32", "H": "i32", "D": "i32", "stride_o": "i32", "BLOCK_S": "constexpr", "BLOCK_DC": "constexpr"},
+             "S": "i32", "H": "i32", "D": "i32", "stride_o": "i32", "stride_ot": "i32", "BLOCK_S": "constexpr",
+             "BLOCK_DC": "constexpr"},
             {"BLOCK_S": t.block_s, "BLOCK_DC": t.block_dc},
             ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr", "out_ptr", "D", "stride_o"), t.num_warps_c, 1, decode=True))
     return out

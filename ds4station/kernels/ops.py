@@ -88,16 +88,7 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             return q4_k_matvec(x, w, out_dtype=out_dtype)
         return q2_k_matvec(x, w, out_dtype=out_dtype)
     if isinstance(w, PackedQ8_0):
-        if groups == 1:
-            return q8_0_matmul(x, w, out_dtype=out_dtype)
-        xg = x.reshape(m, groups, w.k)
-        rows = w.n // groups
-        parts = [
-            q8_0_matmul(xg[:, g], PackedQ8_0(w.qs[g * rows:(g + 1) * rows], w.d[g * rows:(g + 1) * rows]),
-                        out_dtype=out_dtype)
-            for g in range(groups)
-        ]
-        return torch.cat(parts, dim=1)
+        return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)
     if isinstance(w, PackedQ4K):
         return q4_k_matmul(x, w, out_dtype=out_dtype)
     return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)

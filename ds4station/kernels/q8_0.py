@@ -253,11 +253,14 @@ def q8_0_matmul_ref(x: torch.Tensor, w: PackedQ8_0, out_dtype: torch.dtype | Non
 @triton.jit
 def _q8_0_matmul_kernel(
     x_ptr, qs_ptr, d_ptr, y_ptr,
-    M, N, K,
+    M, N, K, rows_per_group,
     stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     W_AS_A: tl.constexpr,
 ):
+    # Grouped projection (rows_per_group < N): output rows [g * rows_per_group, (g + 1) * rows_per_group) read
+    # x[:, g * K:(g + 1) * K]; a program's BLOCK_N rows lie in one group (the launcher checks BLOCK_N divides
+    # rows_per_group).
     # Split-K: program axis 1 is the K slice, num_programs(1) slices of cdiv(K / BLOCK_K, slices) steps each
     # (the last may be shorter); slice s writes Y's partial s of [slices, M, N] (stride M * stride_ym). With
     # one slice this is the plain matmul: the whole K, written to Y.
@@ -284,6 +287,7 @@ def _q8_0_matmul_kernel(
     n_mask = offs_n < N
     rows_w = offs_n.to(tl.int64)
     rows_x = offs_m.to(tl.int64)
+    x_ptr += ((pid_n * BLOCK_N) // rows_per_group).to(tl.int64) * K  # this program's group of x's columns
     if W_AS_A:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -322,19 +326,22 @@ def q8_0_matmul(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     tiles: dispatch.MatmulTiles | None = None,
+    groups: int = 1,
 ) -> torch.Tensor:
-    """Triton Y = X @ W^T for prefill: x [M, K] -> [M, N]; fp16 tensor-core dots, fp32 accumulation.
+    """Triton Y = X @ W^T for prefill: x [M, groups * K] -> [M, N]; fp16 tensor-core dots, fp32 accumulation.
+    With groups = G > 1 (one launch), output rows [g*N/G, (g+1)*N/G) read x[:, g*K:(g+1)*K].
 
     With tiles.split_k = S > 1 the K loop runs in S slices (multiples of block_k) on separate programs, which
     write fp32 partials [S, M, N]; their sum in a fixed order (torch's, not atomics) keeps the output
     bit-stable from run to run."""
-    if x.dim() != 2 or x.shape[1] != w.k:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
+    if x.dim() != 2 or x.shape[1] != groups * w.k or w.n % groups:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}] in {groups} group(s)")
     if x.stride(1) != 1:
         x = x.contiguous()
-    m, k = x.shape
-    n = w.n
+    m, k, n = x.shape[0], w.k, w.n
     tiles = tiles or dispatch.matmul_tiles("q8_0", m, n, k, dispatch.launch_backend(x))
+    if groups > 1 and (n // groups) % tiles.block_n:
+        raise ValueError(f"block_n {tiles.block_n} must divide the {n // groups} rows of a group")
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
     if split > 1:
         y = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
@@ -342,7 +349,7 @@ def q8_0_matmul(
         y = out if out is not None else torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
     _q8_0_matmul_kernel[grid](
-        x, w.qs, w.d, y, m, n, k, x.stride(0), y.stride(-2),
+        x, w.qs, w.d, y, m, n, k, n // groups, x.stride(0), y.stride(-2),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_AS_A=tiles.w_as_a, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -5,8 +5,8 @@ One run, one GPU, one file (../shared/BENCHMARKS.md, "The served path is the pro
 2. `ds4station serve --model FILE` started as its own process with its defaults (the user's path: device
    auto, per-device prefill chunk, warm before ready), waited for until `/health` says ready;
 3. the official `openai` client, streaming, as an agent: the first request after ready is a short chat
-   prompt (time to first token, TTFT; the client has made one `models.list()` call first, so that its own
-   first-use costs, connection and SDK imports, are not counted as the server's), then a few more short
+   prompt (time to first token, TTFT; the client process has paid its own first-use costs first, see
+   `_warm_client`, so that they are not counted as the server's), then a few more short
    ones, then `runs` chat requests of an N-token
    prompt (fresh text each time, so no prefix is reused): prefill tok/s from the request to its first token,
    decode tok/s from the stream (tokens after the first over the time from the first to the last).
@@ -152,14 +152,27 @@ def stream_turn(client: Any, text: str, max_tokens: int) -> Turn:
     return Turn(usage.prompt_tokens, cached or 0, usage.completion_tokens, first - t0, last - first, timings)
 
 
+def _warm_client(client: Any) -> None:
+    """The client process's own first-use costs, paid before the first request is timed: the connection
+    (`models.list()`, no model work), the SDK's lazily imported chat resource (~20 ms) and the parsing of a
+    stream chunk. An agent's client is a long-lived process; the server sees nothing of this but a model list."""
+    from openai.types.chat import ChatCompletionChunk
+
+    client.models.list()
+    client.chat.completions  # noqa: B018 (the lazy import is the point)
+    ChatCompletionChunk.model_validate({"id": "warm", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                                        "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
+
+
 def _attach_server_records(url: str, turns: list[Turn]) -> None:
     """The server's own records of these turns (/status throughput.recent, oldest first; the bench's requests
     are the only ones this server saw)."""
     import httpx
 
     recent = httpx.get(url + "/status", timeout=10).json()["throughput"]["recent"]
-    for turn, record in zip(turns, recent[-len(turns):] if len(recent) >= len(turns) else []):
-        turn.server = record
+    if len(recent) >= len(turns):
+        for turn, record in zip(turns, recent[-len(turns):], strict=True):
+            turn.server = record
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -218,7 +231,7 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
         _wait_ready(url, proc, ready_timeout)
         res.ready_s = time.monotonic() - t0
         client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
-        client.models.list()  # the client's own first use (connection, SDK imports); no model work
+        _warm_client(client)
         res.first = stream_turn(client, shorts[0], 16)
         log(f"first request after ready: TTFT {1000 * res.first.ttft_s:.1f} ms")
         res.short = [stream_turn(client, text, 16) for text in shorts[1:]]
