@@ -189,6 +189,17 @@ def test_grouped_matmul_in_one_launch(split: int) -> None:
     assert rel_err(out, torch.cat(parts, dim=1)) < 1e-5
     with pytest.raises(ValueError, match="divide"):
         q8_0_matmul(x, w, tiles=dataclasses.replace(tiles, block_n=64), groups=groups)
+    # the dispatcher's tiles fit the group (block_n halved down to 16), or the groups go one launch each
+    for backend in ("cuda", "cpu"):
+        for m_, rows_ in ((41, 64), (9, 64), (2048, 64), (2048, 1024)):
+            bn = dispatch.matmul_tiles("q8_0", m_, 8 * rows_, 4096, backend, rows_).block_n
+            assert rows_ % bn == 0 and bn >= 16
+    w3 = repack_q8_0(raw_q8_0((3 * 24,), k, seed=32).to(DEVICE), k)  # 24 rows: no power-of-two tile >= 16 fits
+    x3 = x[:, :3 * k]
+    want = torch.cat([q8_0_matmul_ref(x3[:, g * k:(g + 1) * k], PackedQ8_0(w3.qs[g * 24:(g + 1) * 24],
+                                                                          w3.d[g * 24:(g + 1) * 24]))
+                      for g in range(3)], dim=1)
+    assert rel_err(q8_0_matmul(x3, w3, groups=3), want) < 1e-5
     with pytest.raises(ValueError, match="group"):
         q8_0_matmul(x[:, :k], w, groups=groups)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -253,18 +253,25 @@ def _small_m_matmul_tiles(m: int, n: int, k: int) -> MatmulTiles:
                        w_as_a=True, split_k=split)
 
 
-def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend) -> MatmulTiles:
+def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend,
+                 rows_per_group: int | None = None) -> MatmulTiles:
     """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block).
 
     Q8_0 on CUDA with m <= 64 rows takes the small-M split-K tiles (`_small_m_matmul_tiles`); the other
     backends, quant types (q4_k_matmul has no split-K) and larger m keep one tile table per backend."""
     if backend == "cuda" and qtype == "q8_0" and m <= _SMALL_M:
-        return _small_m_matmul_tiles(m, n, k)
-    base = _MATMUL_TILES[backend]
-    block_m = min(base.block_m, max(16, _pow2_ceil(m)))
-    block_k = max(base.block_k, _QUANT_BLOCK.get(qtype, 32)) if qtype not in ("q8_0", "q4_k") else base.block_k
-    return MatmulTiles(block_m=block_m, block_n=base.block_n, block_k=block_k, group_m=base.group_m,
-                       num_warps=base.num_warps, num_stages=base.num_stages, w_as_a=base.w_as_a)
+        tiles = _small_m_matmul_tiles(m, n, k)
+    else:
+        base = _MATMUL_TILES[backend]
+        block_m = min(base.block_m, max(16, _pow2_ceil(m)))
+        block_k = max(base.block_k, _QUANT_BLOCK.get(qtype, 32)) if qtype not in ("q8_0", "q4_k") else base.block_k
+        tiles = MatmulTiles(block_m=block_m, block_n=base.block_n, block_k=block_k, group_m=base.group_m,
+                            num_warps=base.num_warps, num_stages=base.num_stages, w_as_a=base.w_as_a)
+    # A grouped projection in one launch: a program's rows must lie in one group (16 is tl.dot's least).
+    block_n = tiles.block_n
+    while rows_per_group is not None and block_n > 16 and rows_per_group % block_n:
+        block_n //= 2
+    return tiles if block_n == tiles.block_n else replace(tiles, block_n=block_n)
 
 
 _MOE_PREFILL_TILES: dict[Backend, MatmulTiles] = {

@@ -339,9 +339,16 @@ def q8_0_matmul(
     if x.stride(1) != 1:
         x = x.contiguous()
     m, k, n = x.shape[0], w.k, w.n
-    tiles = tiles or dispatch.matmul_tiles("q8_0", m, n, k, dispatch.launch_backend(x))
-    if groups > 1 and (n // groups) % tiles.block_n:
-        raise ValueError(f"block_n {tiles.block_n} must divide the {n // groups} rows of a group")
+    rows = n // groups
+    if tiles is None:
+        tiles = dispatch.matmul_tiles("q8_0", m, n, k, dispatch.launch_backend(x), rows if groups > 1 else None)
+        if rows % tiles.block_n and groups > 1:  # no tile fits a group: one launch per group
+            y = torch.cat([q8_0_matmul(x[:, g * k:(g + 1) * k], PackedQ8_0(w.qs[g * rows:(g + 1) * rows],
+                                                                          w.d[g * rows:(g + 1) * rows]),
+                                       out_dtype=out_dtype) for g in range(groups)], dim=1)
+            return y if out is None else out.copy_(y)
+    if groups > 1 and rows % tiles.block_n:
+        raise ValueError(f"block_n {tiles.block_n} must divide the {rows} rows of a group")
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
     if split > 1:
         y = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
