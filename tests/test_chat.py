@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ds4station.engine.chat import (
+    TOOL_CALLS_END,
     ChatFormatError,
     ContentDelta,
     DuplicateKeys,
@@ -202,12 +203,17 @@ def _parse_chunks(chunks: list[str], thinking: bool) -> list:
 STREAM_TEXTS = {
     "thinking_tools": (True, "Let me think: a < b and </thin k>.\n\n" + THINK_END + "Sure.\n"
                        + render_tool_calls(CALLS[:2]) + EOS),
-    "content_near_markers": (False, "a\n\nb <｜DSML x｜ </｜DSML｜tool < <｜end of it\n\n\n"
+    "content_near_markers": (False, "a\n\nb <｜DSML x｜ </｜DSML tool ｜DSM L｜ < <｜end of it\n\n\n"
                              + render_tool_calls(CALLS[2:]) + "\nafter" + EOS + "ignored"),
     "no_separator_block": (False, "x<｜DSML｜tool_calls><｜DSML｜invoke name=\"f\">"
                            "<｜DSML｜parameter name=\"n\" string=\"false\">[1, 2]</｜DSML｜parameter>"
                            "</｜DSML｜invoke></｜DSML｜tool_calls>"),
     "cut_mid_value": (True, "r" + THINK_END + render_tool_calls(CALLS[:1])[:-60]),
+    # DSML outside a tool-call block: the output ends where it starts
+    "stray_invoke": (False, 'Sure.\n\n<｜DSML｜invoke name="f">\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>' + EOS),
+    "stray_after_block": (True, "r" + THINK_END + render_tool_calls(CALLS[2:3]) + "\nok </｜DSML｜tool_calls> x"),
+    "stray_bare_marker": (False, "see ｜DSML｜ here"),
+    "stray_partial_opener": (False, "x\n\n<｜DSML｜tool_ca"),
 }
 
 
@@ -230,11 +236,85 @@ def test_stream_parser_is_split_invariant(name: str) -> None:
     assert all(isinstance(json.loads(args[s.index]), dict) for s in starts)
 
 
+def _malformed(chunks: list[str], thinking: bool) -> str | None:
+    parser = StreamParser(thinking, new_call_id=_counter_ids())
+    for chunk in chunks:
+        parser.feed(chunk)
+    parser.finish()
+    return parser.malformed
+
+
+@pytest.mark.parametrize("name", sorted(STREAM_TEXTS))
+def test_malformed_is_split_invariant(name: str) -> None:
+    thinking, text = STREAM_TEXTS[name]
+    whole = _malformed([text], thinking)
+    assert (whole is not None) == (name.startswith("stray") or name == "cut_mid_value")
+    assert _malformed(list(text), thinking) == whole
+    for cut in range(1, len(text)):
+        assert _malformed([text[:cut], text[cut:]], thinking) == whole, f"split at {cut}"
+
+
+def test_stray_dsml_never_reaches_content() -> None:
+    expected = {"stray_invoke": [ContentDelta("Sure.\n\n")],
+                "stray_after_block": [ReasoningDelta("r"), ToolCallStart(0, "call_0", "no_args"),
+                                      ToolCallArgsDelta(0, "{}"), ToolCallEnd(0), ContentDelta("\nok ")],
+                "stray_bare_marker": [ContentDelta("see ")],
+                "stray_partial_opener": [ContentDelta("x\n\n")]}
+    for name, events in expected.items():
+        thinking, text = STREAM_TEXTS[name]
+        assert _parse_chunks([text], thinking) == events, name
+        assert "DSML" in _malformed([text], thinking), name
+    parser = StreamParser()
+    parser.feed("a <｜DSML｜invoke")
+    assert parser.feed(' name="f">rest') == [] and parser.finish() == []  # nothing after the stray markup
+    assert parser.tool_calls_text == ""  # and nothing to replay
+
+
+def test_block_opener_split_anywhere_is_not_stray() -> None:
+    block = render_tool_calls(CALLS[2:3])
+    for cut in range(1, len(block)):
+        parser = StreamParser(new_call_id=_counter_ids())
+        events = parser.feed("a" + block[:cut]) + parser.feed(block[cut:]) + parser.finish()
+        assert parser.malformed is None and ToolCallEnd(0) in events, cut
+
+
+def test_without_tools_dsml_text_is_content() -> None:
+    # The DSML token is banned when no tool may be called, so DSML text is the model spelling it out.
+    text = "quote: " + render_tool_calls(CALLS[2:3]) + " ｜DSML｜ end"
+    parser = StreamParser(tools=False)
+    events = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    assert _merged(events) == [ContentDelta(text)] and parser.malformed is None
+    reasoning = StreamParser(thinking=True, tools=False)
+    assert _merged(reasoning.feed("a｜DSML｜b" + THINK_END + "c") + reasoning.finish()) == \
+        [ReasoningDelta("a｜DSML｜b"), ContentDelta("c")]
+
+
+def test_malformed_calls_are_flagged() -> None:
+    def malformed(text: str) -> str | None:
+        parser = StreamParser()
+        parser.feed(text)
+        parser.finish()
+        return parser.malformed
+
+    assert malformed("Doing it." + render_tool_calls(CALLS) + EOS) is None
+    assert malformed(render_tool_calls(CALLS)[:-len(TOOL_CALLS_END)]) is None  # only the closing tag missing
+    assert "ended inside tool call 0" in malformed(render_tool_calls(CALLS[:1])[:-60])
+    assert "ended inside tool call 1" in malformed(render_tool_calls(CALLS[2:])[:-30])
+    assert "invoke tag" in malformed("<｜DSML｜tool_calls><｜DSML｜invoke>x</｜DSML｜invoke></｜DSML｜tool_calls>")
+    assert "invoke tag" in malformed('<｜DSML｜tool_calls><｜DSML｜invoke name="">'
+                                     '</｜DSML｜invoke></｜DSML｜tool_calls>')
+    assert "parameter tag" in malformed('<｜DSML｜tool_calls><｜DSML｜invoke name="f"><｜DSML｜parameter>1'
+                                        '</｜DSML｜parameter></｜DSML｜invoke></｜DSML｜tool_calls>')
+    # the first problem is kept: the cut call explains the missing closing tags
+    assert "tool call 0" in malformed('<｜DSML｜tool_calls><｜DSML｜invoke name="f">'
+                                      '<｜DSML｜parameter name="a" string="true">x')
+
+
 def test_stream_parser_events_in_detail() -> None:
     _, text = STREAM_TEXTS["content_near_markers"]
     events = _parse_chunks([text], thinking=False)
     assert events == [
-        ContentDelta("a\n\nb <｜DSML x｜ </｜DSML｜tool < <｜end of it\n\n\n"),
+        ContentDelta("a\n\nb <｜DSML x｜ </｜DSML tool ｜DSM L｜ < <｜end of it\n\n\n"),
         ToolCallStart(0, "call_0", "no_args"), ToolCallArgsDelta(0, "{}"), ToolCallEnd(0),
         ToolCallStart(1, "call_1", "dict_args"), ToolCallArgsDelta(1, '{"k": [1, {"z": "é"}]}'), ToolCallEnd(1),
         ContentDelta("\nafter"),

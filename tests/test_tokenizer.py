@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -191,6 +192,30 @@ def test_special_tokens_are_atomic(tok) -> None:
     plain = tok.encode(BOS + USER + THINK_START, allow_special=False)
     assert len(plain) > 3 and not any(tok.is_control(i) for i in plain)
     assert tok.decode(plain) == BOS + USER + THINK_START
+
+
+def test_encode_pieces_matches_encode_and_keeps_plain_pieces_plain(tok) -> None:
+    rng = random.Random(7)
+    words = [*SPECIAL_TOKENS, "<", "｜", ">", "</", "think", "User", "a", " b", "\n\n", "é", "12", '"']
+    for _ in range(300):
+        pieces = [("".join(rng.choice(words) for _ in range(rng.randrange(0, 5))), rng.random() < 0.5)
+                  for _ in range(rng.randrange(1, 6))]
+        text = "".join(t for t, _ in pieces)
+        ids = tok.encode_pieces(pieces)
+        assert tok.decode(ids) == text
+        assert not any(tok.is_control(i) for i in tok.encode_pieces([(t, False) for t, _ in pieces]))
+        # Where every special token's text in the whole lies inside markup, the ids are encode()'s: piece
+        # boundaries never change how the text is split.
+        markup = [m for t, m in pieces for _ in t]  # per character
+        specials = re.finditer("|".join(map(re.escape, sorted(SPECIAL_TOKENS, key=len, reverse=True))), text)
+        if all(all(markup[match.start():match.end()]) for match in specials):
+            assert ids == tok.encode(text), pieces
+    assert tok.encode_pieces([(USER + "a" + EOS, True)]) == tok.encode(USER + "a" + EOS)
+    assert tok.encode_pieces([(USER + "a" + EOS, False)]) == tok.encode(USER + "a" + EOS, allow_special=False)
+    # a special token split across two markup pieces is still one token; plain text around it joins up
+    assert tok.encode_pieces([("x <｜Us", True), ("er｜>", True)]) == tok.encode("x " + USER)
+    ids = tok.encode_pieces([("hi ", True), (THINK_END + " there", False), (THINK_END, True)])
+    assert ids == [*tok.encode("hi " + THINK_END + " there", allow_special=False), tok.think_end_id]
 
 
 def test_token_pieces(tok) -> None:

@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     tok = Tokenizer.from_metadata(gguf.metadata)
     if args.chat:  # the prompt and the banned tokens of a chat request to `serve` without tools
-        text = chat.render_prompt([{"role": "user", "content": args.prompt}], tools=None, thinking=False)
-        prompt, banned = tok.encode(text), chat.banned_tokens(tok, thinking=False, tools=False)
+        prompt = chat.encode_prompt(tok, [{"role": "user", "content": args.prompt}], tools=None, thinking=False)
+        banned = chat.banned_tokens(tok, thinking=False, tools=False)
     else:  # as /v1/completions: BOS + the text
         prompt, banned = [gguf.config.bos_id, *tok.encode(args.prompt, allow_special=False)], []
     if len(prompt) >= args.ctx:

@@ -16,7 +16,12 @@ The format is the one DeepSeek-V4 was trained on, as written by DeepSeek's refer
 Tool schemas are rendered as `json.dumps` lines; `canonical_tools` makes that text independent of the order a
 client sends tools and object keys in, except the order of each schema's `properties`, which the model follows
 when it writes DSML parameters. `StreamParser` turns generated text into reasoning, content and tool-call
-events as it is sampled, never showing a partial marker as text.
+events as it is sampled, never showing a partial marker as text, and never DSML markup as content.
+
+A prompt is rendered once, as segments (`prompt_segments`): the template's own markup, and text from the client
+(messages, tool results, tool schemas, reasoning, tool-call names and arguments). `encode_prompt` encodes only
+the markup with special tokens, so text a client sends (a file an agent read, this module included) cannot
+forge a turn, a think tag or a tool call; `render_prompt` joins the same segments, for display and goldens.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER
+from .tokenizer import ASSISTANT, BOS, DSML, EOS, THINK_END, THINK_START, USER, Tokenizer
 
 TOOL_CALLS_START = f"<{DSML}tool_calls>"
 TOOL_CALLS_END = f"</{DSML}tool_calls>"
@@ -119,6 +124,36 @@ def _get(obj: Any, key: str) -> Any:
     return None
 
 
+# ---- prompt segments --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    """A piece of a rendered prompt. Markup is the template's own text: special-token text in it becomes control
+    tokens. Everything else (message text, tool results, tool schemas, reasoning, tool-call names and
+    arguments) came from the client and is encoded as plain text, so it cannot forge a turn or a tool call."""
+    text: str
+    markup: bool
+
+
+def _markup(text: str) -> Segment:
+    return Segment(text, True)
+
+
+def _plain(text: str) -> Segment:
+    return Segment(text, False)
+
+
+def _interleave(groups: Iterable[list[Segment]], separator: Segment) -> list[Segment]:
+    """The groups' segments in order, `separator` between two groups."""
+    out: list[Segment] = []
+    for n, group in enumerate(groups):
+        out += [separator, *group] if n else group
+    return out
+
+
+def _joined(segments: Iterable[Segment]) -> str:
+    return "".join(s.text for s in segments)
+
+
 # ---- tools ------------------------------------------------------------------------------------------------
 def _function(tool: Any) -> Any:
     """The function object of an OpenAI tool ({"type": "function", "function": {...}}) or a bare one."""
@@ -149,7 +184,12 @@ def canonical_tools(tools: Iterable[Any]) -> list[Any]:
 
 def render_tools(tools: Iterable[Any]) -> str:
     """The `## Tools` section of the system prompt: the DSML instructions and one JSON line per tool."""
-    return TOOLS_HEADER + "\n".join(dump_json(_function(t)) for t in tools) + TOOLS_FOOTER
+    return _joined(_tools_segments(tools))
+
+
+def _tools_segments(tools: Iterable[Any]) -> list[Segment]:
+    lines = [[_plain(dump_json(_function(t)))] for t in tools]  # the client's schemas: plain text
+    return [_markup(TOOLS_HEADER), *_interleave(lines, _markup("\n")), _markup(TOOLS_FOOTER)]
 
 
 def _call_arguments(arguments: Any) -> Mapping[str, Any]:
@@ -166,16 +206,32 @@ def _call_arguments(arguments: Any) -> Mapping[str, Any]:
 def render_tool_calls(calls: Iterable[Mapping[str, Any]]) -> str:
     """DSML for an assistant's tool calls (OpenAI form, arguments a JSON string or a dict), including the
     blank line that separates it from the content. String arguments are written raw, others as JSON."""
+    return _joined(_tool_calls_segments(calls))
+
+
+def _tool_calls_segments(calls: Iterable[Mapping[str, Any]]) -> list[Segment]:
+    """render_tool_calls as segments: the DSML tags are markup; names, parameter names and values came from
+    the client (a replayed history can hold anything), so they are plain text."""
     invokes = []
     for call in calls:
         fn = call.get("function", call)
         params = []
         for key, value in _call_arguments(fn.get("arguments")).items():
             is_str = isinstance(value, str)
-            text = value if is_str else dump_json(value)
-            params.append(f'{PARAM_START} name="{key}" string="{"true" if is_str else "false"}">{text}{PARAM_END}')
-        invokes.append(f'{INVOKE_START} name="{fn.get("name", "")}">\n' + "\n".join(params) + f"\n{INVOKE_END}")
-    return f"{TOOL_CALLS_SEP}{TOOL_CALLS_START}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_END}"
+            params.append([_markup(f'{PARAM_START} name="'), _plain(str(key)),
+                           _markup(f'" string="{"true" if is_str else "false"}">'),
+                           _plain(value if is_str else dump_json(value)), _markup(PARAM_END)])
+        invokes.append([_markup(f'{INVOKE_START} name="'), _plain(str(fn.get("name", ""))), _markup('">\n'),
+                        *_interleave(params, _markup("\n")), _markup(f"\n{INVOKE_END}")])
+    return [_markup(f"{TOOL_CALLS_SEP}{TOOL_CALLS_START}\n"), *_interleave(invokes, _markup("\n")),
+            _markup(f"\n{TOOL_CALLS_END}")]
+
+
+def _replayed_segments(dsml: str) -> list[Segment]:
+    """The DSML the model sampled (StreamParser.tool_calls_text): only its DSML markers are markup. The model
+    cannot sample the turn or think-start tokens (banned_tokens), so any such text in its arguments was spelled
+    out character by character (e.g. copied from a file it read) and must stay plain text here too."""
+    return [_markup(part) if part == DSML else _plain(part) for part in re.split(f"({re.escape(DSML)})", dsml)]
 
 
 # ---- prompt -----------------------------------------------------------------------------------------------
@@ -247,44 +303,64 @@ def render_prompt(messages: Iterable[Mapping[str, Any]], tools: list[Any] | None
                   add_generation_prompt: bool = True, replay: Callable[[str], str | None] | None = None,
                   reasoning_effort: str | None = None) -> str:
     """The prompt text for OpenAI-style messages (system, developer, user, assistant with reasoning_content
-    and tool_calls, tool). `tools` are rendered as given; pass them through canonical_tools first for a
-    stable prefix. With add_generation_prompt a conversation ending in a user turn ends with the assistant
-    opening (`<｜Assistant｜><think>` or `<｜Assistant｜></think>`). `replay(id)` may return the exact DSML the
-    model sampled for the assistant turn whose first tool call has that id (StreamParser.tool_calls_text);
-    it replaces the re-rendered calls so the prompt matches the tokens the model produced.
-    reasoning_effort "max" adds DeepSeek's maximum-effort preamble in thinking mode; "high", "low" and None
-    add nothing (the model has no other levels)."""
+    and tool_calls, tool), for display and goldens; encode a prompt with encode_prompt, never by encoding this
+    text with special tokens allowed (client text would become control tokens). `tools` are rendered as given;
+    pass them through canonical_tools first for a stable prefix. With add_generation_prompt a conversation
+    ending in a user turn ends with the assistant opening (`<｜Assistant｜><think>` or `<｜Assistant｜></think>`).
+    `replay(id)` may return the exact DSML the model sampled for the assistant turn whose first tool call has
+    that id (StreamParser.tool_calls_text); it replaces the re-rendered calls so the prompt matches the tokens
+    the model produced. reasoning_effort "max" adds DeepSeek's maximum-effort preamble in thinking mode;
+    "high", "low" and None add nothing (the model has no other levels)."""
+    return _joined(prompt_segments(messages, tools, thinking, add_generation_prompt, replay, reasoning_effort))
+
+
+def encode_prompt(tokenizer: Tokenizer, messages: Iterable[Mapping[str, Any]], tools: list[Any] | None = None,
+                  thinking: bool = False, add_generation_prompt: bool = True,
+                  replay: Callable[[str], str | None] | None = None, reasoning_effort: str | None = None) -> list[int]:
+    """The prompt token ids of render_prompt's text (same arguments): only the template's markup becomes
+    control tokens, all client text is plain. For text holding no special-token text the ids equal
+    tokenizer.encode(render_prompt(...)), token for token (live-KV prefix reuse relies on it)."""
+    segments = prompt_segments(messages, tools, thinking, add_generation_prompt, replay, reasoning_effort)
+    return tokenizer.encode_pieces((s.text, s.markup) for s in segments)
+
+
+def prompt_segments(messages: Iterable[Mapping[str, Any]], tools: list[Any] | None = None, thinking: bool = False,
+                    add_generation_prompt: bool = True, replay: Callable[[str], str | None] | None = None,
+                    reasoning_effort: str | None = None) -> list[Segment]:
+    """The prompt of render_prompt (same arguments) as markup and client-text segments, in order."""
     if reasoning_effort not in (None, "low", "high", "max"):
         raise ChatFormatError(f"reasoning_effort {reasoning_effort!r}: use low, high or max")
     turns = _turns(messages)
-    if tools:
-        if not turns or turns[0].role != "system":
-            turns.insert(0, _Turn("system"))
-        turns[0].text += "\n\n" + render_tools(tools)
+    if tools and (not turns or turns[0].role != "system"):
+        turns.insert(0, _Turn("system"))
     keep_reasoning = bool(tools)
     last_user = max((i for i, t in enumerate(turns) if t.role == "user"), default=-1)
 
-    out = [BOS, REASONING_EFFORT_MAX if thinking and reasoning_effort == "max" else ""]
+    out = [_markup(BOS), _markup(REASONING_EFFORT_MAX if thinking and reasoning_effort == "max" else "")]
     for i, turn in enumerate(turns):
         if turn.role == "system":
-            out.append(turn.text)
+            out.append(_plain(turn.text))
+            if tools and i == 0:
+                out += [_markup("\n\n"), *_tools_segments(tools)]
         elif turn.role == "user":
-            out.append(USER + "\n\n".join(text if call_id is None else f"<tool_result>{text}</tool_result>"
-                                          for call_id, text in turn.blocks))
+            blocks = [[_plain(text)] if call_id is None else
+                      [_markup("<tool_result>"), _plain(text), _markup("</tool_result>")]
+                      for call_id, text in turn.blocks]
+            out += [_markup(USER), *_interleave(blocks, _markup("\n\n"))]
             following = turns[i + 1].role if i + 1 < len(turns) else None
             if following == "assistant" or (following is None and add_generation_prompt):
-                out.append(ASSISTANT + (THINK_START if thinking and (keep_reasoning or i == last_user)
-                                        else THINK_END))
+                out.append(_markup(ASSISTANT + (THINK_START if thinking and (keep_reasoning or i == last_user)
+                                                else THINK_END)))
         else:
             if thinking and (keep_reasoning or i > last_user):
-                out.append(turn.reasoning + THINK_END)
-            out.append(turn.text)
+                out += [_plain(turn.reasoning), _markup(THINK_END)]
+            out.append(_plain(turn.text))
             if turn.tool_calls:
                 first_id = turn.tool_calls[0].get("id")
                 sampled = replay(first_id) if replay is not None and first_id else None
-                out.append(sampled if sampled is not None else render_tool_calls(turn.tool_calls))
-            out.append(EOS)
-    return "".join(out)
+                out += _replayed_segments(sampled) if sampled is not None else _tool_calls_segments(turn.tool_calls)
+            out.append(_markup(EOS))
+    return [s for s in out if s.text]
 
 
 # ---- parsing generated text -------------------------------------------------------------------------------
@@ -321,8 +397,13 @@ Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallArgsDelta | Tool
 _INVOKE_TAG = re.compile(re.escape(INVOKE_START) + r'\s+name="(.*)"\s*>', re.S)
 _PARAM_TAG = re.compile(re.escape(PARAM_START) + r'\s+name="(.*?)"(?:\s+string="(true|false)")?\s*>', re.S)
 _REASONING, _CONTENT, _BLOCK, _INVOKE, _VALUE, _DONE = range(6)
-# Markers that end plain text, per state. The tool-call block may come with or without its blank line.
-_TEXT_MARKERS = {_REASONING: (THINK_END, EOS), _CONTENT: (TOOL_CALLS_SEP + TOOL_CALLS_START, TOOL_CALLS_START, EOS)}
+# Markers that end plain text, per state. The tool-call block may come with or without its blank line. In
+# content, DSML anywhere else (with the "<" or "</" of its tag) is stray markup; a parser without tools treats
+# DSML text as text (the DSML token is banned then, so the model spelled it out, e.g. quoting chat.py).
+_STRAY_DSML = (f"</{DSML}", f"<{DSML}", DSML)
+_TEXT_MARKERS = {_REASONING: (THINK_END, EOS),
+                 _CONTENT: (TOOL_CALLS_SEP + TOOL_CALLS_START, TOOL_CALLS_START, EOS, *_STRAY_DSML)}
+_TEXT_MARKERS_NO_TOOLS = {_REASONING: (THINK_END, EOS), _CONTENT: (EOS,)}
 
 
 def _new_call_id() -> str:
@@ -347,10 +428,20 @@ class StreamParser:
     Text is held back only while it could still be the start of a marker. In thinking mode the text is
     reasoning until `</think>`. Tool-call arguments stream as JSON fragments: string parameters as they are
     sampled, other values once complete (a value that is not valid JSON is passed on as a JSON string).
-    `tool_calls_text` collects the exact DSML text of the calls, for render_prompt's replay."""
+    `tool_calls_text` collects the exact DSML text of the calls, for render_prompt's replay.
 
-    def __init__(self, thinking: bool = False, new_call_id: Callable[[], str] = _new_call_id) -> None:
+    DSML markup never reaches content: DSML in content other than a tool-call block's opening tag ends the
+    output there (the text before it is content, the rest is dropped) and sets `malformed`. So do a cut call
+    (the output ends inside an invoke) and an invoke or parameter tag that cannot be parsed, though their
+    events still come (a streamed call is closed as well as it can be). `malformed` is None for well-formed
+    output, else a sentence saying what was wrong, for the server to report as the turn's finish state.
+    With tools=False (no tool may be called, the DSML token is banned) DSML text is ordinary content. DSML in
+    reasoning stays reasoning (the model may plan a call while thinking)."""
+
+    def __init__(self, thinking: bool = False, new_call_id: Callable[[], str] = _new_call_id,
+                 tools: bool = True) -> None:
         self._state = _REASONING if thinking else _CONTENT
+        self._markers = _TEXT_MARKERS if tools else _TEXT_MARKERS_NO_TOOLS
         self._buf = ""
         self._final = False
         self._new_call_id = new_call_id
@@ -358,6 +449,7 @@ class StreamParser:
         self._params = 0
         self._string_value = True
         self.tool_calls_text = ""
+        self.malformed: str | None = None
 
     def feed(self, text: str) -> list[Event]:
         self._buf += text
@@ -380,6 +472,7 @@ class StreamParser:
             self._end_value(rest, events)
             self._state = _INVOKE
         if self._state == _INVOKE:
+            self._flag(f"the output ended inside tool call {self._calls - 1}, which was closed as it stood")
             self._end_call(events)
         self._buf = ""
         self._state = _DONE
@@ -388,7 +481,7 @@ class StreamParser:
     # ---- states -------------------------------------------------------------------------------------
     def _step(self, events: list[Event]) -> bool:
         """Consume what can be decided now; True if it made progress and should be called again."""
-        if self._state in _TEXT_MARKERS:
+        if self._state in self._markers:
             return self._text(events)
         if self._state == _VALUE:
             return self._value(events)
@@ -398,11 +491,18 @@ class StreamParser:
         return False
 
     def _text(self, events: list[Event]) -> bool:
-        markers = _TEXT_MARKERS[self._state]
+        markers = self._markers[self._state]
         found = [(self._buf.find(m), -len(m), m) for m in markers if m in self._buf]
         if found:
             pos, _, marker = min(found)  # earliest, then longest
+            if marker in _STRAY_DSML and not self._final and TOOL_CALLS_START.startswith(self._buf[pos:]):
+                found = []  # still possibly a block's opening tag: hold it back below
+        if found:
             self._emit_text(self._buf[:pos], events)
+            if marker in _STRAY_DSML:  # the rest is dropped: nothing after stray markup counts
+                self._flag("the model wrote DSML markup outside a tool-call block; the output was cut there")
+                self._state = _DONE
+                return True
             self._buf = self._buf[pos + len(marker):]
             if marker == THINK_END:
                 self._state = _CONTENT
@@ -484,9 +584,15 @@ class StreamParser:
         self.tool_calls_text += text
         return text
 
+    def _flag(self, why: str) -> None:
+        if self.malformed is None:  # the first problem is the one that explains the rest
+            self.malformed = why
+
     def _start_call(self, tag: str, events: list[Event]) -> None:
         match = _INVOKE_TAG.fullmatch(tag)
         name = match.group(1) if match else tag[len(INVOKE_START):-1].strip()
+        if not match or not name:
+            self._flag(f"tool call {self._calls} has a malformed invoke tag {tag!r}")
         events.append(ToolCallStart(self._calls, self._new_call_id(), name))
         self._calls += 1
         self._params = 0
@@ -495,6 +601,8 @@ class StreamParser:
     def _start_param(self, tag: str, events: list[Event]) -> None:
         match = _PARAM_TAG.fullmatch(tag)
         name = match.group(1) if match else tag[len(PARAM_START):-1].strip()
+        if not match:
+            self._flag(f"tool call {self._calls - 1} has a malformed parameter tag {tag!r}")
         self._string_value = not match or match.group(2) != "false"
         head = ("{" if self._params == 0 else ", ") + json.dumps(name, ensure_ascii=False) + ": "
         events.append(ToolCallArgsDelta(self._calls - 1, head + ('"' if self._string_value else "")))

@@ -3,6 +3,8 @@
 `Sampler` turns last-position logits into a token: greedy (argmax) at temperature 0, otherwise
 temperature -> top-k -> softmax -> min-p -> top-p -> draw with the sampler's own seeded torch.Generator,
 so a seed reproduces a generation exactly and concurrent samplers do not share random state.
+A temperature below GREEDY_BELOW is sampled greedily too: that is its limit, and dividing logits by it
+would overflow float32 (1e-45 rounds to a denormal, 1e-300 to zero) into a distribution of inf/nan.
 
 `StopScanner` applies stop strings to streamed text: it holds back the tail that could still become a stop
 string, so text that ends up matching one is never emitted.
@@ -10,15 +12,21 @@ string, so text that ends up matching one is never emitted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this are greedy (as vLLM does): 1e-5 already puts all the mass on the argmax unless two
+# logits are within ~1e-4 of each other.
+GREEDY_BELOW = 1e-5
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
@@ -27,6 +35,9 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)} must be a finite number")
         if self.temperature < 0:
             raise ValueError(f"temperature {self.temperature} must be >= 0")
         if self.top_k < 0:
@@ -37,10 +48,16 @@ class SamplingParams:
             raise ValueError(f"min_p {self.min_p} must be in [0, 1]")
         if self.max_tokens < 0:
             raise ValueError(f"max_tokens {self.max_tokens} must be >= 0")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed {self.seed} does not fit in 64 bits")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
 
 
 def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """logits [vocab] -> the distribution actually sampled from (temperature > 0), float32, sums to 1."""
+    """logits [vocab] -> the distribution actually sampled from (not greedy), float32, sums to 1."""
     z = logits.float() / p.temperature
     if 0 < p.top_k < z.numel():
         kth = torch.topk(z, p.top_k).values[-1]
@@ -72,7 +89,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [vocab] (or [1, vocab]) of the last position -> token id."""
         logits = logits.reshape(-1)
-        if self.params.temperature == 0:
+        if self.params.greedy:
             return int(torch.argmax(logits))
         logits = logits.float().cpu()
         probs = filtered_probs(logits, self.params)

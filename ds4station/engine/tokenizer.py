@@ -13,8 +13,10 @@ the 256 byte tokens, then merges trained on a built-in English/code corpus.
 from __future__ import annotations
 
 import codecs
+import itertools
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -203,6 +205,7 @@ class Tokenizer:
         # Same tokenizer with control tokens encoded as plain text (for untrusted text that must not inject
         # turn markers); built on first use.
         self._plain: HFTokenizer | None = None
+        self._atomic: re.Pattern[str] | None = None  # matches the atomic tokens' texts, built on first use
         self._bytes = [self._token_bytes(i) for i in range(n)]
 
     @classmethod
@@ -258,12 +261,54 @@ class Tokenizer:
     def encode(self, text: str, allow_special: bool = True) -> list[int]:
         """Token ids of `text`. With allow_special, the text of a special (control or user-defined) token
         such as BOS, `<｜User｜>` or `</think>` becomes that token; without, it is tokenised as ordinary text."""
+        # encode_batch, not encode: the batch call releases the GIL while Rust tokenises, so a long prompt
+        # tokenised in a worker thread does not stall the server's event loop (encode holds it throughout).
         if allow_special:
-            return self._hf.encode(text, add_special_tokens=False).ids
+            return self._hf.encode_batch([text], add_special_tokens=False)[0].ids
         if self._plain is None:
             self._plain = HFTokenizer.from_str(self._hf.to_str())
             self._plain.encode_special_tokens = True
-        return self._plain.encode(text, add_special_tokens=False).ids
+        return self._plain.encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool]]) -> list[int]:
+        """Token ids of the pieces' text joined, where only pieces flagged True (a template's own markup) may
+        hold special tokens; the others are ordinary text however they read (client text cannot forge a turn
+        marker). Like encode(), the text between two special tokens is encoded whole, across piece
+        boundaries, so where every special token's text in the joined text lies inside markup the ids equal
+        encode() of it: piece boundaries never change how ordinary text is split."""
+        ids: list[int] = []
+        plain: list[str] = []  # text since the last special token
+
+        def flush() -> None:
+            text = "".join(plain)
+            if text:
+                ids.extend(self.encode(text, allow_special=False))
+            plain.clear()
+
+        # Adjacent markup pieces are joined first, so a special token split across two of them still matches.
+        for special, group in itertools.groupby(pieces, key=lambda piece: piece[1]):
+            text = "".join(t for t, _ in group)
+            if not special:
+                plain.append(text)
+                continue
+            pos = 0
+            for match in self._atomic_pattern().finditer(text):
+                plain.append(text[pos:match.start()])
+                flush()
+                ids.append(self._ids[match.group()])
+                pos = match.end()
+            plain.append(text[pos:])
+        flush()
+        return ids
+
+    def _atomic_pattern(self) -> re.Pattern[str]:
+        if self._atomic is None:
+            # Longest first: at one position the longest token wins, as in the tokenizers library's
+            # leftmost-longest matching of added tokens.
+            texts = sorted({t for t, ty in zip(self._tokens, self._types, strict=True) if ty in _ATOMIC_TYPES and t},
+                           key=len, reverse=True)
+            self._atomic = re.compile("|".join(map(re.escape, texts)))
+        return self._atomic
 
     def token_bytes(self, token_id: int) -> bytes:
         """The exact bytes a token stands for (may be part of a UTF-8 character)."""

@@ -21,8 +21,8 @@ from ds4station.engine.sampler import SamplingParams
 
 from . import schemas as S
 from .errors import ApiError
-from .generation import ChatTurn, Run, ServerState, count_prompt, read_json, sse, start
-from .openai import stream_response, validate
+from .generation import ChatTurn, Run, ServerState, count_prompt, sse, start
+from .openai import parse_request, stream_response
 
 router = APIRouter()
 
@@ -119,7 +119,7 @@ def _tool_input(arguments: str) -> dict[str, Any]:
 @router.post("/v1/messages")
 async def messages(request: Request) -> Any:
     st = _state(request)
-    req = validate(S.MessagesRequest, await read_json(request, st.max_body_bytes))
+    req = await parse_request(request, S.MessagesRequest)
     run = await start(st, messages_turn(req))
     mid = "msg_" + secrets.token_hex(12)
     model_name = req.model
@@ -200,7 +200,7 @@ async def _stream(run: Run, mid: str, model_name: str) -> AsyncIterator[bytes]:
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
     st = _state(request)
-    req = validate(S.CountTokensRequest, await read_json(request, st.max_body_bytes))
+    req = await parse_request(request, S.CountTokensRequest)
     turn = ChatTurn(messages=_messages(req.system_text(), req.messages), tools=_tools(req.tools),
                     thinking=_thinking(req.thinking), kind="count_tokens")
     return {"input_tokens": await count_prompt(st, turn)}

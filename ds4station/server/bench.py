@@ -110,8 +110,7 @@ def chat_text(tokenizer: Any, n_tokens: int, seed: int) -> str:
 
     def length(k: int) -> int:
         text = " ".join(words[:k])
-        return len(tokenizer.encode(chat.render_prompt([{"role": "user", "content": text}], tools=None,
-                                                       thinking=False)))
+        return len(chat.encode_prompt(tokenizer, [{"role": "user", "content": text}], tools=None, thinking=False))
 
     lo, hi = 1, len(words)
     while length(hi) < n_tokens:  # the words tokenise to less than one token each: draw more

@@ -42,21 +42,47 @@ class ApiError(Exception):
 
 
 def from_validation(err: ValidationError) -> ApiError:
-    """A 400 naming the first offending field (pydantic reports it as a location path)."""
-    first = err.errors()[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if not _is_union_tag(p))
-    msg = first.get("msg", "invalid value")
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, "):]
-    more = len(err.errors()) - 1
+    """A 400 naming the offending field (pydantic reports it as a location path)."""
+    loc, msg, more = first_problem(err)
     text = f"{loc}: {msg}" if loc else msg
     if more:
         text += f" (and {more} more problem{'s' if more > 1 else ''})"
     return ApiError(400, text, code="invalid_request", param=loc or None)
 
 
+def first_problem(err: ValidationError) -> tuple[str, str, int]:
+    """(location, message, how many other places are wrong) of a validation error.
+
+    A value that matches no member of a union (`str | list[TextPart]`) fails once per member; the deepest
+    location is the member the client meant (the list, not the string), and the other members' failures at
+    the same place are no further problems of the request. A `located` error (raised by schemas.located)
+    carries the location its validator found, below the one pydantic reports."""
+    problems = []
+    for e in err.errors():
+        parts = [str(p) for p in e.get("loc", ()) if not _is_union_tag(p)]
+        msg = e.get("msg", "invalid value").removeprefix("Value error, ")
+        if e.get("type") == LOCATED:  # its path is relative to where its validator ran
+            ctx = e.get("ctx") or {}
+            parts += [str(ctx["path"])] if ctx.get("path") else []
+            msg = str(ctx.get("message", msg))
+        problems.append((".".join(parts), msg))
+    loc, msg = max(problems, key=lambda p: _depth(p[0]))  # max keeps the first of equals
+    others = {other for other, _ in problems if other != loc and not loc.startswith(other + ".")}
+    return loc, msg, len(others)
+
+
+# The error type of schemas.located: a validator that knows a deeper location than pydantic's.
+LOCATED = "located"
+
+
+def _depth(loc: str) -> int:
+    return loc.count(".") + 1 if loc else 0
+
+
 def _is_union_tag(part: Any) -> bool:
-    # pydantic inserts the union member's type name ("str", "list[TextPart]", "function-after[...]") into
-    # locations; they mean nothing to a client.
+    # pydantic inserts the union member's type name ("str", "list[TextPart]", "function-after[...]", a model's
+    # class name such as "AToolResult") into locations; they mean nothing to a client. Field names here are
+    # lower case, so a capitalised identifier is a class name.
     return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict")
-                                      or "[" in part or part.startswith(("function-", "literal", "Strict")))
+                                      or "[" in part or part.startswith(("function-", "literal", "Strict"))
+                                      or (part[:1].isupper() and part.isidentifier()))

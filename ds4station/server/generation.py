@@ -11,7 +11,9 @@ forced tool calls, usage and llama.cpp timings, and cancellation when the client
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -27,7 +29,10 @@ from ds4station.engine.sampler import SamplingParams
 from ds4station.engine.scheduler import Finished, Handle, Job, NotReady, Prefill, QueueFull, Scheduler, Text
 
 from .errors import ApiError
+from .schemas import parse_body
 from .toolguide import ToolCallGuide
+
+log = logging.getLogger(__name__)
 
 
 class ReplayStore:
@@ -131,25 +136,39 @@ def function_tools(tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 # ---- preparing a prompt --------------------------------------------------------------------------------
 def render(state: ServerState, turn: ChatTurn, thinking: bool) -> list[int]:
-    """Prompt token ids for a turn (runs in a worker thread: tokenizing a long prompt takes a while)."""
+    """Prompt token ids for a turn (runs in a worker thread: tokenizing a long prompt takes a while). Only the
+    template's own markup becomes control tokens; every text the client sent is encoded as plain text, so a
+    message, tool result or schema holding `<｜User｜>` or a DSML block cannot forge a turn or a call."""
     tools = chat.canonical_tools(turn.tools) if turn.tools else None
     try:
-        text = chat.render_prompt(turn.messages, tools, thinking, add_generation_prompt=True,
+        return chat.encode_prompt(state.tokenizer, turn.messages, tools, thinking, add_generation_prompt=True,
                                   replay=state.replay.get)
     except chat.ChatFormatError as e:
         raise ApiError(400, str(e), code="invalid_request", param="messages") from e
-    return state.tokenizer.encode(text)
 
 
 async def count_prompt(state: ServerState, turn: ChatTurn) -> int:
     return len(await run_in_threadpool(render, state, turn, turn.thinking))
 
 
-def check_context(state: ServerState, prompt_tokens: int) -> None:
+def check_context(state: ServerState, prompt_tokens: int | None = None, *, text_chars: int = 0) -> None:
+    """The prompt must leave room in the context. Before tokenizing, pass `text_chars` instead, the length
+    of the conversation's text: no token spells more characters than the vocabulary's longest token, so a
+    text longer than ctx times that cannot fit and is refused without spending seconds to tokenize it."""
+    counted = f"{prompt_tokens} tokens"
+    if prompt_tokens is None:
+        prompt_tokens = -(-text_chars // _longest_token(state.tokenizer))
+        counted = f"at least {prompt_tokens} tokens ({text_chars} characters)"
     if prompt_tokens >= state.ctx:
         raise ApiError(400, f"This model's maximum context length is {state.ctx} tokens. However, your messages "
-                            f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
+                            f"resulted in {counted}. Please reduce the length of the messages.",
                        code="context_length_exceeded", param="messages")
+
+
+@functools.lru_cache(maxsize=4)
+def _longest_token(tok: Any) -> int:
+    """Characters of the longest token (its bytes: a character is at least one byte)."""
+    return max(len(tok.token_bytes(i)) for i in range(tok.vocab_size))
 
 
 def logit_bias(tok: Any, bias: dict[str, float] | None) -> dict[int, float]:
@@ -165,11 +184,13 @@ def logit_bias(tok: Any, bias: dict[str, float] | None) -> dict[int, float]:
 async def start(state: ServerState, turn: ChatTurn) -> Run:
     """Render, check and queue a chat turn; raises ApiError for a bad request or a full queue."""
     thinking = turn.thinking
+    # every message's content is in the prompt (reasoning of earlier turns may not be)
+    check_context(state, text_chars=sum(len(m.get("content") or "") for m in turn.messages))
     prompt = await run_in_threadpool(render, state, turn, thinking)
     check_context(state, len(prompt))
     room = state.ctx - len(prompt)
-    max_tokens = turn.max_tokens if turn.max_tokens and turn.max_tokens > 0 else state.default_max_tokens
-    max_tokens = min(max_tokens, room)
+    requested = turn.max_tokens if turn.max_tokens and turn.max_tokens > 0 else state.default_max_tokens
+    max_tokens = min(requested, room)
     tok = state.tokenizer
     guide = None
     if turn.tool_choice in ("required", "function"):
@@ -179,14 +200,19 @@ async def start(state: ServerState, turn: ChatTurn) -> Run:
         try:
             guide = ToolCallGuide(tok, fns, max_tokens, close_think=thinking)
         except ValueError as e:
-            raise ApiError(400, str(e), code="max_tokens_too_small", param="max_tokens") from e
+            if max_tokens == requested:
+                raise ApiError(400, str(e), code="max_tokens_too_small", param="max_tokens") from e
+            need = str(e).partition(": ")[2] or str(e)  # "its DSML structure alone needs N tokens"
+            raise ApiError(400, f"the prompt takes {len(prompt)} of the context's {state.ctx} tokens and leaves "
+                                f"{room} for the answer, too few for the forced tool call ({need}): shorten the "
+                                "conversation", code="context_length_exceeded", param="messages") from e
     tools = bool(turn.tools) and turn.tool_choice != "none"
     job = Job(prompt=prompt, max_tokens=max_tokens, sampling=turn.sampling, stop=turn.stop,
               stop_tokens={tok.eos_id}, banned_tokens=chat.banned_tokens(tok, thinking, tools),
               logit_bias=logit_bias(tok, turn.logit_bias), guide=guide, kind=turn.kind)
     handle = submit(state, job)
     prefix = turn.call_id_prefix
-    parser = chat.StreamParser(thinking, new_call_id=lambda: prefix + secrets.token_hex(12))
+    parser = chat.StreamParser(thinking, new_call_id=lambda: prefix + secrets.token_hex(12), tools=tools)
     return Run(state, handle, parser)
 
 
@@ -253,6 +279,11 @@ class Run:
     def _finished(self, fin: Finished) -> None:
         if fin.reason == "error":
             raise ApiError(500, f"generation failed: {fin.error}", code="engine_error")
+        malformed = self.parser.malformed if self.parser is not None else None
+        if malformed and fin.reason != "length":
+            log.warning("the model's output ended in malformed DSML: %s", malformed)
+            if self.tool_call_ids:  # a call the client cannot trust: an error, never finish_reason tool_calls
+                raise ApiError(502, f"the model wrote a malformed tool call: {malformed}", code="malformed_tool_call")
         if self.parser is not None and self.tool_call_ids and self.parser.tool_calls_text:
             self.state.replay.put(self.tool_call_ids[0], self.parser.tool_calls_text)
         if fin.reason == "length":
@@ -311,7 +342,8 @@ KEEPALIVE = b": keep-alive\n\n"
 
 
 async def read_json(request: Request, limit: int) -> Any:
-    """The request body as JSON, refusing bodies over `limit` bytes before reading them whole."""
+    """The request body as a JSON object (schemas.parse_body), refusing bodies over `limit` bytes before
+    reading them whole; parsed in a worker thread, so a body of many MiB does not hold up the event loop."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise ApiError(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
@@ -323,16 +355,15 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
     if not body:
         raise ApiError(400, "the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        value = json.loads(bytes(body))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
-    if not isinstance(value, dict):
-        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
-    if b'"tools"' in body and _tools_repeat_a_key(bytes(body)):
-        # json.loads keeps the last of repeated keys; a schema that says two things must not be guessed at
-        raise ApiError(400, "tools: a tool schema repeats a JSON key", code="invalid_tools", param="tools")
-    return value
+
+    def parse() -> dict[str, Any]:
+        value = parse_body(body)
+        if b'"tools"' in body and _tools_repeat_a_key(bytes(body)):
+            # json.loads keeps the last of repeated keys; a schema that says two things must not be guessed at
+            raise ApiError(400, "tools: a tool schema repeats a JSON key", code="invalid_tools", param="tools")
+        return value
+
+    return await run_in_threadpool(parse)
 
 
 def _tools_repeat_a_key(body: bytes) -> bool:

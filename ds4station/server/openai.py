@@ -5,10 +5,16 @@ speaks. Both stream `reasoning`, `content` and tool calls as the chat StreamPars
 call gets its own index, its id and name come first and its arguments follow in fragments; no DSML markup
 ever reaches the client. Every response carries usage with `prompt_tokens_details.cached_tokens` and
 llama.cpp's `timings`, the final stream chunk too.
+
+Responses `custom` tools (Codex's freeform apply_patch) reach the model as functions with one string
+parameter, `input`; their calls come back as `custom_tool_call` items whose input streams decoded, as
+`response.custom_tool_call_input.delta` events.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -17,13 +23,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 
 from ds4station.engine import chat
 from ds4station.engine.sampler import SamplingParams
 from ds4station.engine.scheduler import Job, Text
 
 from . import schemas as S
-from .errors import ApiError, from_validation
+from .errors import ApiError, first_problem, from_validation
 from .generation import (
     KEEPALIVE,
     ChatTurn,
@@ -47,6 +54,12 @@ def validate(model: type[BaseModel], body: Any) -> Any:
         return model.model_validate(body)
     except ValidationError as e:
         raise from_validation(e) from e
+
+
+async def parse_request(request: Request, model: type[BaseModel]) -> Any:
+    """The body, parsed and validated in a worker thread (a body of many MiB takes a while)."""
+    body = await read_json(request, _state(request).max_body_bytes)
+    return await run_in_threadpool(validate, model, body)
 
 
 def _state(request: Request) -> ServerState:
@@ -121,7 +134,7 @@ def chat_turn(req: S.ChatRequest) -> ChatTurn:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     st = _state(request)
-    req = validate(S.ChatRequest, await read_json(request, st.max_body_bytes))
+    req = await parse_request(request, S.ChatRequest)
     run = await start(st, chat_turn(req))
     cid = "chatcmpl-" + secrets.token_hex(12)
     model_name = req.model or st.model_name
@@ -182,23 +195,31 @@ async def _chat_stream(run: Run, cid: str, model_name: str, include_usage: bool)
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------------------
-@router.post("/v1/completions")
-async def completions(request: Request) -> Any:
-    st = _state(request)
-    req = validate(S.CompletionRequest, await read_json(request, st.max_body_bytes))
-    tok = st.tokenizer
-    if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], int):
-        ids = list(req.prompt)
+def _completion_prompt(tok: Any, prompt: str | list[str] | list[int]) -> tuple[list[int], str]:
+    """(token ids with BOS first, text) of a completion prompt (runs in a worker thread)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        ids = list(prompt)
         bad = [i for i in ids if not 0 <= i < tok.vocab_size]
         if bad:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{tok.vocab_size - 1})",
                            param="prompt")
         text = tok.decode(ids)
     else:
-        text = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
+        text = prompt if isinstance(prompt, str) else "".join(prompt)
         ids = tok.encode(text)
     if not ids or ids[0] != tok.bos_id:
         ids = [tok.bos_id, *ids]
+    return ids, text
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Any:
+    st = _state(request)
+    req = await parse_request(request, S.CompletionRequest)
+    tok = st.tokenizer
+    texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    check_context(st, text_chars=sum(map(len, texts)))
+    ids, text = await run_in_threadpool(_completion_prompt, tok, req.prompt)
     check_context(st, len(ids))
     max_tokens = _max_tokens(req.max_tokens) or 16  # OpenAI's default for this endpoint
     job = Job(prompt=ids, max_tokens=min(max_tokens, st.ctx - len(ids)), sampling=_sampling(req),
@@ -251,9 +272,23 @@ async def _completion_stream(run: Run, cid: str, model_name: str, echo: str,
 
 
 # ---- /v1/responses (Codex) ----------------------------------------------------------------------------------
+def custom_tool_function(tool: S.RespCustomTool) -> dict[str, Any]:
+    """A custom tool as the function the model sees: one string parameter `input`, the grammar (if any) in
+    the description."""
+    description = tool.description or ""
+    fmt = tool.format
+    if fmt is not None and fmt.type == "grammar":
+        description += f"\n\nThe input must follow this {fmt.syntax} grammar:\n{fmt.definition}"
+    parameters = {"type": "object", "required": ["input"], "properties": {
+        "input": {"type": "string", "description": "the whole input of the tool, as raw text (not JSON)"}}}
+    return {"type": "function", "function": {"name": tool.name, "description": description.strip(),
+                                             "parameters": parameters}}
+
+
 def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
     """Responses input items -> chat messages. Consecutive assistant output (reasoning, message, function
-    calls) forms one assistant turn, as the model produced it; function_call_output items are tool results."""
+    and custom tool calls) forms one assistant turn, as the model produced it; function_call_output and
+    custom_tool_call_output items are tool results."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
         messages.append({"role": "system", "content": req.instructions})
@@ -268,8 +303,9 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
         return assistant
 
     for i, raw in enumerate(items):
+        where = f"input.{i}"
         if not isinstance(raw, dict):
-            raise ApiError(400, f"input[{i}] must be an object", param=f"input.{i}")
+            raise ApiError(400, f"{where} must be an object", param=where)
         kind = raw.get("type", "message" if "role" in raw else None)
         try:
             if kind == "message":
@@ -285,24 +321,29 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
                 parts = item.content if item.content else item.summary  # the full text when we sent it
                 a = open_assistant()
                 a["reasoning_content"] = a.get("reasoning_content", "") + "".join(p.text or "" for p in parts)
-            elif kind == "function_call":
-                call = S.RespFunctionCall.model_validate(raw)
-                a = open_assistant()
-                a.setdefault("tool_calls", []).append(
-                    {"id": call.call_id, "type": "function",
-                     "function": {"name": call.name, "arguments": call.arguments}})
-            elif kind == "function_call_output":
-                out = S.RespFunctionOutput.model_validate(raw)
+            elif kind in ("function_call", "custom_tool_call"):
+                if kind == "function_call":
+                    call = S.RespFunctionCall.model_validate(raw)
+                    arguments = call.arguments
+                else:
+                    call = S.RespCustomToolCall.model_validate(raw)
+                    arguments = json.dumps({"input": call.input}, ensure_ascii=False)
+                open_assistant().setdefault("tool_calls", []).append(
+                    {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+            elif kind in ("function_call_output", "custom_tool_call_output"):
+                model = S.RespFunctionOutput if kind == "function_call_output" else S.RespCustomToolOutput
+                out = model.model_validate(raw)
                 assistant = None
                 messages.append({"role": "tool", "tool_call_id": out.call_id, "content": out.text()})
             else:
-                raise ApiError(400, f"input[{i}]: item type {kind!r} is not supported by this server",
-                               param=f"input.{i}.type")
+                raise ApiError(400, f"{where}: item type {kind!r} is not supported by this server",
+                               param=f"{where}.type")
         except ValidationError as e:
-            err = from_validation(e)
-            raise ApiError(400, f"input[{i}].{err.message}", param=f"input.{i}") from e
+            loc, msg, _ = first_problem(e)
+            raise ApiError(400, f"{where}.{loc}: {msg}" if loc else f"{where}: {msg}", code="invalid_request",
+                           param=f"{where}.{loc}" if loc else where) from e
     tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-             for t in req.function_tools()]
+             for t in req.function_tools()] + [custom_tool_function(t) for t in req.custom_tools()]
     choice, forced = "auto", None
     if isinstance(req.tool_choice, S.RespNamedTool):
         choice, forced = "function", req.tool_choice.name
@@ -314,12 +355,87 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
                     sampling=_sampling(req), kind="responses")
 
 
-def _resp_usage(run: Run) -> dict[str, Any]:
+def _resp_usage(run: Run, reasoning_tokens: int) -> dict[str, Any]:
+    """Usage as the SDK's ResponseUsage declares it. Every prefilled prompt token is written to the live KV,
+    where the next turn of the conversation reuses it: those are the cache writes."""
     u = run.usage
     assert u is not None
-    return {"input_tokens": u.prompt_tokens, "input_tokens_details": {"cached_tokens": u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                     "cache_write_tokens": u.prompt_tokens - u.cached_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens, "timings": u.timings}
+
+
+def _reasoning_tokens(tok: Any, run: Run, output: list[dict[str, Any]]) -> int:
+    """Generated tokens that were reasoning: all of them when nothing else came out, else the reasoning
+    text re-tokenized plus its closing `</think>` (the scheduler reports only the total)."""
+    assert run.usage is not None
+    total = run.usage.completion_tokens
+    text = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
+    if not text:
+        return 0
+    if all(item["type"] == "reasoning" for item in output):
+        return total
+    return min(total, len(tok.encode(text, allow_special=False)) + 1)
+
+
+class _FreeformInput:
+    """The `input` string of a custom tool call, decoded from its streamed function-call arguments
+    (`{"input": "..."}`): feed() returns the text newly complete, finish() the whole input. Each fragment
+    costs its own length (a patch of many KiB streams in thousands of fragments)."""
+
+    _HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+
+    def __init__(self) -> None:
+        self._fragments: list[str] = []
+        self._pending = ""  # text not decoded yet: the opening `{"input": "`, then an escape cut in two
+        self._started = False
+        self._closed = False  # the string ended (or the arguments are not its shape): nothing more streams
+
+    def feed(self, fragment: str) -> str:
+        self._fragments.append(fragment)
+        if self._closed:
+            return ""
+        s = self._pending + fragment
+        if not self._started:
+            head = self._HEAD.match(s)
+            if head is None:
+                # not (yet) the expected shape; the opening is a dozen characters: past that, it never will be
+                self._closed, self._pending = len(s) > 32, s
+                return ""
+            self._started, s = True, s[head.end():]
+        i = 0
+        while i < len(s) and s[i] != '"':
+            if s[i] != "\\":
+                i += 1
+                continue
+            n = 2
+            if s[i + 1:i + 2] == "u":  # \uXXXX, a high surrogate with its low half: one character
+                n = 12 if s[i + 2:i + 4].lower() in ("d8", "d9", "da", "db") else 6
+            if i + n > len(s):
+                break
+            i += n
+        self._closed = i < len(s) and s[i] == '"'  # else stopped before an escape cut in two
+        self._pending = s[i:]
+        try:
+            return json.loads('"' + s[:i] + '"')
+        except ValueError:  # malformed escapes: stop streaming, finish() says what the input was
+            self._closed = True
+            return ""
+
+    def finish(self) -> str:
+        arguments = "".join(self._fragments)
+        try:
+            value = json.loads(arguments)
+        except ValueError:
+            return arguments
+        if isinstance(value, dict) and isinstance(value.get("input"), str):
+            return value["input"]
+        strings = [v for v in value.values() if isinstance(v, str)] if isinstance(value, dict) else []
+        if isinstance(value, dict) and len(value) == 1 and strings:
+            return strings[0]
+        return "" if value == {} else arguments
 
 
 class _ResponseBuilder:
@@ -333,10 +449,12 @@ class _ResponseBuilder:
         self.output: list[dict[str, Any]] = []
         self.seq = 0
         self.open: dict[str, Any] | None = None  # the item being streamed
-        self.calls: dict[int, dict[str, Any]] = {}  # parser call index -> function_call item
+        self.calls: dict[int, dict[str, Any]] = {}  # parser call index -> function_call / custom_tool_call item
+        self.inputs: dict[int, _FreeformInput] = {}  # parser call index -> a custom call's input decoder
+        self.custom = {t.name for t in req.custom_tools()}
 
     def response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        tools = [t.model_dump(exclude_none=True) for t in self.req.function_tools()]
+        tools = [t.model_dump(exclude_none=True) for t in self.req.declared_tools()]
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": self.output, "usage": usage, "error": None,
                 "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
@@ -350,6 +468,15 @@ class _ResponseBuilder:
                               "summary": None},
                 "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled"}
 
+    async def final(self, run: Run, tok: Any) -> dict[str, Any]:
+        """The finished response, with its usage (re-tokenizing the reasoning takes a worker thread)."""
+        assert run.usage is not None
+        status = "incomplete" if run.finish_reason == "length" else "completed"
+        reasoning = await run_in_threadpool(_reasoning_tokens, tok, run, self.output)
+        body = self.response(status, _resp_usage(run, reasoning))
+        body["timings"] = run.usage.timings
+        return body
+
     def event(self, kind: str, **data: Any) -> bytes:
         self.seq += 1
         return sse({"type": kind, "sequence_number": self.seq, **data}, event=kind)
@@ -357,7 +484,7 @@ class _ResponseBuilder:
     # Each method returns the stream events it implies (the non-streaming path ignores them).
     def _close_open(self) -> list[bytes]:
         item, self.open = self.open, None
-        if item is None or item["type"] == "function_call":
+        if item is None or item["type"] in ("function_call", "custom_tool_call"):
             return []
         idx = self.output.index(item)
         out = []
@@ -409,27 +536,51 @@ class _ResponseBuilder:
                                      **extra)]
         if isinstance(ev, chat.ToolCallStart):
             out = self._close_open()
-            item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": ev.id,
-                    "name": ev.name, "arguments": "", "status": "in_progress"}
+            if ev.name in self.custom:
+                item = {"type": "custom_tool_call", "id": "ctc_" + secrets.token_hex(12), "call_id": ev.id,
+                        "name": ev.name, "input": "", "status": "in_progress"}
+                self.inputs[ev.index] = _FreeformInput()
+            else:
+                item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": ev.id,
+                        "name": ev.name, "arguments": "", "status": "in_progress"}
             self.output.append(item)
             self.calls[ev.index] = item
             self.open = item
             return out + [self.event("response.output_item.added", output_index=len(self.output) - 1, item=item)]
         if isinstance(ev, chat.ToolCallArgsDelta):
             item = self.calls[ev.index]
+            idx = self.output.index(item)
+            if item["type"] == "custom_tool_call":
+                return self._custom_input(item, idx, self.inputs[ev.index].feed(ev.fragment))
             item["arguments"] += ev.fragment
-            return [self.event("response.function_call_arguments.delta", item_id=item["id"],
-                               output_index=self.output.index(item), delta=ev.fragment)]
+            return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=idx,
+                               delta=ev.fragment)]
         if isinstance(ev, chat.ToolCallEnd):
             item = self.calls[ev.index]
             item["status"] = "completed"
             idx = self.output.index(item)
             if self.open is item:
                 self.open = None
+            if item["type"] == "custom_tool_call":
+                whole = self.inputs[ev.index].finish()
+                # the streamed text is a prefix of the input unless the model wrote an odd call
+                rest = whole[len(item["input"]):] if whole.startswith(item["input"]) else ""
+                out = self._custom_input(item, idx, rest)
+                item["input"] = whole
+                return out + [self.event("response.custom_tool_call_input.done", item_id=item["id"],
+                                         output_index=idx, input=whole),
+                              self.event("response.output_item.done", output_index=idx, item=item)]
             return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=idx,
                                name=item["name"], arguments=item["arguments"]),
                     self.event("response.output_item.done", output_index=idx, item=item)]
         return []
+
+    def _custom_input(self, item: dict[str, Any], idx: int, text: str) -> list[bytes]:
+        if not text:
+            return []
+        item["input"] += text
+        return [self.event("response.custom_tool_call_input.delta", item_id=item["id"], output_index=idx,
+                           delta=text)]
 
     def finish(self) -> list[bytes]:
         out = self._close_open()
@@ -441,21 +592,19 @@ class _ResponseBuilder:
 @router.post("/v1/responses")
 async def responses(request: Request) -> Any:
     st = _state(request)
-    req = validate(S.ResponsesRequest, await read_json(request, st.max_body_bytes))
+    req = await parse_request(request, S.ResponsesRequest)
     run = await start(st, responses_turn(req))
+    tok = st.tokenizer
     build = _ResponseBuilder(req, req.model or st.model_name)
     if req.stream:
-        return stream_response(_responses_stream(run, build))
+        return stream_response(_responses_stream(run, build, tok))
     async for ev in run.watched(request):
         build.feed(ev)
     build.finish()
-    status = "incomplete" if run.finish_reason == "length" else "completed"
-    body = build.response(status, _resp_usage(run))
-    body["timings"] = run.usage.timings if run.usage else None
-    return JSONResponse(body)
+    return JSONResponse(await build.final(run, tok))
 
 
-async def _responses_stream(run: Run, build: _ResponseBuilder) -> AsyncIterator[bytes]:
+async def _responses_stream(run: Run, build: _ResponseBuilder, tok: Any) -> AsyncIterator[bytes]:
     try:
         yield build.event("response.created", response=build.response("in_progress"))
         yield build.event("response.in_progress", response=build.response("in_progress"))
@@ -467,10 +616,8 @@ async def _responses_stream(run: Run, build: _ResponseBuilder) -> AsyncIterator[
                 yield chunk
         for chunk in build.finish():
             yield chunk
-        status = "incomplete" if run.finish_reason == "length" else "completed"
-        body = build.response(status, _resp_usage(run))
-        body["timings"] = run.usage.timings if run.usage else None
-        yield build.event(f"response.{status}", response=body)
+        body = await build.final(run, tok)
+        yield build.event(f"response.{body['status']}", response=body)
     except ApiError as e:
         yield build.event("error", code=e.code, message=e.message, param=e.param)
     finally:

@@ -1,18 +1,127 @@
-"""Pydantic request schemas for the three API dialects (OpenAI Chat/Completions, OpenAI Responses, Anthropic).
+"""The request body and its pydantic schemas for the three API dialects (OpenAI Chat/Completions, OpenAI
+Responses, Anthropic).
 
-Validation is strict about types (a string where a number belongs is a 400, not a silent coercion) and
-lenient about unknown fields (agents send many vendor extensions; unknown fields are ignored). Ranges that
-the engine cannot honour (n > 1, logprobs, images) are rejected here with a message naming the field.
+`parse_body` admits strict JSON only: no NaN/Infinity, nesting at most MAX_JSON_DEPTH deep, no lone UTF-16
+surrogate in any string (the tokenizer cannot encode one). Validation is strict about types (a string where
+a number belongs is a 400, not a silent coercion) and lenient about unknown fields (agents send many vendor
+extensions; unknown fields are ignored). What the engine cannot honour (n > 1, logprobs, images, server-side
+tools, seeds beyond 64 bits) is rejected here with a message naming the exact place, e.g.
+`messages.2.content.0: images are not supported ...`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from ds4station.engine.sampler import SEED_RANGE
+
+from .errors import LOCATED, ApiError, first_problem
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_JSON_DEPTH = 100  # tool schemas nest a few dozen levels at most; json and the renderers recurse
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_TOKEN_ID = re.compile(r"^[0-9]{1,12}$")
+TEXT_ONLY = "DeepSeek-V4 reads text only"
+
+
+# ---------------------------------------------------------------------------------------------------
+# The body
+
+
+def parse_body(body: bytes | bytearray) -> dict[str, Any]:
+    """The request body as a JSON object, or an ApiError (400) saying what is wrong and where. Runs in a
+    worker thread: a body of many MiB takes a while."""
+    try:
+        value = json.loads(body, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError as e:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from e
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from e
+    if not isinstance(value, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    _check_json(value)
+    return value
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value (send a number or null)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large for a double")
+    return value
+
+
+def _check_json(root: dict[str, Any]) -> None:
+    """Nesting depth and lone surrogates, without recursion (the depth is what is being checked)."""
+    stack: list[tuple[Any, int, str]] = [(root, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels", code="invalid_json",
+                           param=path)
+        for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+            where = f"{path}.{key}" if path else str(key)
+            if isinstance(key, str):
+                _check_text(key, where, "key")
+            if isinstance(value, str):
+                _check_text(value, where, "text")
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, where))
+
+
+def _check_text(text: str, where: str, what: str) -> None:
+    if text.isascii():  # the common case, and a fast one
+        return
+    bad = _SURROGATE.search(text)
+    if bad:
+        where = where.encode("utf-8", "backslashreplace").decode()  # the path may end in this very key
+        raise ApiError(400, f"{where}: the {what} holds a lone UTF-16 surrogate (U+{ord(bad.group()):04X}) at "
+                            f"character {bad.start()}, which is not valid Unicode: send the character itself "
+                            "or a complete surrogate pair", code="invalid_request", param=where)
+
+
+def located(path: str, message: str) -> PydanticCustomError:
+    """A validation error at `path` (below the validator's own place): raise it from a validator that sees
+    deeper than the field it validates; errors.first_problem reports the path."""
+    return PydanticCustomError(LOCATED, "{message}", {"path": path, "message": message})
+
+
+def unsupported_part(kind: str) -> str:
+    """Why a content part or block of type `kind` cannot be taken."""
+    if kind in ("image_url", "input_image", "image"):
+        return f"images are not supported: {TEXT_ONLY}; describe the image in text or leave it out"
+    if kind in ("file", "input_file", "document"):
+        return f"files are not supported: {TEXT_ONLY}; send the file's text"
+    return f"content of type {kind!r} is not supported: {TEXT_ONLY}"
+
+
+def _parts_only(items: Any, key: str, kinds: tuple[str, ...], fields: tuple[str, ...] = ("content",)) -> None:
+    """The part lists (`fields`) of each of the `items` (the request's `key`) hold parts of the given types
+    only: a `located` error names the first other one (pydantic would report every member of the union that
+    failed to match it instead)."""
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        for field in fields:
+            parts = item.get(field) if isinstance(item, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else []):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind not in kinds:
+                    raise located(f"{key}.{i}.{field}.{j}", unsupported_part(kind))
+
+
+def validation_problem(err: ValidationError, prefix: str) -> PydanticCustomError:
+    """A nested model's validation error, re-raised from its parent's validator at `prefix`."""
+    loc, msg, _ = first_problem(err)
+    return located(f"{prefix}.{loc}" if loc else prefix, msg)
 
 
 class Strict(BaseModel):
@@ -155,12 +264,19 @@ class SamplingFields(Strict):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not SEED_RANGE[0] <= v <= SEED_RANGE[1]:
+            raise ValueError(f"seed {v} does not fit in 64 bits: use an integer from -2**63 to 2**64-1")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, value in (v or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+            if not _TOKEN_ID.match(key):
+                raise ValueError(f"logit_bias keys are token ids, got {key[:40]!r}")
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias[{key}] = {value} is outside -100..100")
         return v
@@ -189,6 +305,13 @@ class ChatRequest(SamplingFields):
     reasoning_effort: Effort | None = None
     thinking: Thinking | bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _parts_only(data.get("messages"), "messages", ("text", "input_text", "output_text"))
+        return data
 
     @model_validator(mode="after")
     def _tools(self) -> ChatRequest:
@@ -232,22 +355,54 @@ class RespFunctionTool(FunctionSpec):
     type: Literal["function"]
 
 
+class CustomToolFormat(Strict):
+    type: Literal["text", "grammar"]
+    syntax: Literal["lark", "regex"] | None = None
+    definition: str | None = None
+
+    @model_validator(mode="after")
+    def _grammar(self) -> CustomToolFormat:
+        if self.type == "grammar" and (self.syntax is None or self.definition is None):
+            raise ValueError("a grammar format needs its syntax (lark or regex) and definition")
+        return self
+
+
+class RespCustomTool(Strict):
+    """A Responses API custom tool (Codex's freeform apply_patch): its input is one string, free text or
+    in a grammar. The model sees it as a function with one string parameter, `input`."""
+
+    type: Literal["custom"]
+    name: str
+    description: str | None = None
+    format: CustomToolFormat | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_tool_name(v)
+
+
 class RespReasoning(Strict):
     effort: Effort | None = None
     summary: str | None = None
 
 
 class RespNamedTool(Strict):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+
+
+_RESP_TOOLS: dict[str, type[BaseModel]] = {"function": RespFunctionTool, "custom": RespCustomTool}
+RespTextKind = Literal["input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal"]
+RESP_TEXT_PARTS: tuple[str, ...] = get_args(RespTextKind)
 
 
 class ResponsesRequest(Strict):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    # Non-function tools (web_search, local_shell, ...) are not something this server can run; they are
-    # dropped when the tool list is normalised, function tools are validated here.
+    # function and custom tools; the tools OpenAI runs itself (web_search, file_search, code_interpreter,
+    # local_shell, ...) are refused by name: dropping them would leave the model not knowing what it lacks
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none", "required"] | RespNamedTool | None = None
     parallel_tool_calls: bool | None = None
@@ -260,27 +415,50 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
 
+    def declared_tools(self) -> list[RespFunctionTool | RespCustomTool]:
+        """The tools, validated (by _check), in the order given."""
+        return [_RESP_TOOLS[t["type"]].model_validate(t) for t in self.tools or []]  # type: ignore[misc]
+
     def function_tools(self) -> list[RespFunctionTool]:
-        return [RespFunctionTool.model_validate(t) for t in self.tools or [] if t.get("type") == "function"]
+        return [t for t in self.declared_tools() if isinstance(t, RespFunctionTool)]
+
+    def custom_tools(self) -> list[RespCustomTool]:
+        return [t for t in self.declared_tools() if isinstance(t, RespCustomTool)]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):  # message content; function and custom tool outputs
+            _parts_only(data.get("input"), "input", RESP_TEXT_PARTS, ("content", "output"))
+        return data
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
         if self.previous_response_id:
             raise ValueError("previous_response_id is not supported: send the whole conversation in input")
+        names = []
         for i, t in enumerate(self.tools or []):
-            if not isinstance(t.get("type"), str):
-                raise ValueError(f"tools[{i}].type must be a string")
-        names = [t.name for t in self.function_tools()]
+            kind = t.get("type")
+            if not isinstance(kind, str):
+                raise located(f"tools.{i}.type", "must be a string")
+            if kind not in _RESP_TOOLS:
+                raise located(f"tools.{i}", f"{kind!r} is a tool OpenAI runs on its own servers, which this "
+                                            "server cannot do: remove it from tools (function and custom "
+                                            "tools are supported)")
+            try:
+                names.append(_RESP_TOOLS[kind].model_validate(t).name)  # type: ignore[attr-defined]
+            except ValidationError as e:
+                raise validation_problem(e, f"tools.{i}") from e
         _unique_names(names, "tools")
         if isinstance(self.tool_choice, RespNamedTool) and self.tool_choice.name not in names:
             raise ValueError(f"tool_choice names {self.tool_choice.name!r}, which is not in tools")
         if self.tool_choice == "required" and not names:
-            raise ValueError("tool_choice \"required\" needs at least one function tool")
+            raise ValueError("tool_choice \"required\" needs at least one tool")
         return self
 
 
 class RespContentPart(Strict):
-    type: Literal["input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal"]
+    type: RespTextKind
     text: str | None = None
     refusal: str | None = None
 
@@ -312,6 +490,17 @@ class RespFunctionOutput(Strict):
         if isinstance(self.output, str):
             return self.output
         return "".join(p.text or "" for p in self.output)
+
+
+class RespCustomToolCall(Strict):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+
+
+class RespCustomToolOutput(RespFunctionOutput):
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
 
 
 class RespReasoningItem(Strict):
@@ -368,16 +557,6 @@ class AMessage(Strict):
     role: Literal["user", "assistant"]
     content: str | list[ABlock]
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _known_blocks(cls, v: Any) -> Any:
-        if isinstance(v, list):
-            for i, block in enumerate(v):
-                kind = block.get("type") if isinstance(block, dict) else None
-                if kind not in ("text", "thinking", "redacted_thinking", "tool_use", "tool_result"):
-                    raise ValueError(f"content[{i}]: block type {kind!r} is not supported by this server")
-        return v
-
 
 class ATool(Strict):
     name: str
@@ -409,12 +588,42 @@ class AThinkingConfig(Strict):
     budget_tokens: int | None = None
 
 
-def _client_tools_only(data: Any) -> Any:
-    """Drop Anthropic server tools (web_search_..., code_execution_...: a `type` and no input_schema); this
-    server cannot run them, and refusing the whole request would break clients that always send them."""
-    if isinstance(data, dict) and isinstance(data.get("tools"), list):
-        data = {**data, "tools": [t for t in data["tools"] if not (
-            isinstance(t, dict) and t.get("type") not in (None, "custom") and "input_schema" not in t)]}
+_ABLOCKS = ("text", "thinking", "redacted_thinking", "tool_use", "tool_result")
+
+
+def _anthropic_checks(data: Any) -> Any:
+    """Before pydantic: name the first block this server cannot take (an image, also one inside a
+    tool_result; a document; a server tool's result) and the first tool it cannot run (Anthropic's server
+    tools such as web_search_20250305, and its schema-less tool types such as bash_20250124)."""
+    if not isinstance(data, dict):
+        return data
+    system = data.get("system")
+    for j, block in enumerate(system if isinstance(system, list) else []):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise located(f"system.{j}", unsupported_part(kind))
+    messages = data.get("messages")
+    for i, m in enumerate(messages if isinstance(messages, list) else []):
+        content = m.get("content") if isinstance(m, dict) else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            kind = block.get("type") if isinstance(block, dict) else None
+            if not isinstance(kind, str):
+                continue
+            if kind not in _ABLOCKS:
+                raise located(f"messages.{i}.content.{j}", unsupported_part(kind)
+                              if kind in ("image", "document") else
+                              f"block type {kind!r} is not supported by this server")
+            inner = block.get("content") if kind == "tool_result" else None
+            for k, part in enumerate(inner if isinstance(inner, list) else []):
+                sub = part.get("type") if isinstance(part, dict) else None
+                if isinstance(sub, str) and sub != "text":
+                    raise located(f"messages.{i}.content.{j}.content.{k}", unsupported_part(sub))
+    tools = data.get("tools")
+    for i, t in enumerate(tools if isinstance(tools, list) else []):
+        if isinstance(t, dict) and t.get("type") not in (None, "custom") and "input_schema" not in t:
+            raise located(f"tools.{i}", f"{t.get('name', t['type'])!r} ({t['type']}) is a tool that only "
+                                        "Anthropic's API implements, which this server cannot do: remove it, "
+                                        "or declare it as a client tool with an input_schema")
     return data
 
 
@@ -433,7 +642,7 @@ class MessagesRequest(Strict):
     thinking: AThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
 
-    _server_tools = model_validator(mode="before")(_client_tools_only)
+    _checks = model_validator(mode="before")(_anthropic_checks)
 
     @model_validator(mode="after")
     def _check(self) -> MessagesRequest:
@@ -463,7 +672,7 @@ class CountTokensRequest(Strict):
     tools: list[ATool] | None = None
     thinking: AThinkingConfig | None = None
 
-    _server_tools = model_validator(mode="before")(_client_tools_only)
+    _checks = model_validator(mode="before")(_anthropic_checks)
 
     def system_text(self) -> str | None:
         return MessagesRequest.system_text(self)  # type: ignore[arg-type]
