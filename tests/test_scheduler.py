@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from ds4station.engine import chat
 from ds4station.engine.demo import make_model
 from ds4station.engine.sampler import SamplingParams as Sampling
-from ds4station.engine.scheduler import Finished, Job, QueueFull, Scheduler, Text, Timings
+from ds4station.engine.scheduler import SHUTTING_DOWN, Finished, Job, NotReady, QueueFull, Scheduler, Text, Timings
 from ds4station.server.toolguide import ToolCallGuide
 
 CTX = 1024
@@ -83,14 +85,17 @@ def test_prefix_reuse_and_interleaved_request_keeps_the_session(engine, make_sch
     p1 = prompt(engine, "The quick brown fox jumps over the lazy dog.")
     (_, f1), = run(s, greedy(p1))
     assert f1.cached_tokens == 0 and f1.timings.prompt_n == len(p1)
+    assert f1.reuse is not None and (f1.reuse.outcome, f1.reuse.why) == ("miss", "no live session")
     p2 = p1 + engine.tokenizer.encode(" A station is a place")
     (_, f2), = run(s, greedy(p2))
     assert f2.cached_tokens >= len(p1)
     assert f2.timings.prompt_n == len(p2) - f2.cached_tokens
+    assert f2.reuse is not None and f2.reuse.outcome == "hit"
     # an unrelated request takes the free slot instead of destroying the first conversation's KV
     (_, fq), = run(s, greedy(prompt(engine, "def fibonacci(n: int) -> int:")))
     assert fq.cached_tokens <= 1
     assert len(s.pool.slots) == 2
+    assert fq.reuse is not None and "a free slot" in fq.reuse.why
     p3 = p2 + engine.tokenizer.encode(" where trains stop")
     (_, f3), = run(s, greedy(p3))
     assert f3.cached_tokens >= len(p2)
@@ -117,6 +122,8 @@ def test_rollback_beyond_the_engine_bound_falls_back_to_a_fresh_prefill(engine, 
     edited = long[:20] + engine.tokenizer.encode(" something else entirely")
     (out, f), = run(s, greedy(edited, 4))
     assert f.cached_tokens == 0 and s.pool.resets == 1  # truncate(20) was refused: re-prefilled from scratch
+    assert f.reuse is not None and f.reuse.outcome == "reset" and "cannot roll back" in f.reuse.why
+    assert f.reuse.discarded > bound
     (fresh, _), = run(make_scheduler(sessions=1), greedy(edited, 4))
     assert out == fresh
 
@@ -213,6 +220,53 @@ def test_bounded_queue_refuses_with_retry_after(engine, make_scheduler) -> None:
     done, refused = asyncio.run(go())
     assert refused and all(e.retry_after >= 1 for e in refused)
     assert 1 <= len(done) <= 2 and all(f.reason == "length" for f in done)
+
+
+async def _finished(handle) -> Finished:
+    while not isinstance(event := await handle.next(), Finished):
+        pass
+    return event
+
+
+def test_drain_ends_what_outlives_the_grace_period_with_an_error_and_refuses_new_work(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1)
+    eos = engine.tokenizer.eos_id
+
+    async def go() -> tuple[Finished, Finished, float]:
+        running = s.submit(Job(prompt=prompt(engine, "Hello"), max_tokens=5000, banned_tokens=[eos]))
+        queued = s.submit(greedy(prompt(engine, "World"), 4))
+        while not isinstance(await running.next(), Text):  # decoding now
+            pass
+        drain = threading.Thread(target=s.drain, args=(0.2,))
+        t0 = time.monotonic()
+        drain.start()
+        fins = await _finished(running), await _finished(queued)
+        await asyncio.to_thread(drain.join, 30)
+        with pytest.raises(NotReady, match="shutting down"):
+            s.submit(greedy(prompt(engine, "late")))
+        return *fins, time.monotonic() - t0
+
+    running, queued, took = asyncio.run(go())
+    for fin in (running, queued):  # an error, so a stream says so, never "cancelled" (a normal end to a client)
+        assert fin.reason == "error" and fin.error == SHUTTING_DOWN
+    assert 0 < running.completion_tokens < 5000 and queued.completion_tokens == 0
+    assert took < 10
+    assert s.state == "stopping" and s.status()["totals"]["errors"] == 2
+
+
+def test_drain_lets_work_that_fits_in_the_grace_period_finish(engine, make_scheduler) -> None:
+    s = make_scheduler(sessions=1)
+
+    async def go() -> list[Finished]:
+        handles = [s.submit(greedy(prompt(engine, text), 6)) for text in ("Hello", "World")]
+        drain = threading.Thread(target=s.drain, args=(60.0,))
+        drain.start()
+        fins = [await _finished(h) for h in handles]
+        await asyncio.to_thread(drain.join, 30)
+        assert not drain.is_alive()  # returned as soon as nothing was open, not after 60 s
+        return fins
+
+    assert [f.reason for f in asyncio.run(go())] == ["length", "length"]
 
 
 # ---- forced tool calls -------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """`ds4station serve`: the local API server for coding agents (OpenAI, Responses, Anthropic) on one engine.
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
-                     [--ctx N] [--sessions N] [--queue N] [--max-tokens N] [--device auto] ...
+                     [--allow-host NAME] [--ctx N] [--sessions N] [--queue N] [--max-tokens N] [--device auto]
+                     [--restarts N] [--shutdown-grace S] [--trace FILE] ...
 
 With no --model it serves the built-in demo model (created on first use). It listens on 127.0.0.1 unless
-told otherwise; binding elsewhere without --api-key prints a warning. Everything that can be checked
-without loading the weights (the file, the context length, the route, expert caches) is checked before
-the port is bound; `/health` says ready once the weights are loaded and the engine is warm.
+told otherwise; binding elsewhere without --api-key prints a warning. Without --api-key, requests must be
+addressed to a loopback name, the listening address or an --allow-host name, and browsers' cross-origin
+requests need --cors. Everything that can be checked without loading the weights (the file, the context
+length, the route, expert caches) is checked before the port is bound; `/health` says ready once the weights
+are loaded and the engine is warm. A stage that dies is restarted (--restarts attempts); SIGTERM / SIGINT
+let the open requests finish for --shutdown-grace seconds, end the rest with an error event and exit.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from ds4station.commands.worker import add_pipeline_arguments, pipeline_options
 from ds4station.model.sizes import token_count
 
 DEFAULT_CTX = 32768
+DEFAULT_SHUTDOWN_GRACE = 5.0
+DEFAULT_TRACE_MAX_MB = 64
+DEFAULT_TRACE_KEEP = 3
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="require this key (Authorization: Bearer or x-api-key); default $DS4_API_KEY")
     p.add_argument("--cors", default="", help="comma-separated origins allowed by CORS (default: none)")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, also answer requests whose Host is NAME (repeatable or comma-separated; "
+                        "'*' any); by default only localhost, 127.0.0.1, [::1] and the --host address")
     p.add_argument("--ctx", type=token_count, default=None, metavar="N",
                    help=f"context length per session, e.g. 32K or 1M (default: the model's, at most {DEFAULT_CTX})")
     p.add_argument("--sessions", type=int, default=2, help="live KV sessions kept for prefix reuse (default 2)")
@@ -45,6 +56,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="where a single-stage engine runs: auto (the GPU when one is visible, else cpu), cpu, "
                         "cuda:N (default auto)")
     p.add_argument("--name", default=None, help="model id reported by /v1/models (default: the file name)")
+    p.add_argument("--restarts", type=int, default=3, metavar="N",
+                   help="when a pipeline stage dies, reload the route up to N times (backoff 1, 2, 4 ... s); "
+                        "0: stay down (default 3)")
+    p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, let open requests finish this long before ending them with an "
+                        f"error event (default {DEFAULT_SHUTDOWN_GRACE:g})")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="append a JSON line per request to FILE: prompt hash and length, reused / prefilled "
+                        "tokens and why, output, tool calls, finish reason, timings")
+    p.add_argument("--trace-max-mb", type=float, default=DEFAULT_TRACE_MAX_MB, metavar="MB",
+                   help=f"rotate the trace at this size (default {DEFAULT_TRACE_MAX_MB})")
+    p.add_argument("--trace-keep", type=int, default=DEFAULT_TRACE_KEEP, metavar="N",
+                   help=f"rotated trace files kept (FILE.1 ... FILE.N, default {DEFAULT_TRACE_KEEP})")
     add_pipeline_arguments(p)
 
 
@@ -56,6 +80,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from ds4station.model.footprint import kv_bytes
     from ds4station.model.gguf import GGUFFile
     from ds4station.server.app import create_app
+    from ds4station.server.trace import RequestTrace
 
     path = args.model or str(demo_model_path())
     gguf = GGUFFile.open(path)  # reads the header only; fails early with a clear message
@@ -65,6 +90,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise ValueError(f"--ctx {ctx} is too small (16 tokens at least)")
     if args.sessions < 1:
         raise ValueError("--sessions must be at least 1")
+    if args.restarts < 0 or args.shutdown_grace < 0:
+        raise ValueError("--restarts and --shutdown-grace cannot be negative")
     opts = pipeline_options(args)
     route = check_settings(gguf, ctx, opts.pop("route"), opts.pop("expert_cache"), args.activation_bits,
                            args.device)
@@ -78,17 +105,25 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return Engine.load(path, ctx, route, sessions=args.sessions, chunk=chunk, rollback=args.rollback,
                            progress=scheduler.report_load, **opts)
 
-    scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx)
+    scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx,
+                          max_restarts=args.restarts)
+    trace = None
+    if args.trace:
+        trace = RequestTrace(args.trace, scheduler, max_bytes=max(1, int(args.trace_max_mb * 2**20)),
+                             keep=args.trace_keep)
+    hosts = [h.strip() for value in args.allow_host for h in value.split(",") if h.strip()]
+    if args.host not in WILDCARD_HOSTS:
+        hosts.append(args.host)
     name = args.name or os.path.splitext(os.path.basename(path))[0]
     app = create_app(scheduler, model_name=name, model_path=str(path), ctx=ctx, api_key=args.api_key or None,
-                     cors=[o.strip() for o in args.cors.split(",") if o.strip()],
+                     cors=[o.strip() for o in args.cors.split(",") if o.strip()], allowed_hosts=hosts,
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), default_max_tokens=args.max_tokens,
-                     keepalive_s=args.keepalive)
+                     keepalive_s=args.keepalive, trace=trace)
     return app, {"host": args.host, "port": args.port}
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
+    from ds4station.server.app import serve
 
     try:
         app, where = build(args)
@@ -100,5 +135,5 @@ def run(args: argparse.Namespace) -> int:
               "the model", file=sys.stderr)
     print(f"ds4station serve: http://{where['host']}:{where['port']}/v1 (OpenAI, Responses), "
           f"http://{where['host']}:{where['port']} (Anthropic); /health, /status, /metrics", file=sys.stderr)
-    uvicorn.run(app, host=where["host"], port=where["port"], log_level="info", timeout_graceful_shutdown=5)
+    serve(app, where["host"], where["port"], shutdown_grace=args.shutdown_grace)
     return 0

@@ -26,7 +26,8 @@ How it runs (see stage.py for the stage backends and the wire protocol):
   monitor that watches every worker (process exit for local children, heartbeat counters in the store for
   all). A dead or silent worker makes the request in flight fail within about `heartbeat_timeout` seconds
   with `StageDown` naming the stage; the engine then stays down (`health()` / `status()` say which stage)
-  until it is closed. `close()` (also run at exit) stops every process it started.
+  until it is closed (the scheduler then closes it and loads the route again, see scheduler.py). `close()`
+  (also run at exit) stops every process it started.
 """
 
 from __future__ import annotations

@@ -15,7 +15,14 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
 - a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) only when
   no request arrives within SETTLE_GRACE: settling never delays the next request;
 - every finished request reports llama.cpp-style timings (cache_n, prompt_n, prompt_ms, predicted_n,
-  predicted_ms) and its cached prefix length.
+  predicted_ms), its cached prefix length and how the pool chose it (`Reuse`) to every observer (metrics,
+  the request trace);
+- supervision: when the engine reports a stage down (`health()`), the running and queued requests end with
+  an error, and the worker closes the engine and loads it again (`max_restarts` attempts, with a doubling
+  backoff, each logged to stderr); meanwhile the state is "restarting" and new requests are refused
+  (`NotReady`), after the last failed attempt it is "failed" with the reason;
+- `drain(grace)` (a graceful shutdown) refuses new requests, lets the open ones finish for up to `grace`
+  seconds, then ends them with an error, so every open stream gets an error event instead of a cut.
 
 The engine interface is deliberately narrow (`GenerationEngine` / `EngineSession` below): engine/engine.py's
 `Engine` is what runs, on any route.
@@ -26,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -69,6 +77,10 @@ class GenerationEngine(Protocol):
     def new_session(self) -> EngineSession: ...
 
 
+# An engine may also offer `health() -> str | None` (None while every stage is up): the scheduler polls it to
+# restart a route whose stage died, and `close()`, called when the scheduler stops or restarts it.
+
+
 class Detokenizer(Protocol):
     """Incremental ids -> text; holds back bytes of an incomplete UTF-8 character."""
 
@@ -90,7 +102,7 @@ class QueueFull(RuntimeError):
 
 
 class NotReady(RuntimeError):
-    """The engine is still loading or failed to load."""
+    """The engine is loading, restarting, failed, or the server is shutting down."""
 
 
 @dataclass
@@ -156,6 +168,7 @@ class Job:
     id: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = 0.0
+    ended: str | None = None  # why the server ended it (set with `cancel`): it finishes as an error, not cancelled
 
 
 @dataclass
@@ -174,6 +187,15 @@ class Text:
 
 
 @dataclass
+class Reuse:
+    """How the session pool served a prompt (SessionPool.acquire decides; the request trace records it)."""
+
+    outcome: str  # "hit" (a live prefix reused) | "miss" (prefilled from scratch) | "reset" (a rollback failed)
+    why: str
+    discarded: int = 0  # tokens of the chosen session's divergent tail thrown away
+
+
+@dataclass
 class Finished:
     reason: str  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int
@@ -183,6 +205,8 @@ class Finished:
     ttft_ms: float  # from being queued to the first generated token
     error: str | None = None
     stop_string: str | None = None  # the stop string that ended generation, if one did
+    reuse: Reuse | None = None  # None when the request never reached the engine
+    output: list[int] = field(default_factory=list)  # the generated token ids, in order
 
     @property
     def cached_tokens(self) -> int:
@@ -195,6 +219,11 @@ Event = Prefill | Text | Finished
 WARM = "warm"  # the kind of the scheduler's own warm-up jobs (never recorded)
 # Seconds a finished turn waits for the next request before the worker settles it (see Scheduler._next).
 SETTLE_GRACE = 0.05
+# Seconds between the idle worker's looks at the engine's health (a stage that dies between requests).
+HEALTH_POLL = 0.25
+# Seconds `drain` waits for the requests it ended to report back (an engine stuck in a step cannot).
+END_WAIT = 5.0
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class _Discard:
@@ -291,32 +320,41 @@ class SessionPool:
         self.misses = 0
         self.resets = 0  # truncations that failed and fell back to a fresh prefill
 
-    def acquire(self, prompt: Sequence[int]) -> tuple[LiveSession, int]:
-        """The session to serve `prompt` from, truncated to the reused prefix; and that prefix's length."""
+    def acquire(self, prompt: Sequence[int]) -> tuple[LiveSession, int, Reuse]:
+        """The session to serve `prompt` from, truncated to the reused prefix; that prefix's length; and why."""
         limit = max(len(prompt) - 1, 0)  # at least one token must be prefilled to get logits
         scored = [(min(common_prefix(s.tokens, prompt), limit), s.last_used, s) for s in self.slots]
         scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
         free = len(self.slots) < self.capacity
-        chosen: tuple[int, LiveSession] | None = None
+        chosen: tuple[int, LiveSession, str] | None = None
         if scored:
             common, _, best = scored[0]
             discard = len(best.tokens) - common
             # in place: a pure extension, a retry of a prompt the session already holds whole, or an edit
             # that keeps at least as much as it throws away
-            if discard == 0 or (common > 0 and (common == limit or common >= discard)):
-                chosen = (common, best)
+            if discard == 0:
+                chosen = (common, best, "the prompt extends a live session")
+            elif common > 0 and common == limit:
+                chosen = (common, best, "a live session holds the whole prompt (a retry)")
+            elif common > 0 and common >= discard:
+                chosen = (common, best, "an edit: the live session keeps at least as much as it rolls back")
             elif not free:
                 lru = min(self.slots, key=lambda s: s.last_used)
-                chosen = (min(common_prefix(lru.tokens, prompt), limit), lru)
+                chosen = (min(common_prefix(lru.tokens, prompt), limit), lru,
+                          "no free slot: the least recently used session was taken")
         if chosen is None:
             live = LiveSession(self.engine.new_session())
             self.slots.append(live)
-            chosen = (0, live)
-        common, live = chosen
-        if len(live.tokens) > common and not live.session.truncate(common):
+            why = "no live session shares a prefix worth keeping: a free slot" if scored else "no live session"
+            chosen = (0, live, why)
+        common, live, why = chosen
+        discarded = len(live.tokens) - common
+        outcome = "hit" if common > 0 else "miss"
+        if discarded > 0 and not live.session.truncate(common):
             self.resets += 1
             live.session.close()  # give the old KV back before taking a new one
             live.session = self.engine.new_session()
+            outcome, why = "reset", f"{why}, but it cannot roll back {discarded} tokens: prefilled from scratch"
             common = 0
         if common > 0:
             self.hits += 1
@@ -324,7 +362,7 @@ class SessionPool:
             self.misses += 1
         live.last_used = time.monotonic()
         live.requests += 1
-        return live, common
+        return live, common, Reuse(outcome, why, discarded)
 
     def drop(self, live: LiveSession) -> None:
         """Forget a session whose state can no longer be trusted (the engine failed while extending it)."""
@@ -371,8 +409,13 @@ class Scheduler:
     def __init__(self, loader: Callable[[], GenerationEngine], *, sessions: int = 2, max_queue: int = 16,
                  prefill_chunk: int = 256, ctx: int | None = None,
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
-                 on_finish: Callable[[Job, Finished], None] | None = None, owns_engine: bool = True) -> None:
-        """`owns_engine=False`: `stop` leaves the loaded engine open (tests share one between schedulers)."""
+                 observers: Sequence[Callable[[Job, Finished], None]] = (), owns_engine: bool = True,
+                 max_restarts: int = 0, restart_backoff: float = 1.0) -> None:
+        """`observers` are called from the worker thread with every finished request (metrics, the request
+        trace; append to `observers` before `start`). `max_restarts`: attempts to load the engine again after a
+        stage went down (0: the scheduler stays failed), the first after `restart_backoff` seconds, each
+        further one after twice as long as the one before. `owns_engine=False`: `stop` (and a restart) leave
+        the loaded engine open (tests share one between schedulers)."""
         self._loader = loader
         self.owns_engine = owns_engine
         self.capacity = sessions
@@ -380,11 +423,15 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk
         self.ctx = ctx
         self._make_detok = detokenizer or _default_detokenizer
-        self.on_finish = on_finish
+        self.observers = list(observers)
+        self.max_restarts = max_restarts
+        self.restart_backoff = restart_backoff
         self.engine: GenerationEngine | None = None
         self.pool: SessionPool | None = None
-        self.state = "loading"  # loading | ready | failed | stopped
+        self.state = "loading"  # loading | ready | restarting | failed | stopping | stopped
         self.error: str | None = None
+        self.restart: dict[str, Any] | None = None  # while restarting: the attempt, its limit, the reason
+        self.restarts = 0  # restarts that brought the engine back
         self.load_progress: tuple[int, int] | None = None  # (loaded, total) weight bytes while loading
         self.ready = threading.Event()
         self._queue: queue.Queue[tuple[Job, Handle] | None] = queue.Queue(maxsize=max_queue)
@@ -395,6 +442,10 @@ class Scheduler:
                        "cancelled": 0, "errors": 0}
         self._thread = threading.Thread(target=self._main, name="ds4-engine", daemon=True)
         self._idle = threading.Event()  # set while the worker waits for work (nothing running or settling)
+        # `state` and the submitted-but-unfinished jobs change under this lock; waiters hear of every finish
+        self._guard = threading.Condition()
+        self._open: dict[int, tuple[Job, Handle]] = {}
+        self._closing = threading.Event()  # drain or stop: no restarts any more
 
     def report_load(self, loaded: int, total: int) -> None:
         """Progress callback for the loader (engine.Engine.load's `progress`)."""
@@ -407,8 +458,33 @@ class Scheduler:
             self._thread.start()
         return self
 
+    def drain(self, grace: float, now: threading.Event | None = None) -> None:
+        """A graceful shutdown: refuse new requests (NotReady), let the submitted ones finish for up to `grace`
+        seconds (or until `now` is set), then end the rest with an error, so every open stream ends with an
+        error event rather than a cut connection; returns once they reported back (END_WAIT at most: an engine
+        stuck in a step cannot). Call `stop` afterwards."""
+        now = now or threading.Event()
+        with self._guard:
+            self._closing.set()
+            if self.state not in ("failed", "stopped"):
+                self.state = "stopping"
+            deadline = time.monotonic() + grace
+            while self._open and not now.is_set() and (left := deadline - time.monotonic()) > 0:
+                self._guard.wait(min(left, 0.1))
+            if not self._open:
+                return
+            when = "at once" if now.is_set() else f"after the {grace:g} s grace period"
+            _log(f"shutting down: ending {len(self._open)} request(s) still open {when}")
+            for job, _ in self._open.values():
+                job.ended = SHUTTING_DOWN
+                job.cancel.set()
+            deadline = time.monotonic() + END_WAIT
+            while self._open and (left := deadline - time.monotonic()) > 0:
+                self._guard.wait(min(left, 0.1))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel queued work and stop the worker after the running step."""
+        self._closing.set()
         if self._running is not None:
             self._running["job"].cancel.set()
         while True:
@@ -424,28 +500,38 @@ class Scheduler:
         except queue.Full:
             pass
         self._thread.join(timeout)
-        if self.pool is not None:  # give the live KV back
-            for live in list(self.pool.slots):
-                self.pool.drop(live)
-        close = getattr(self.engine, "close", None)  # the engine stops its worker processes
-        if close is not None and self.owns_engine:
-            close()
-        if self.state != "failed":
-            self.state = "stopped"
+        self._discard_engine()  # the live KV back, and the engine stops its worker processes
+        with self._guard:
+            if self.state != "failed":
+                self.state = "stopped"
 
     # ---- submitting ------------------------------------------------------------------------------
     def submit(self, job: Job) -> Handle:
         """Queue a job; its events arrive on the returned handle. Raises NotReady or QueueFull."""
-        if self.state != "ready":
-            raise NotReady(self.error or f"the model is {self.state}")
-        handle = Handle(job, asyncio.get_running_loop())
-        job.id = next(self._ids)
-        job.queued_at = time.monotonic()
-        try:
-            self._queue.put_nowait((job, handle))
-        except queue.Full:
-            raise QueueFull(retry_after=self._retry_after()) from None
+        with self._guard:
+            if self.state != "ready":
+                raise NotReady(self.unavailable())
+            handle = Handle(job, asyncio.get_running_loop())
+            job.id = next(self._ids)
+            job.queued_at = time.monotonic()
+            try:
+                self._queue.put_nowait((job, handle))
+            except queue.Full:
+                raise QueueFull(retry_after=self._retry_after()) from None
+            self._open[job.id] = (job, handle)
         return handle
+
+    def unavailable(self) -> str:
+        """Why requests are refused while the state is not "ready" (what NotReady and /health say)."""
+        if self.state == "stopping":
+            return SHUTTING_DOWN
+        if self.state == "restarting" and self.restart is not None:
+            r = self.restart
+            return (f"the route is restarting after a failure ({r['reason']}), attempt {r['attempt']} of "
+                    f"{r['attempts']}: retry shortly")
+        if self.state == "loading":
+            return "the model is loading"
+        return self.error or f"the model is {self.state}"
 
     def _retry_after(self) -> int:
         """Seconds a client should wait: the queue length times the recent mean request time (at least 1)."""
@@ -462,34 +548,143 @@ class Scheduler:
     # ---- the worker ------------------------------------------------------------------------------
     def _main(self) -> None:
         try:
-            self.engine = self._loader()
-            self.pool = SessionPool(self.engine, self.capacity)
-            self._warm()
+            self._load()
         except Exception as e:  # a missing or damaged model file: /health says why
-            self.error = f"loading the model failed: {type(e).__name__}: {e}"
-            self.state = "failed"
+            self._discard_engine()
+            with self._guard:
+                self.error = f"loading the model failed: {type(e).__name__}: {e}"
+                self.state = "failed"
             self.ready.set()
             return
-        self.state = "ready"
+        with self._guard:
+            if self.state == "loading":  # not if a drain began meanwhile
+                self.state = "ready"
         self.ready.set()
         while True:
             item = self._next()
             self._idle.clear()
             if item is None:
                 return
+            if isinstance(item, str):  # a stage went down while the worker waited
+                self._recover(item)
+                continue
             job, handle = item
+            if self.state == "failed":  # queued while a restart was giving up
+                job.ended = self.unavailable()
+                job.cancel.set()
             if job.cancel.is_set():
                 self._finish_unstarted(job, handle, reason="cancelled")
                 continue
             try:
                 self._run(job, handle)
             except Exception as e:
-                # The engine failed on this request; report it to the client and keep serving others.
+                # The engine failed on this request: report it to the client; keep serving others, or, when a
+                # stage is down, restart the route (the state says so before the client hears of the error).
                 traceback.print_exc()
                 self._running = None
-                fin = Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=f"{type(e).__name__}: {e}")
-                self._record(job, fin)
-                handle._post(fin)
+                down = self._down()
+                error = f"{type(e).__name__}: {e}"
+                if down is not None:
+                    self._begin_recovery(down)
+                    if self.state == "restarting":
+                        error += "; the route is restarting: retry shortly"
+                self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0,
+                                                     error=error))
+                if down is not None:
+                    self._recover(down)
+
+    def _load(self) -> None:
+        self.engine = self._loader()
+        self.pool = SessionPool(self.engine, self.capacity)
+        self._warm()
+
+    def _discard_engine(self) -> None:
+        """Give the live KV back and close the engine (when it is ours); nothing is left to serve from."""
+        engine, pool = self.engine, self.pool
+        self.engine, self.pool = None, None
+        if pool is not None:
+            for live in list(pool.slots):
+                pool.drop(live)
+        close = getattr(engine, "close", None)  # the engine stops its worker processes
+        if close is not None and self.owns_engine:
+            try:
+                close()
+            except Exception:  # a broken engine may fail to close in order; its processes are stopped anyway
+                traceback.print_exc()
+
+    def _down(self) -> str | None:
+        """Why the engine is down (a stage died or hangs), or None while it is up or cannot tell."""
+        health = getattr(self.engine, "health", None)
+        if not callable(health):
+            return None
+        try:
+            return health()
+        except Exception as e:
+            return f"the engine's health check failed: {type(e).__name__}: {e}"
+
+    def _begin_recovery(self, reason: str) -> None:
+        with self._guard:
+            if self.state != "ready":  # already recovering, failed, or shutting down (no restart then)
+                return
+            if self.max_restarts and not self._closing.is_set():
+                self.state = "restarting"
+                self.restart = {"attempt": 1, "attempts": self.max_restarts, "reason": reason}
+            else:
+                self.state, self.error = "failed", reason
+
+    def _recover(self, reason: str) -> None:
+        """A stage is down: end every queued request, close the engine and load it again, up to `max_restarts`
+        times with a doubling backoff (each attempt logged); "failed" with the reason when none succeeds."""
+        self._begin_recovery(reason)
+        self._fail_queued(reason if self.state == "stopping" else self.unavailable())
+        if self.state != "restarting":
+            return
+        self._discard_engine()
+        last = ""
+        for attempt in range(1, self.max_restarts + 1):
+            delay = self.restart_backoff * 2 ** (attempt - 1)
+            with self._guard:
+                self.restart = {"attempt": attempt, "attempts": self.max_restarts, "reason": reason,
+                                "next_try_at": round(time.time() + delay, 3)}
+            _log(f"{reason}: restarting the route in {delay:g} s (attempt {attempt} of {self.max_restarts})")
+            if self._closing.wait(delay):
+                return
+            t0 = time.monotonic()
+            try:
+                self._load()
+            except Exception as e:
+                last = f"{type(e).__name__}: {e}"
+                _log(f"restart attempt {attempt} of {self.max_restarts} failed: {last}")
+                self._discard_engine()
+                continue
+            with self._guard:
+                if self._closing.is_set():
+                    return
+                self.state, self.error, self.restart = "ready", None, None
+                self.restarts += 1
+            _log(f"the route is serving again (restart attempt {attempt}, loaded in {time.monotonic() - t0:.1f} s)")
+            return
+        with self._guard:
+            self.state, self.restart = "failed", None
+            self.error = (f"{reason}; the route did not come back after {self.max_restarts} restart attempt(s) "
+                          f"(last: {last}); restart serve")
+        _log(self.error)
+
+    def _fail_queued(self, error: str) -> None:
+        stop = False
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:  # stop() is waiting for the worker: keep its sentinel
+                stop = True
+                continue
+            job, handle = item
+            job.ended = error
+            self._finish_unstarted(job, handle, reason="cancelled")
+        if stop:
+            self._queue.put_nowait(None)
 
     def _warm(self) -> None:
         """Before ready: two short requests through the whole loop (prefill, a biased greedy pick and a
@@ -506,16 +701,23 @@ class Scheduler:
             self.pool.drop(live)
         self.pool.hits = self.pool.misses = self.pool.resets = 0
 
-    def _next(self) -> tuple[Job, Handle] | None:
-        """The next queued item. Turns still to settle wait for SETTLE_GRACE first: a request arriving right
-        after the previous one (an agent's next call, another agent) is served before them, and the settling
-        is only done when the worker would otherwise wait."""
+    def _next(self) -> tuple[Job, Handle] | str | None:
+        """The next queued item, or why the engine is down when a stage died while the worker waited. Turns
+        still to settle wait for SETTLE_GRACE first: a request arriving right after the previous one (an
+        agent's next call, another agent) is served before them, and the settling is only done when the
+        worker would otherwise wait."""
         while True:
             unsettled = [live for live in (self.pool.slots if self.pool else []) if live.unsettled]
             if not unsettled:
                 if self._queue.empty():
                     self._idle.set()
-                return self._queue.get()
+                try:
+                    return self._queue.get(timeout=HEALTH_POLL)
+                except queue.Empty:
+                    down = self._down() if self.state == "ready" else None
+                    if down is not None:
+                        return down
+                    continue
             try:
                 return self._queue.get(timeout=SETTLE_GRACE)
             except queue.Empty:
@@ -535,21 +737,31 @@ class Scheduler:
 
     def _finish_unstarted(self, job: Job, handle: Handle, reason: str) -> None:
         fin = Finished(reason, len(job.prompt), 0, Timings(), (time.monotonic() - job.queued_at) * 1000, 0.0)
+        self._conclude(job, handle, fin)
+
+    def _conclude(self, job: Job, handle: Handle, fin: Finished) -> None:
+        """Report a finished job: to the observers and the stats, to its client, and to `drain`."""
+        if fin.reason == "cancelled" and job.ended:
+            fin.reason, fin.error = "error", job.ended
         self._record(job, fin)
         handle._post(fin)
+        with self._guard:
+            self._open.pop(job.id, None)
+            self._guard.notify_all()
 
     def _run(self, job: Job, handle: Handle) -> None:
         assert self.pool is not None and self.engine is not None
         started = time.monotonic()
-        live, cached = self.pool.acquire(job.prompt)
+        live, cached, reuse = self.pool.acquire(job.prompt)
         live.unsettled = None  # taken as it is: the prompt's common prefix with what the KV holds is reused
         try:
-            self._generate(job, handle, live, cached, started)
+            self._generate(job, handle, live, cached, reuse, started)
         except Exception:
             self.pool.drop(live)  # a half-extended KV must not serve a later prefix
             raise
 
-    def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, started: float) -> None:
+    def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, reuse: Reuse,
+                  started: float) -> None:
         assert self.engine is not None
         queue_ms = (started - job.queued_at) * 1000
         session = live.session
@@ -557,12 +769,13 @@ class Scheduler:
         timings = Timings(cache_n=cached, prompt_n=len(todo))
         self._running = {"job": job, "phase": "prefill", "prompt_tokens": len(job.prompt), "cached": cached,
                          "done": 0, "generated": 0}
+        outputs: list[int] = []  # every generated token, in order
 
         def finish(reason: str, completion: int, ttft_ms: float, stop_string: str | None = None) -> Finished:
-            fin = Finished(reason, len(job.prompt), completion, timings, queue_ms, ttft_ms, stop_string=stop_string)
+            fin = Finished(reason, len(job.prompt), completion, timings, queue_ms, ttft_ms, stop_string=stop_string,
+                           reuse=reuse, output=list(outputs))
             self._running = None
-            self._record(job, fin)
-            handle._post(fin)
+            self._conclude(job, handle, fin)
             return fin
 
         # ---- chunked prefill: the cancel flag is checked between chunks
@@ -597,7 +810,6 @@ class Scheduler:
         ttft_ms = 0.0
         reason = "length"
         tail: list[int] = []  # accepted tokens not yet fed into the KV
-        outputs: list[int] = []  # every generated token, in order
         forced: deque[int] = deque()
         directive: Forced | Allowed | None = None
         matched: str | None = None
@@ -702,10 +914,10 @@ class Scheduler:
                                          fin.completion_tokens, float(d["prompt_per_second"]),
                                          float(d["predicted_per_second"]), round(fin.ttft_ms, 3),
                                          round((time.monotonic() - job.queued_at) * 1000, 3), time.time()))
-        if self.on_finish is not None:
+        for observe in self.observers:
             try:
-                self.on_finish(job, fin)
-            except Exception:  # metrics must never take the worker down
+                observe(job, fin)
+            except Exception:  # metrics or the trace must never take the worker down
                 traceback.print_exc()
 
     # ---- introspection ---------------------------------------------------------------------------
@@ -720,6 +932,8 @@ class Scheduler:
         return {
             "state": self.state,
             "error": self.error,
+            "restart": dict(self.restart) if self.restart else None,
+            "restarts": self.restarts,
             "queue": {"length": self.queue_length(), "capacity": self.max_queue},
             "running": running,
             "sessions": {"capacity": self.capacity, "live": sessions,
@@ -734,3 +948,7 @@ class Scheduler:
 
 def _default_detokenizer(engine: GenerationEngine) -> Detokenizer:
     return engine.tokenizer.stream_decoder()
+
+
+def _log(message: str) -> None:
+    print(f"ds4station: {message}", file=sys.stderr, flush=True)

@@ -79,7 +79,7 @@ class ServerState:
     @property
     def tokenizer(self) -> Any:
         if self.scheduler.engine is None:
-            raise ApiError(503, f"the model is {self.scheduler.state}: try again when /health is ok",
+            raise ApiError(503, f"{self.scheduler.unavailable()}: try again when /health is ok",
                            code="model_not_ready", headers={"Retry-After": "5"})
         return self.scheduler.engine.tokenizer
 
@@ -278,6 +278,11 @@ class Run:
 
     def _finished(self, fin: Finished) -> None:
         if fin.reason == "error":
+            if self.state.scheduler.state in ("restarting", "stopping", "failed"):
+                # the engine went away under this request (a stage died, or the server is shutting down): not
+                # the request's fault, and worth a retry once /health is ok again
+                raise ApiError(503, f"generation failed: {fin.error}", code="engine_unavailable",
+                               headers={"Retry-After": "5"})
             raise ApiError(500, f"generation failed: {fin.error}", code="engine_error")
         malformed = self.parser.malformed if self.parser is not None else None
         if malformed and fin.reason != "length":

@@ -2,9 +2,11 @@
 
 `router` holds /health, which needs no API key; app.py mounts `status` and `metrics` behind the key check.
 
-/health is 503 with the reason while the model loads, when loading failed, or when the engine reports a stage
-down. /status is one JSON document with what the control panel shows: the model, the route and per-stage
-memory, KV use and live sessions, the queue and the running request, recent throughput, expert-cache stats.
+/health is 503 with the reason while the model loads, while the route restarts after a stage died (with the
+attempt), while the server shuts down, when loading or every restart failed, or when the engine reports a stage
+down. /status is one JSON document with what the control panel shows: the model, the state (and the restart
+in progress), the route and per-stage memory and worker pids, KV use and live sessions, the queue and the
+running request, recent throughput, expert-cache stats.
 /metrics exposes counters and histograms from the scheduler's per-request reports.
 
 An engine may offer `status() -> dict` (keys `route`, `stages`, `expert_cache`, `health`: None or the reason a
@@ -104,6 +106,13 @@ async def health(request: Request) -> JSONResponse:
     if sched.state == "loading":
         return JSONResponse({"status": "loading", "reason": "the model is loading"}, status_code=503,
                             headers={"Retry-After": "5"})
+    if sched.state == "restarting":
+        restart = sched.restart or {}
+        return JSONResponse({"status": "restarting", "reason": sched.unavailable(),
+                             "attempt": restart.get("attempt"), "attempts": restart.get("attempts")},
+                            status_code=503, headers={"Retry-After": "5"})
+    if sched.state == "stopping":
+        return JSONResponse({"status": "stopping", "reason": sched.unavailable()}, status_code=503)
     if sched.state != "ready":
         return JSONResponse({"status": "error", "reason": sched.error or f"the engine is {sched.state}"},
                             status_code=503)
@@ -128,7 +137,8 @@ async def status(request: Request) -> dict[str, Any]:
         "model": {"name": st.model_name, "path": st.model_path, "ctx": st.ctx,
                   "config": None if cfg is None else {k: getattr(cfg, k) for k in (
                       "n_layers", "dim", "vocab_size", "n_experts", "n_experts_used", "context_length")}},
-        "state": s["state"], "error": s["error"], "uptime_s": round(time.time() - st.started_at, 3),
+        "state": s["state"], "error": s["error"], "restart": s["restart"], "restarts": s["restarts"],
+        "uptime_s": round(time.time() - st.started_at, 3),
         "route": extra.get("route") or (f"{device}: embed, 0-{n_layers - 1}, output" if n_layers else None),
         "stages": _stages(sched, extra, device, n_layers, s["sessions"]["kv_bytes"]),
         "kv": {"bytes": s["sessions"]["kv_bytes"], "tokens": sum(x["tokens"] for x in s["sessions"]["live"]),

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 LOG_LINES = 400
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 12.0  # serve's own --shutdown-grace (5 s) to end its streams properly, and some room
 
 
 def free_port(host: str = "127.0.0.1") -> int:
