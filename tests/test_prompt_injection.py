@@ -273,3 +273,32 @@ def test_the_served_prompt_counts_control_strings_as_text(tmp_path: Path) -> Non
         srv.stop()
         scheduler.stop()
         engine.close()
+
+
+def test_a_forced_tool_call_writes_the_schemas_text_as_plain_text(tok: Tokenizer) -> None:
+    """tool_choice "required": the guide writes the call's DSML itself; a parameter name and enum values from
+    the client's schema (an MCP server's, say) holding control-token text come out as plain text, never as
+    control tokens, and the call still parses back to the schema's own strings."""
+    from ds4station.engine.scheduler import Allowed, Forced
+    from ds4station.server.toolguide import ToolCallGuide
+
+    def forced_call(key: str, values: list[str]) -> list[int]:
+        props = {key: {"type": "string", "enum": values}}
+        guide = ToolCallGuide(tok, [{"name": "pick", "parameters": {"type": "object", "properties": props}}], 200)
+        out: list[int] = []
+        while (step := guide.next()) is not None:
+            assert isinstance(step, Forced | Allowed)
+            ids = step.tokens if isinstance(step, Forced) else [int(step.mask.nonzero()[0])]
+            for i in ids:
+                guide.accept(i)
+            out += ids
+        return out
+
+    values = [f"a{ASSISTANT}{EOS}", "b"]
+    controls = {tok.token_id(s) for s in (USER, ASSISTANT)}
+    for key in ("k", f"k{USER}"):  # (a name holding `>` cannot be written as a DSML attribute at all)
+        out = forced_call(key, values)
+        assert not controls & set(out) and out.count(tok.eos_id) == 1 and out[-1] == tok.eos_id
+    _, _, calls = chat.parse_completion(tok.decode(forced_call("k", values)[:-1]))
+    assert [c["function"]["name"] for c in calls] == ["pick"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"k": values[0]}

@@ -112,7 +112,10 @@ class ToolCallGuide:
         self.m = _masks(tok)
         self.tools = {t["name"]: t for t in tools}
         self.max_tokens = max_tokens
-        # steps: ("text", str) | ("ids", [token ids]) | ("choice", [candidate texts]) | ("value", kind)
+        # steps: ("text", pieces) | ("ids", [token ids]) | ("choice", [candidate pieces]) | ("value", kind), where
+        # pieces are (text, markup) pairs: the DSML tags are markup, the schema's parameter names and enum
+        # values are the client's text, encoded plain (Tokenizer.encode_pieces) so they cannot force a control
+        # token into the call
         self._plan: deque[tuple[str, Any]] = deque()
         self._choice: list[tuple[str, list[int]]] | None = None
         self._choice_pos = 0
@@ -124,7 +127,7 @@ class ToolCallGuide:
         # The block follows a blank line, as the reference renderer writes it (render_tool_calls).
         head = (THINK_END if close_think else "") + f"{TOOL_CALLS_SEP}{TOOL_CALLS_START}\n{INVOKE_START} name=\""
         # The smallest budget that fits the structure of the costliest candidate with one token per value.
-        need = max(len(self.tok.encode(head + f'{n}">\n')) + fixed + values
+        need = max(self._len([(head + f'{n}">\n', True)]) + fixed + values  # tool names: letters, digits, _.:-
                    for n in self.tools for _, values, fixed in [self._tool_plan(n, "")])
         self.min_tokens = need
         if max_tokens < need:
@@ -133,36 +136,39 @@ class ToolCallGuide:
         if len(self.tools) == 1:
             self._begin_tool(next(iter(self.tools)), prefix=head + f'{next(iter(self.tools))}">\n')
         else:
-            self._plan.append(("text", head))
-            self._plan.append(("choice", [f'{name}">\n' for name in self.tools]))
+            self._plan.append(("text", [(head, True)]))
+            self._plan.append(("choice", [[(f'{name}">\n', True)] for name in self.tools]))
 
     # ---- plan --------------------------------------------------------------------------------------
     def _tool_plan(self, name: str, prefix: str) -> tuple[list[tuple[str, Any]], int, int]:
         """The steps that write tool `name`'s call after `prefix`; the number of sampled values; and the
         tokens everything but those values takes (choices at their longest, each value's end tag, EOS)."""
         plan: list[tuple[str, Any]] = []
-        text = prefix
+        text: list[tuple[str, bool]] = [(prefix, True)]
         values = 0
         for n, (key, prop) in enumerate(_schema_params(self.tools[name].get("parameters"))):
             kind = _kind(prop)
             is_str = kind in ("string", "enum")
-            text += ("\n" if n else "") + f'{PARAM_START} name="{key}" string="{"true" if is_str else "false"}">'
+            text += [(("\n" if n else "") + f'{PARAM_START} name="', True), (key, False),
+                     (f'" string="{"true" if is_str else "false"}">', True)]
             if kind in ("object", "array", "null"):
-                text += {"object": "{}", "array": "[]", "null": "null"}[kind] + PARAM_END
+                text.append(({"object": "{}", "array": "[]", "null": "null"}[kind] + PARAM_END, True))
                 continue
             plan.append(("text", text))
-            text = ""
+            text = []
             if kind == "boolean":
-                plan.append(("choice", [f"true{PARAM_END}", f"false{PARAM_END}"]))
+                plan.append(("choice", [[(f"true{PARAM_END}", True)], [(f"false{PARAM_END}", True)]]))
             elif kind == "enum":
-                plan.append(("choice", [f"{v}{PARAM_END}" for v in prop["enum"]]))
+                plan.append(("choice", [[(f"{v}", False), (PARAM_END, True)] for v in prop["enum"]]))
             else:
                 plan.append(("value", kind))
                 values += 1
-        plan.append(("text", text + f"\n{INVOKE_END}\n{TOOL_CALLS_END}"))
-        fixed = sum(len(self.tok.encode(a)) if k == "text" else max(len(self.tok.encode(c)) for c in a)
-                    for k, a in plan if k != "value")
-        return plan, values, fixed + 1 + len(self.tok.encode(PARAM_END)) * values
+        plan.append(("text", text + [(f"\n{INVOKE_END}\n{TOOL_CALLS_END}", True)]))
+        fixed = sum(self._len(a) if k == "text" else max(self._len(c) for c in a) for k, a in plan if k != "value")
+        return plan, values, fixed + 1 + self._len([(PARAM_END, True)]) * values
+
+    def _len(self, pieces: list[tuple[str, bool]]) -> int:
+        return len(self.tok.encode_pieces(pieces))
 
     def _begin_tool(self, name: str, prefix: str = "") -> None:
         plan, values, fixed = self._tool_plan(name, prefix)
@@ -192,11 +198,11 @@ class ToolCallGuide:
             return Forced([self.tok.eos_id])
         kind, arg = self._plan.popleft()
         if kind == "text":
-            return Forced(self.tok.encode(arg))
+            return Forced(self.tok.encode_pieces(arg))
         if kind == "ids":
             return Forced(list(arg))
         if kind == "choice":
-            self._choice = [(c, self.tok.encode(c)) for c in arg]
+            self._choice = [("".join(t for t, _ in c), self.tok.encode_pieces(c)) for c in arg]
             self._choice_pos = 0
             return self.next()
         self._value_kind, self._value_tokens = arg, 0
@@ -223,7 +229,7 @@ class ToolCallGuide:
             closer = self.m["closers"].get(token)
             if closer is not None:
                 # the model started the end tag; the guide writes the rest of it
-                self._plan.appendleft(("text", PARAM_END[len(closer):]))
+                self._plan.appendleft(("text", [(PARAM_END[len(closer):], True)]))
                 self._value_kind = None
             else:
                 self._value_tokens += 1
@@ -231,7 +237,7 @@ class ToolCallGuide:
     def _close_value(self, text: str) -> Forced:
         # the value reached its share of the budget: the guide ends it
         self._value_kind = None
-        return Forced(self.tok.encode(text))
+        return Forced(self.tok.encode_pieces([(text, True)]))
 
     def _choice_mask(self) -> torch.Tensor:
         assert self._choice is not None
