@@ -232,47 +232,68 @@ def test_ordinary_text_anywhere_encodes_as_before(tok: Tokenizer) -> None:
             assert ids == tok.encode(chat.render_prompt(messages, **kwargs)), (t, kwargs)
 
 
-def test_the_served_prompt_counts_control_strings_as_text(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A real server on the demo model (CPU) and its tokenizer."""
+    from ds4station.engine.engine import Engine
+    from ds4station.engine.scheduler import Scheduler
+    from ds4station.server.app import BackgroundServer, create_app
+
+    path = make_model(tmp_path_factory.mktemp("served") / "demo.gguf")
+    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
+    engine = Engine.load(path, ctx=4096, device="cpu", sessions=2)
+    scheduler = Scheduler(lambda: engine, sessions=2, ctx=4096)
+    srv = BackgroundServer(create_app(scheduler, model_name="demo", model_path=str(path), ctx=4096)).start()
+    assert scheduler.ready.wait(60)
+    yield srv, tok
+    srv.stop()
+    scheduler.stop()
+    engine.close()
+
+
+def test_the_served_prompt_counts_control_strings_as_text(served: Any) -> None:
     """Through a real server and the official SDKs: a user message and a tool result holding a forged turn
     are prompted as their plain text (the usage counts equal chat.encode_prompt's, more than the forged
     encoding's), and the turn still ends with the template's own assistant opening."""
     import anthropic
     import openai
 
-    from ds4station.engine.engine import Engine
-    from ds4station.engine.scheduler import Scheduler
-    from ds4station.server.app import BackgroundServer, create_app
+    srv, tok = served
+    forged = CONTROL_STRINGS["forged_turn"]
+    messages = [{"role": "user", "content": f"summarise: {forged}"}]
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.create(model="demo", messages=messages, max_tokens=1, temperature=0)
+    want = chat.encode_prompt(tok, messages)
+    assert r.usage.prompt_tokens == len(want) > len(tok.encode(chat.render_prompt(messages)))
+    ac = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "read it"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                                "input": {"path": "chat.py"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": forged}]}]
+    tools = [{"name": "read_file", "description": "Read a file.",
+              "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+    counted = ac.messages.count_tokens(model="demo", messages=msgs, tools=tools).input_tokens
+    m = ac.messages.create(model="demo", messages=msgs, tools=tools, max_tokens=1)
+    assert m.usage.input_tokens == counted
+    plain = len(tok.encode(forged, allow_special=False))
+    assert plain > len(tok.encode(forged))  # as control tokens it would be shorter: it is not counted so
+    assert counted >= plain
 
-    path = make_model(tmp_path / "demo.gguf")
-    tok = Tokenizer.from_metadata(GGUFFile.open(path).metadata)
-    engine = Engine.load(path, ctx=4096, device="cpu", sessions=2)
-    scheduler = Scheduler(lambda: engine, sessions=2, ctx=4096)
-    srv = BackgroundServer(create_app(scheduler, model_name="demo", model_path=str(path), ctx=4096)).start()
-    try:
-        assert scheduler.ready.wait(60)
-        forged = CONTROL_STRINGS["forged_turn"]
-        messages = [{"role": "user", "content": f"summarise: {forged}"}]
-        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
-        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=1, temperature=0)
-        want = chat.encode_prompt(tok, messages)
-        assert r.usage.prompt_tokens == len(want) > len(tok.encode(chat.render_prompt(messages)))
-        ac = anthropic.Anthropic(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
-        msgs = [{"role": "user", "content": "read it"},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
-                                                    "input": {"path": "chat.py"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": forged}]}]
-        tools = [{"name": "read_file", "description": "Read a file.",
-                  "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
-        counted = ac.messages.count_tokens(model="demo", messages=msgs, tools=tools).input_tokens
-        m = ac.messages.create(model="demo", messages=msgs, tools=tools, max_tokens=1)
-        assert m.usage.input_tokens == counted
-        plain = len(tok.encode(forged, allow_special=False))
-        assert plain > len(tok.encode(forged))  # as control tokens it would be shorter: it is not counted so
-        assert counted >= plain
-    finally:
-        srv.stop()
-        scheduler.stop()
-        engine.close()
+
+def test_dsml_the_model_writes_outside_a_call_never_reaches_content(served: Any) -> None:
+    """The model pushed toward the DSML token (logit bias +100, tools declared so it is not banned) writes
+    it outside any tool-call block: neither the streamed nor the whole content carries DSML markup."""
+    import openai
+
+    srv, tok = served
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0,
+              tools=[TOOL], logit_bias={str(tok.dsml_id): 100}, extra_body={"thinking": False})
+    whole = client.chat.completions.create(**kw)
+    assert DSML not in (whole.choices[0].message.content or "") and not whole.choices[0].message.tool_calls
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True)
+                       if c.choices)
+    assert DSML not in streamed
 
 
 def test_a_forced_tool_call_writes_the_schemas_text_as_plain_text(tok: Tokenizer) -> None:

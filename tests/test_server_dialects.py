@@ -257,6 +257,13 @@ def test_responses_usage_fields_are_the_sdks(server) -> None:
                                                                    - again.usage.input_tokens_details.cached_tokens)
     plain = client.responses.create(model="tiny", input="Say hi.", max_output_tokens=3, reasoning={"effort": "none"})
     assert plain.usage.output_tokens_details.reasoning_tokens == 0
+    # Chat Completions reports the same count: the generated ids up to and including </think>
+    chat_r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Think."}],
+                                            max_tokens=6, reasoning_effort="high")
+    details = chat_r.usage.completion_tokens_details
+    assert details is not None and 0 < details.reasoning_tokens <= chat_r.usage.completion_tokens
+    if not chat_r.choices[0].message.content:
+        assert details.reasoning_tokens == chat_r.usage.completion_tokens
 
 
 @pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 11])

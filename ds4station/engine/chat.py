@@ -440,6 +440,7 @@ class StreamParser:
 
     def __init__(self, thinking: bool = False, new_call_id: Callable[[], str] = _new_call_id,
                  tools: bool = True) -> None:
+        self.thinking = thinking  # the turn opened in reasoning (`<think>`)
         self._state = _REASONING if thinking else _CONTENT
         self._markers = _TEXT_MARKERS if tools else _TEXT_MARKERS_NO_TOOLS
         self._buf = ""

@@ -107,11 +107,13 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     timings: dict[str, float | int]
+    reasoning_tokens: int = 0  # generated tokens up to and including the closing </think>
 
     def openai(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}, "timings": self.timings}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens}, "timings": self.timings}
 
 
 def thinking_from(effort: str | None, thinking: Any, template_kwargs: dict[str, Any] | None,
@@ -246,6 +248,7 @@ class Run:
         self.usage: Usage | None = None
         self.tool_call_ids: list[str] = []
         self.first_event_at: float | None = None
+        self.thinking = parser is not None and parser.thinking
 
     def cancel(self) -> None:
         self.handle.cancel()
@@ -297,7 +300,16 @@ class Run:
             self.finish_reason = "tool_calls"
         else:
             self.finish_reason = "stop"
-        self.usage = Usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens, fin.timings.as_dict())
+        self.usage = Usage(fin.prompt_tokens, fin.completion_tokens, fin.cached_tokens, fin.timings.as_dict(),
+                           self._reasoning_tokens(fin.output))
+
+    def _reasoning_tokens(self, output: list[int]) -> int:
+        """Exact, from the generated ids: a thinking turn reasons up to its </think> token (all of it when it
+        never closes); a turn opened without thinking has none."""
+        if not self.thinking:
+            return 0
+        end = self.state.tokenizer.token_id(chat.THINK_END)
+        return output.index(end) + 1 if end in output else len(output)
 
     async def watched(self, request: Request) -> AsyncIterator[Any]:
         """events() without keep-alive ticks, for a non-streaming response: a client that disconnects

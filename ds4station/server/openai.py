@@ -367,19 +367,6 @@ def _resp_usage(run: Run, reasoning_tokens: int) -> dict[str, Any]:
             "total_tokens": u.prompt_tokens + u.completion_tokens, "timings": u.timings}
 
 
-def _reasoning_tokens(tok: Any, run: Run, output: list[dict[str, Any]]) -> int:
-    """Generated tokens that were reasoning: all of them when nothing else came out, else the reasoning
-    text re-tokenized plus its closing `</think>` (the scheduler reports only the total)."""
-    assert run.usage is not None
-    total = run.usage.completion_tokens
-    text = "".join(p["text"] for item in output if item["type"] == "reasoning" for p in item["content"])
-    if not text:
-        return 0
-    if all(item["type"] == "reasoning" for item in output):
-        return total
-    return min(total, len(tok.encode(text, allow_special=False)) + 1)
-
-
 class _FreeformInput:
     """The `input` string of a custom tool call, decoded from its streamed function-call arguments
     (`{"input": "..."}`): feed() returns the text newly complete, finish() the whole input. Each fragment
@@ -469,11 +456,10 @@ class _ResponseBuilder:
                 "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled"}
 
     async def final(self, run: Run, tok: Any) -> dict[str, Any]:
-        """The finished response, with its usage (re-tokenizing the reasoning takes a worker thread)."""
+        """The finished response, with its usage."""
         assert run.usage is not None
         status = "incomplete" if run.finish_reason == "length" else "completed"
-        reasoning = await run_in_threadpool(_reasoning_tokens, tok, run, self.output)
-        body = self.response(status, _resp_usage(run, reasoning))
+        body = self.response(status, _resp_usage(run, run.usage.reasoning_tokens))
         body["timings"] = run.usage.timings
         return body
 
