@@ -34,19 +34,16 @@ from gguf import GGMLQuantizationType as Q
 
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels import hc as hc_k
-from ds4station.kernels import moe as moe_k
 from ds4station.kernels.attention import attention_decode, attention_prefill
 from ds4station.kernels.compressor import Finish, compress_blocks, compress_decode, compress_rows
 from ds4station.kernels.f16 import f16_matvec
 from ds4station.kernels.indexer import index_topk
 from ds4station.kernels.iq2_xxs import PackedIQ2XXS
-from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_, swiglu
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q8_0 import PackedQ8_0
 from ds4station.kernels.quants import QTensor
 from ds4station.kernels.reference import HyperConnection, Rope
-from ds4station.kernels.reference import swiglu as swiglu_pair
 from ds4station.kernels.router import router
 from ds4station.kernels.rows import finish_rows
 from ds4station.model.config import ModelConfig
@@ -151,22 +148,7 @@ class Experts:
     def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32. `last` (device, [1]): the last real token of a padded
         static step; the decode kernels may skip the tokens after it (their rows are never read)."""
-        few = xn.shape[0] <= ops.MAX_MATVEC_ROWS
-        if dispatch.use_triton(xn):  # no host synchronisation on either path
-            if xn.shape[0] <= ops.MOE_DECODE_ROWS:  # about one token per expert: the decode kernels
-                return moe_k.moe_decode(xn, self.gate, self.up, self.down, ids, wts, self.clamp,
-                                        int_dot=self.int_dot, last=last)
-            return moe_prefill(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
-        if few:
-            return moe_k.moe_decode_ref(xn, self.gate, self.up, self.down, ids, wts, self.clamp)
-        # CPU prefill: each used expert is dequantised once and multiplied with all its tokens.
-        y = torch.zeros(xn.shape, dtype=torch.float32)
-        for e in ids.unique().tolist():
-            t, slot = torch.where(ids == e)
-            g, u, d = (ops.dequantize(moe_k._expert(w, e)) for w in (self.gate, self.up, self.down))
-            h = swiglu_pair(xn[t] @ g.T, xn[t] @ u.T, self.clamp or 0.0) * wts[t, slot, None]
-            y.index_add_(0, t, h @ d.T)
-        return y
+        return ops.moe(xn, self.gate, self.up, self.down, ids, wts, self.clamp, int_dot=self.int_dot, last=last)
 
 
 # ---- one layer's weights -----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from ds4station.kernels.iq2_xxs import (
     iq2_xxs_matvec_ref,
     repack_iq2_xxs,
 )
-from ds4station.kernels.moe import moe_decode, moe_decode_ref
+from ds4station.kernels.moe import _expert, moe_decode, moe_decode_ref
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
 from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
@@ -29,6 +29,7 @@ from ds4station.kernels.q8_0 import (
     q8_0_matvec_ref,
     repack_q8_0,
 )
+from ds4station.kernels.reference import swiglu as swiglu_pair
 
 Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
 __all__ = ["Packed", "dequantize", "linear", "moe", "repack", "rms_norm", "rope_"]
@@ -102,13 +103,27 @@ def moe(
     ids: torch.Tensor,
     weights: torch.Tensor,
     clamp: float | None = 10.0,
+    *,
+    int_dot: bool | None = None,
+    last: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32.
+    """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32 (the one place
+    that picks the MoE path).
 
-    GPU: up to MAX_MATVEC_ROWS tokens run the decode kernels (integer dot on CUDA), more the prefill kernels
-    (tokens grouped by expert, tl.dot). CPU: the torch reference."""
-    if not dispatch.use_triton(x):
-        return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
+    GPU: up to MOE_DECODE_ROWS tokens run the decode kernels (integer dot on CUDA unless `int_dot` is False;
+    `last`: see moe_decode), more the prefill kernels (tokens grouped by expert, tl.dot); no host
+    synchronisation on either path. CPU: the torch reference for a few tokens; for more, each used expert
+    dequantised once and multiplied with all its tokens."""
+    if dispatch.use_triton(x):
+        if x.shape[0] <= MOE_DECODE_ROWS:
+            return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last)
+        return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
     if x.shape[0] <= MAX_MATVEC_ROWS:
-        return moe_decode(x, gate, up, down, ids, weights, clamp=clamp)
-    return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
+        return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
+    y = torch.zeros(x.shape, dtype=torch.float32)
+    for e in ids.unique().tolist():
+        t, slot = torch.where(ids == e)
+        g, u, d = (dequantize(_expert(w, e)) for w in (gate, up, down))
+        h = swiglu_pair(x[t] @ g.T, x[t] @ u.T, clamp or 0.0) * weights[t, slot, None]
+        y.index_add_(0, t, h @ d.T)
+    return y

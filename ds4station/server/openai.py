@@ -355,7 +355,7 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
                     sampling=_sampling(req), kind="responses")
 
 
-def _resp_usage(run: Run, reasoning_tokens: int) -> dict[str, Any]:
+def _resp_usage(run: Run) -> dict[str, Any]:
     """Usage as the SDK's ResponseUsage declares it. Every prefilled prompt token is written to the live KV,
     where the next turn of the conversation reuses it: those are the cache writes."""
     u = run.usage
@@ -363,7 +363,7 @@ def _resp_usage(run: Run, reasoning_tokens: int) -> dict[str, Any]:
     return {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens,
                                      "cache_write_tokens": u.prompt_tokens - u.cached_tokens},
-            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens, "timings": u.timings}
 
 
@@ -455,11 +455,11 @@ class _ResponseBuilder:
                               "summary": None},
                 "text": {"format": {"type": "text"}}, "store": False, "truncation": "disabled"}
 
-    async def final(self, run: Run, tok: Any) -> dict[str, Any]:
+    def final(self, run: Run) -> dict[str, Any]:
         """The finished response, with its usage."""
         assert run.usage is not None
         status = "incomplete" if run.finish_reason == "length" else "completed"
-        body = self.response(status, _resp_usage(run, run.usage.reasoning_tokens))
+        body = self.response(status, _resp_usage(run))
         body["timings"] = run.usage.timings
         return body
 
@@ -580,17 +580,16 @@ async def responses(request: Request) -> Any:
     st = _state(request)
     req = await parse_request(request, S.ResponsesRequest)
     run = await start(st, responses_turn(req))
-    tok = st.tokenizer
     build = _ResponseBuilder(req, req.model or st.model_name)
     if req.stream:
-        return stream_response(_responses_stream(run, build, tok))
+        return stream_response(_responses_stream(run, build))
     async for ev in run.watched(request):
         build.feed(ev)
     build.finish()
-    return JSONResponse(await build.final(run, tok))
+    return JSONResponse(build.final(run))
 
 
-async def _responses_stream(run: Run, build: _ResponseBuilder, tok: Any) -> AsyncIterator[bytes]:
+async def _responses_stream(run: Run, build: _ResponseBuilder) -> AsyncIterator[bytes]:
     try:
         yield build.event("response.created", response=build.response("in_progress"))
         yield build.event("response.in_progress", response=build.response("in_progress"))
@@ -602,7 +601,7 @@ async def _responses_stream(run: Run, build: _ResponseBuilder, tok: Any) -> Asyn
                 yield chunk
         for chunk in build.finish():
             yield chunk
-        body = await build.final(run, tok)
+        body = build.final(run)
         yield build.event(f"response.{body['status']}", response=body)
     except ApiError as e:
         yield build.event("error", code=e.code, message=e.message, param=e.param)
