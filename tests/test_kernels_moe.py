@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from ds4station.kernels import dispatch, ops
-from ds4station.kernels.iq2_xxs import repack_iq2_xxs
+from ds4station.kernels.iq2_xxs import IQ2_DECODES, repack_iq2_xxs
 from ds4station.kernels.moe import moe_decode, moe_decode_ref
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.q2_k import repack_q2_k
@@ -98,7 +98,7 @@ def test_int_dot_numerics() -> None:
     packed = [dataclasses.replace(w, **{f.name: getattr(w, f.name).to(DEVICE) for f in dataclasses.fields(w)})
               for w in (gate, up, down)]
     tiles = dispatch.moe_tiles("iq2_xxs", "q2_k", d_model, d_ff, tokens * slots, dispatch.launch_backend(dev[0]))
-    for decode in ("words", "permute", "signed_permute"):
+    for decode in IQ2_DECODES:
         out = torch.full((tokens, d_model), float("nan"), device=DEVICE)
         moe_decode(dev[0], *packed, dev[1], dev[2], out=out, int_dot=True,
                    tiles=dataclasses.replace(tiles, iq2_decode=decode))

@@ -162,30 +162,32 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
                                             stride_kw, stride_kc, INDEXED, RING, RATIO)
     ok = ok_w | ok_c
     offs_d = tl.arange(0, BLOCK_D)
-
-    # Pass 1: logits z [BLOCK_H, BLOCK_N] over D in steps.
-    z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
-        d_ok = d < D
-        qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
-        z += tl.sum(qd[:, None, :] * k[None, :, :], axis=2)
-    z = tl.where(ok[None, :], z * scale, float("-inf"))
-    m = tl.max(z, axis=1)  # [BLOCK_H]; -inf when every key of the block is masked
-    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])  # exp(-inf) = 0 on masked keys
     part = split * H + offs_h
-    tl.store(m_ptr + part, m, mask=h_ok)
-    tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
+    if tl.max(ok.to(tl.int32), axis=0) == 0:  # no visible key: only m = -inf, which tells the combine to skip
+        tl.store(m_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
+    else:
+        # Pass 1: logits z [BLOCK_H, BLOCK_N] over D in steps.
+        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            d_ok = d < D
+            qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                         other=0.0).to(tl.float32)
+            k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
+            z += tl.sum(qd[:, None, :] * k[None, :, :], axis=2)
+        z = tl.where(ok[None, :], z * scale, float("-inf"))
+        m = tl.max(z, axis=1)  # [BLOCK_H], finite: the block has a visible key
+        e = tl.exp(z - m[:, None])  # exp(-inf) = 0 on masked keys
+        tl.store(m_ptr + part, m, mask=h_ok)
+        tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
 
-    # Pass 2: acc [BLOCK_H, D] = e @ keys, over D in steps (the keys come back from L1/L2).
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + offs_d
-        d_ok = d < D
-        k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
-        o = tl.sum(e[:, :, None] * k[None, :, :], axis=1)
-        tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+        # Pass 2: acc [BLOCK_H, D] = e @ keys, over D in steps (the keys come back from L1/L2).
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + offs_d
+            d_ok = d < D
+            k = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
+            o = tl.sum(e[:, :, None] * k[None, :, :], axis=1)
+            tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -209,32 +211,37 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
     base_w, base_c, ok_w, ok_c = _key_block(n, p, NW, NC, ring_len, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr,
                                             stride_kw, stride_kc, INDEXED, RING, RATIO)
     ok = ok_w | ok_c
-
-    z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_K):
-        d = d0 + tl.arange(0, BLOCK_K)
-        d_ok = d < D
-        qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                     other=0.0).to(tl.float32)
-        z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z, input_precision=PRECISION)
-    z = tl.where(ok[None, :], z * scale, float("-inf"))
-    m = tl.max(z, axis=1)
-    e = tl.exp(z - tl.where(m == float("-inf"), 0.0, m)[:, None])
     part = split * H + offs_h
-    if dv == 0:
-        tl.store(m_ptr + part, m, mask=h_ok)
-        tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
-    d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    d_ok = d < D
-    o = tl.dot(e, _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), input_precision=PRECISION)
-    tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
+    if tl.max(ok.to(tl.int32), axis=0) == 0:  # no visible key: only m = -inf, which tells the combine to skip
+        if dv == 0:
+            tl.store(m_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
+    else:
+        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_K):
+            d = d0 + tl.arange(0, BLOCK_K)
+            d_ok = d < D
+            qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                         other=0.0).to(tl.float32)
+            z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z,
+                       input_precision=PRECISION)
+        z = tl.where(ok[None, :], z * scale, float("-inf"))
+        m = tl.max(z, axis=1)
+        e = tl.exp(z - m[:, None])  # m is finite: the block has a visible key
+        if dv == 0:
+            tl.store(m_ptr + part, m, mask=h_ok)
+            tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
+        d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        d_ok = d < D
+        o = tl.dot(e, _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), input_precision=PRECISION)
+        tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
 def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, stride_o, stride_ot,
                          BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
     """out[t, h, d-block] = sum_s exp(m_s - M) acc_s / (sum_s exp(m_s - M) l_s + exp(sink - M)), for query
-    t = program_id(2); M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked."""
+    t = program_id(2); M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked.
+    A split with m_s = -inf had no visible key and wrote neither l_s nor acc_s: they are not read."""
     t = tl.program_id(2).to(tl.int64)
     m_ptr += t * S * H
     l_ptr += t * S * H
@@ -254,7 +261,9 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, str
     for s0 in range(0, S, BLOCK_S):
         s = s0 + offs_s
         s_ok = s < S
-        w = tl.exp(tl.load(m_ptr + s * H + h, mask=s_ok, other=float("-inf")) - big)  # 0 for empty blocks
+        ms = tl.load(m_ptr + s * H + h, mask=s_ok, other=float("-inf"))
+        s_ok = ms > float("-inf")  # the splits that saw a key
+        w = tl.exp(ms - big)  # 0 for empty blocks
         total += tl.sum(w * tl.load(l_ptr + s * H + h, mask=s_ok, other=0.0), axis=0)
         a = tl.load(acc_ptr + (s.to(tl.int64) * H + h)[:, None] * D + d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)

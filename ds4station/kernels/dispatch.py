@@ -184,13 +184,20 @@ class MoeTiles:
     gate_up: MatvecTiles  # IQ2_XXS-style gate+up rows [F, D]
     down: MatvecTiles  # Q2_K-style down rows [D, F]
     # integer-dot IQ2_XXS: how the signed magnitude bytes are made (iq2_xxs.IQ2_DECODES, _iq2_xxs_dot_i8)
-    iq2_decode: str = "permute"
+    iq2_decode: str = "spread"
 
 
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:
-    """Tiles for the two fused MoE launches; n_slots = tokens x experts per token (the gate+up grid)."""
+    """Tiles for the two fused MoE launches; n_slots = tokens x experts per token (the gate+up grid).
+
+    The integer-dot gate + up (CUDA) steps through K 1,024 weights at a time in one warp: a sweep on the
+    H200 (docs/PERFORMANCE.md, sixth session: 6 of 256 Flash experts, rows 4/8/16 x K chunk 1024/2048/4096
+    with 1/2/4 warps) had it 8% faster than the whole row in 4 warps at 23 tokens (the row sum stays in
+    one warp) and within 2% at one token."""
     # The gate+up grid is (slots, row blocks): count all slots' rows when sizing the row blocks.
     gu = matvec_tiles(gate_qtype, d_ff * n_slots, d_model, 1, backend)
+    if use_int_dot(backend) and gate_qtype == "iq2_xxs":
+        gu = replace(gu, block_k=min(gu.block_k, 1024), num_warps=1)
     down = matvec_tiles(down_qtype, d_model, d_ff, 1, backend)
     return MoeTiles(gate_up=gu, down=down)
 

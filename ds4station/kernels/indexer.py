@@ -118,9 +118,26 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
     """Sort keys of blocks [n0 + pid0 * BLOCK_N, ...) < n1 for queries [pid1 * BLOCK_T, ...) < T, written to
-    out[t, col0 + (i - n0)]."""
+    out[t, col0 + (i - n0)]. A program whose first block is past every one of its queries' positions (the
+    rest of a position bucket) writes the invisible keys without loading or scoring anything."""
     offs_n = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n1
+    first = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N
+    if BLOCK_T == 1:
+        t = tl.program_id(1).to(tl.int64)
+        p = tl.load(pos_ptr + t).to(tl.int64)
+    else:
+        offs_t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        p = tl.max(tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.int64), axis=0)
+    if (first + 1) * ratio > p + 1:
+        none = _sort_key(tl.zeros([BLOCK_N], dtype=tl.float32), offs_n, offs_n < 0)
+        if BLOCK_T == 1:
+            tl.store(out_ptr + t * stride_ot + col0 + (offs_n - n0), none, mask=n_ok)
+        else:
+            tl.store(out_ptr + offs_t[:, None] * stride_ot + col0 + (offs_n[None, :] - n0), none[None, :],
+                     mask=t_ok[:, None] & n_ok[None, :])
+        return
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
     kraw = tl.load(k_ptr + offs_n[:, None] * stride_k + offs_d[None, :], mask=n_ok[:, None] & d_ok[None, :],
@@ -130,7 +147,6 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
     else:
         kt = kraw.to(tl.float32)
     if BLOCK_T == 1:
-        t = tl.program_id(1).to(tl.int64)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         if USE_DOT:  # the query's heads are the M rows of the dot; padded heads have q = 0 and w = 0
             ktt = tl.trans(kt)
@@ -149,12 +165,9 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col
                 s = tl.sum(kf * qv[None, :], axis=1)
                 wh = tl.load(w_ptr + t * stride_wt + h).to(tl.float32)
                 acc += tl.maximum(s, 0.0) * wh
-        p = tl.load(pos_ptr + t).to(tl.int64)
         vis = n_ok & ((offs_n + 1) * ratio <= p + 1)
         tl.store(out_ptr + t * stride_ot + col0 + (offs_n - n0), _sort_key(acc, offs_n, vis), mask=n_ok)
     else:
-        offs_t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
         ktt = tl.trans(kt)
         acc2 = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
         for h in range(0, IH):
