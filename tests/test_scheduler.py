@@ -4,6 +4,7 @@ queue, sampling, stop strings, determinism, and forced tool calls written by the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -361,3 +362,46 @@ def test_settling_waits_for_idle_and_never_delays_the_next_request(make_schedule
     assert held == len(p1) + first.completion_tokens - 1 and live.unsettled is not None
     assert s.wait_idle(30)  # ...and settled once the worker had nothing else to do
     assert live.unsettled is None and len(live.tokens) >= held
+
+
+class _QueuedSteps:
+    """The CPU engine, presented as one whose steps are queued (what a local CUDA stage is): the decode loop
+    then feeds each sampled token before making its text (tests the loop's order; CPU steps still block)."""
+
+    queues_steps = True
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def test_overlapped_decode_matches_the_plain_loop(engine) -> None:
+    assert engine.queues_steps is False  # a CPU stage blocks: nothing to overlap
+    plain = _scheduler(engine, sessions=1)
+    queued = Scheduler(lambda: _QueuedSteps(engine), ctx=CTX, owns_engine=False, sessions=1).start()
+    assert queued.ready.wait(30) and queued.state == "ready", queued.error
+    try:
+        p = prompt(engine, "The quick brown fox jumps over the lazy dog.")
+        (text, ref), = run(plain, greedy(p, 12))
+        stop_token = ref.output[4]
+        stop_string = text[len(text) // 2:][:3]
+        cases = [greedy(p, 12), greedy(p, 12, stop_tokens={stop_token}), greedy(p, 12, stop=[stop_string]),
+                 greedy(p, 1)]
+        for job in cases:  # each run gets its own copy (a Job is consumed)
+            (want_text, want), = run(plain, dataclasses.replace(job))
+            (got_text, got), = run(queued, dataclasses.replace(job))
+            assert (got_text, got.reason, got.output, got.stop_string) == \
+                (want_text, want.reason, want.output, want.stop_string)
+            # the next turn (this answer + more) reuses the whole conversation in both, once settled
+            follow = p + got.output[:got.completion_tokens - (got.reason == "stop" and got.stop_string is None)]
+            follow += engine.tokenizer.encode(" and then")
+            time.sleep(0.2)  # past SETTLE_GRACE: the turn is settled
+            (_, fw), = run(plain, greedy(follow, 2))
+            (_, fq), = run(queued, greedy(follow, 2))
+            assert fq.cached_tokens == fw.cached_tokens >= len(p)
+        assert ref.reason == "length"
+    finally:
+        plain.stop()
+        queued.stop()

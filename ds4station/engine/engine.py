@@ -425,6 +425,13 @@ class Engine:
         return f"pipeline {self.labels[rank]} is down: {self.down[rank]}"
 
     # ---- sessions ----------------------------------------------------------------------------------
+    @property
+    def queues_steps(self) -> bool:
+        """True when `Session.extend` returns before its step has run: one stage in this process on a CUDA
+        device, whose graph replays and kernels are queued. The decode loop then makes and sends a token's text
+        while the next step runs. (A route of several stages waits for the last one's answer.)"""
+        return self.world == 1 and self.device.type == "cuda"
+
     def new_session(self, activation_bits: int | None = None) -> Session:
         bits = self.activation_bits if activation_bits is None else activation_bits
         if bits not in ACTIVATION_BITS:

@@ -73,6 +73,17 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def host_int(t: torch.Tensor) -> int:
+    """The value of a one-element tensor. On a GPU the wait for it is an event's, which lets other Python
+    threads run meanwhile (the server's event loop sending the previous token); `int()` alone would hold the
+    interpreter lock for the whole wait."""
+    if t.is_cuda:
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        done.synchronize()
+    return int(t)
+
+
 class Sampler:
     """Greedy picks the argmax where the logits are (a GPU sends back one id, not the [vocab] row); a draw
     happens on the CPU whatever device the logits come from, so a seed gives the same draws on every
@@ -90,7 +101,7 @@ class Sampler:
         """logits [vocab] (or [1, vocab]) of the last position -> token id."""
         logits = logits.reshape(-1)
         if self.params.greedy:
-            return int(torch.argmax(logits))
+            return host_int(torch.argmax(logits))
         logits = logits.float().cpu()
         probs = filtered_probs(logits, self.params)
         return int(torch.multinomial(probs, 1, generator=self.generator))
