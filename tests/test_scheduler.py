@@ -387,8 +387,8 @@ def test_overlapped_decode_matches_the_plain_loop(engine) -> None:
         (text, ref), = run(plain, greedy(p, 12))
         stop_token = ref.output[4]
         stop_string = text[len(text) // 2:][:3]
-        cases = [greedy(p, 12), greedy(p, 12, stop_tokens={stop_token}), greedy(p, 12, stop=[stop_string]),
-                 greedy(p, 1)]
+        cases = [greedy(p, 12), greedy(p, 12, stop_tokens={stop_token}), greedy(p, 12, stop_tokens={ref.output[1]}),
+                 greedy(p, 12, stop=[stop_string]), greedy(p, 1), greedy(p, 2)]
         for job in cases:  # each run gets its own copy (a Job is consumed)
             (want_text, want), = run(plain, dataclasses.replace(job))
             (got_text, got), = run(queued, dataclasses.replace(job))

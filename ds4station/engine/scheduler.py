@@ -869,10 +869,11 @@ class Scheduler:
                     if isinstance(directive, Allowed):
                         step_logits[~directive.mask.to(step_logits.device)] = float("-inf")
                 batch = [sampler(step_logits)]
-                if queued and generated + 1 < job.max_tokens:
-                    # the next step is queued before this token's text is made and sent, so the two overlap;
-                    # a token that ends the generation (a stop token or string) is then in the KV one step
-                    # early, which settling rolls back like any other divergence
+                if queued and 0 < generated < job.max_tokens - 1:
+                    # the next step is queued before this token's text is made and sent, so the two overlap
+                    # (not for the first token, whose text goes out first); a token that ends the generation
+                    # (a stop token or string) is then in the KV one step early, which settling rolls back
+                    # like any other divergence
                     logits = session.extend(batch, chunk=self.prefill_chunk)
                     batch_fed = True
             ended = None
