@@ -43,7 +43,7 @@ def start(engine, model_path: Path) -> Iterator:
         scheduler = Scheduler(lambda: engine, ctx=CTX, sessions=1, owns_engine=False)
         made.append(BackgroundServer(create_app(scheduler, model_name="tiny", model_path=str(model_path), ctx=CTX,
                                                 **kw)).start())
-        assert scheduler.ready.wait(30) and scheduler.state == "ready"
+        assert made[-1].wait_ready(30) and scheduler.state == "ready"
         return made[-1]
 
     yield run

@@ -244,7 +244,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Any:
     engine = Engine.load(path, ctx=4096, device="cpu", sessions=2)
     scheduler = Scheduler(lambda: engine, sessions=2, ctx=4096)
     srv = BackgroundServer(create_app(scheduler, model_name="demo", model_path=str(path), ctx=4096)).start()
-    assert scheduler.ready.wait(60)
+    assert srv.wait_ready(60)
     yield srv, tok
     srv.stop()
     scheduler.stop()

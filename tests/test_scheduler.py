@@ -328,7 +328,7 @@ def test_ready_means_the_request_loop_ran_and_left_nothing_behind(tmp_path) -> N
     s = Scheduler(lambda: engine, ctx=256, sessions=1).start()
     try:
         assert s.ready.wait(30) and s.state == "ready", s.error
-        assert next(engine._sids) == 2  # a warm-up session was opened (id 1; the second request reused it)...
+        assert next(engine._sids) == 3  # each warm-up request opened a session (ids 1 and 2)...
         st = s.status()
         # ...and forgotten
         assert st["sessions"]["live"] == [] and st["totals"]["requests"] == 0 and st["recent"] == []
@@ -362,6 +362,38 @@ def test_settling_waits_for_idle_and_never_delays_the_next_request(make_schedule
     assert held == len(p1) + first.completion_tokens - 1 and live.unsettled is not None
     assert s.wait_idle(30)  # ...and settled once the worker had nothing else to do
     assert live.unsettled is None and len(live.tokens) >= held
+
+
+def test_a_request_continuing_an_unsettled_turn_settles_it_first(make_scheduler, engine, monkeypatch) -> None:
+    """The next turn of a conversation, sent before SETTLE_GRACE ran out (a fast agent), reuses the whole
+    previous turn as the prompt spells it, as it would after settling; one that spells the answer otherwise
+    takes the KV as it is."""
+    from ds4station.engine import scheduler as sched
+
+    monkeypatch.setattr(sched, "SETTLE_GRACE", 5.0)  # never runs out during the test
+    tok = engine.tokenizer
+    p1 = prompt(engine, "The quick brown fox jumps over the lazy dog.")
+
+    def conversation(follow) -> tuple[Finished, Finished]:  # two turns, the second sent at once
+        s = make_scheduler(sessions=1)
+
+        async def go() -> tuple[Finished, Finished]:
+            done = []
+            for p in (p1, None):
+                handle = s.submit(greedy(p if p is not None else follow(done[0]), 8))
+                done += [ev async for ev in handle.events() if isinstance(ev, Finished)]
+            return done[0], done[1]
+
+        return asyncio.run(go())
+
+    def canon(fin: Finished) -> list[int]:
+        return tok.encode(tok.decode(fin.output))
+
+    first, second = conversation(lambda fin: p1 + canon(fin) + tok.encode(" and then"))
+    assert second.cached_tokens == len(p1) + len(canon(first))
+    # an edited answer: no settling for it, the KV's common prefix is reused as it is
+    first, second = conversation(lambda fin: p1 + tok.encode(" Something else.") + tok.encode(" and then"))
+    assert len(p1) <= second.cached_tokens < len(p1) + len(canon(first))
 
 
 class _QueuedSteps:

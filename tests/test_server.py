@@ -55,7 +55,7 @@ def start_server(engine, model_path, *, sessions: int = 2, max_queue: int = 16, 
     scheduler = Scheduler(lambda: engine, sessions=sessions, max_queue=max_queue, ctx=CTX, owns_engine=False)
     app = create_app(scheduler, model_name="tiny", model_path=str(model_path), ctx=CTX, **kw)
     srv = BackgroundServer(app).start()
-    assert scheduler.ready.wait(30) and scheduler.state == "ready"
+    assert srv.wait_ready(30) and scheduler.state == "ready"
     return srv
 
 

@@ -45,7 +45,7 @@ def test_serve_trace_records_each_request_as_a_json_line(model_path: Path, tmp_p
     srv = BackgroundServer(app).start()
     try:
         scheduler = app.state.ds4.scheduler
-        assert scheduler.ready.wait(60) and scheduler.state == "ready"
+        assert srv.wait_ready(60) and scheduler.state == "ready"
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         first = [{"role": "user", "content": "What is the weather in Paris?"}]
         a = client.chat.completions.create(model="tiny", messages=first, max_tokens=5, temperature=0,

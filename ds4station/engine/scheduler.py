@@ -12,8 +12,10 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
 - the decode loop samples, detokenizes incrementally, applies stop tokens / stop strings / max tokens,
   and checks the request's cancel flag before every step, so a client that goes away stops the
   generation within one decode step;
-- a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) only when
-  no request arrives within SETTLE_GRACE: settling never delays the next request;
+- a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) when no
+  request arrives within SETTLE_GRACE, so settling never delays an unrelated request; a request that
+  continues the turn before then settles it first (that prefill is its own work), so what it reuses does
+  not depend on how fast the client came back;
 - every finished request reports llama.cpp-style timings (cache_n, prompt_n, prompt_ms, predicted_n,
   predicted_ms), its cached prefix length and how the pool chose it (`Reuse`) to every observer (metrics,
   the request trace);
@@ -437,6 +439,7 @@ class Scheduler:
         self.ready = threading.Event()
         self._queue: queue.Queue[tuple[Job, Handle] | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
+        self._warm_ids = itertools.count(1)
         self._running: dict[str, Any] | None = None
         self.recent: deque[RequestRecord] = deque(maxlen=32)
         self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
@@ -513,7 +516,7 @@ class Scheduler:
             if self.state != "ready":
                 raise NotReady(self.unavailable())
             handle = Handle(job, asyncio.get_running_loop())
-            job.id = next(self._ids)
+            job.id = -next(self._warm_ids) if job.kind == WARM else next(self._ids)  # clients' ids count from 1
             job.queued_at = time.monotonic()
             try:
                 self._queue.put_nowait((job, handle))
@@ -703,10 +706,6 @@ class Scheduler:
             job = Job(prompt=prompt, max_tokens=2, sampling=sampling, stop_tokens={tok.eos_id},
                       banned_tokens=[tok.eos_id], logit_bias={tok.bos_id: -1.0}, kind=WARM)
             self._run(job, _Discard(job))  # type: ignore[arg-type]
-        assert self.pool is not None
-        for live in list(self.pool.slots):
-            self.pool.drop(live)
-        self.pool.hits = self.pool.misses = self.pool.resets = 0
 
     def _next(self) -> tuple[Job, Handle] | str | None:
         """The next queued item, or why the engine is down when a stage died while the worker waited. Turns
@@ -731,12 +730,12 @@ class Scheduler:
                 for live in unsettled:
                     self._settle_turn(live)
 
-    def _settle_turn(self, live: LiveSession) -> None:
+    def _settle_turn(self, live: LiveSession, want: Sequence[int] | None = None) -> None:
         turn, live.unsettled = live.unsettled, None
         if turn is None or live.session is None:
             return
         try:
-            self._settle(live.session, *turn)
+            self._settle(live.session, *turn, want=want)
         except Exception:  # the client has its answer already; only this live KV is lost
             traceback.print_exc()
             assert self.pool is not None
@@ -759,6 +758,12 @@ class Scheduler:
     def _run(self, job: Job, handle: Handle) -> None:
         assert self.pool is not None and self.engine is not None
         started = time.monotonic()
+        counts = (self.pool.hits, self.pool.misses, self.pool.resets)
+        for waiting in list(self.pool.slots):
+            # a request that continues a turn not settled yet (it came within SETTLE_GRACE): settle it now
+            # when the prompt spells the answer as settling would; that prefill is this request's own work
+            if waiting.unsettled and common_prefix(waiting.tokens, job.prompt) >= waiting.unsettled[0]:
+                self._settle_turn(waiting, job.prompt)
         live, cached, reuse = self.pool.acquire(job.prompt)
         live.unsettled = None  # taken as it is: the prompt's common prefix with what the KV holds is reused
         try:
@@ -766,6 +771,10 @@ class Scheduler:
         except Exception:
             self.pool.drop(live)  # a half-extended KV must not serve a later prefix
             raise
+        finally:
+            if job.kind == WARM:  # a warm-up leaves no session and no count behind
+                self.pool.drop(live)
+                self.pool.hits, self.pool.misses, self.pool.resets = counts
 
     def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, reuse: Reuse,
                   started: float) -> None:
@@ -896,18 +905,22 @@ class Scheduler:
         if reason != "cancelled" and outputs:
             live.unsettled = (len(job.prompt), outputs)  # settled when the worker is idle (see _next)
 
-    def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int]) -> None:
+    def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int],
+                want: Sequence[int] | None = None) -> None:
         """After the client has its answer: make the live KV hold this turn as the next prompt will spell it.
 
         The next request re-renders this turn from text and tokenizes it; sampled tokens need not be the
         tokenizer's canonical split of their own text (BPE could merge two sampled tokens into one), and the
-        last sampled token (usually EOS) is not in the KV yet. Feeding the canonical tokens of the generated
+        last sampled token (usually EOS) may be in the KV or not. Feeding the canonical tokens of the generated
         text keeps the whole turn inside the reusable prefix. The turn starts after a special token (the
-        assistant opening), so its canonical split is independent of the prompt before it.
+        assistant opening), so its canonical split is independent of the prompt before it. `want`: the prompt
+        of a request that continues this turn; nothing is done unless it spells the turn canonically too.
         """
         assert self.engine is not None
         tok = self.engine.tokenizer
         canon = tok.encode(tok.decode(outputs))
+        if want is not None and list(want[prompt_len:prompt_len + len(canon)]) != canon:
+            return  # the waiting request spells this turn otherwise: it takes the KV as it is
         same = common_prefix(canon, outputs)
         keep = prompt_len + same
         if self.ctx is not None and prompt_len + len(canon) > self.ctx:

@@ -15,6 +15,7 @@ are refused with 403. `serve(app, ...)` runs uvicorn with a graceful drain: see 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import signal
@@ -39,14 +40,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ds4station.engine.scheduler import Scheduler
 
-from . import anthropic, openai, status
+from . import anthropic, openai, status, warmup
 from .errors import ApiError
 from .generation import ServerState
 from .trace import RequestTrace
+from .warmup import WARMING
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 # Seconds uvicorn still waits for connections once the drain is over (the streams have ended by then).
 _CLOSE_WAIT = 3
+# The served process's interpreter-lock switch interval (see serve).
+GIL_SWITCH_S = 0.001
 
 
 def _is_anthropic(path: str) -> bool:
@@ -149,9 +153,10 @@ class RequestCounter:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            route = scope.get("route")
-            path = getattr(route, "path", None) or "unmatched"
-            self.state.metrics.http.labels(path, str(code["status"])).inc()
+            if not WARMING.get():  # the server's own warm-up requests are not traffic
+                route = scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                self.state.metrics.http.labels(path, str(code["status"])).inc()
 
 
 def create_app(scheduler: Scheduler, *, model_name: str, model_path: str, ctx: int, api_key: str | None = None,
@@ -169,10 +174,22 @@ def create_app(scheduler: Scheduler, *, model_name: str, model_path: str, ctx: i
     if trace is not None:
         scheduler.observers.append(trace.observe)
 
+    async def warm_up(app: FastAPI) -> None:
+        """Once the engine is ready: the server's own first requests, then /health says ok."""
+        try:
+            while not await asyncio.to_thread(scheduler.ready.wait, 1.0):
+                pass
+            if scheduler.state == "ready":
+                await warmup.warm(app, model_name, api_key)
+        finally:
+            state.warm.set()
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scheduler.start()
+        warming = asyncio.create_task(warm_up(app))
         yield
+        warming.cancel()
         scheduler.stop()
         if trace is not None:
             trace.close()
@@ -251,7 +268,12 @@ class Server(uvicorn.Server):
 
 
 def serve(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> None:
-    """Run `app` (made by create_app) in this thread until a signal has drained it (see Server)."""
+    """Run `app` (made by create_app) in this thread until a signal has drained it (see Server).
+
+    The process's interpreter lock changes hands every GIL_SWITCH_S instead of Python's 5 ms: the engine's
+    worker thread gives it up while the GPU runs a step, and must not then wait up to 5 ms for the event
+    loop (writing the previous token's chunk) to hand it back."""
+    sys.setswitchinterval(GIL_SWITCH_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_CLOSE_WAIT)
     Server(config, app.state.ds4.scheduler, shutdown_grace).run()
 
@@ -280,6 +302,12 @@ class BackgroundServer:
                 raise RuntimeError(f"the server at {self.url} did not start")
             time.sleep(0.02)
         return self
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Wait until /health would say ok (the engine loaded and the server's own first requests made)."""
+        state = self.server.config.app.state.ds4
+        deadline = time.monotonic() + timeout
+        return state.scheduler.ready.wait(timeout) and state.warm.wait(max(0.0, deadline - time.monotonic()))
 
     def stop(self) -> None:
         self.server.should_exit = True

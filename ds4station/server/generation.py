@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import secrets
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -26,11 +27,12 @@ from starlette.requests import Request
 
 from ds4station.engine import chat
 from ds4station.engine.sampler import SamplingParams
-from ds4station.engine.scheduler import Finished, Handle, Job, NotReady, Prefill, QueueFull, Scheduler, Text
+from ds4station.engine.scheduler import WARM, Finished, Handle, Job, NotReady, Prefill, QueueFull, Scheduler, Text
 
 from .errors import ApiError
 from .schemas import parse_body
 from .toolguide import ToolCallGuide
+from .warmup import WARMING
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,8 @@ class ServerState:
     replay: ReplayStore = field(default_factory=ReplayStore)
     metrics: Any = None  # status.Metrics
     started_at: float = field(default_factory=time.time)
+    # set once the server's own first requests (warmup.py) are done; /health says loading until then
+    warm: threading.Event = field(default_factory=threading.Event)
 
     @property
     def tokenizer(self) -> Any:
@@ -211,7 +215,7 @@ async def start(state: ServerState, turn: ChatTurn) -> Run:
     tools = bool(turn.tools) and turn.tool_choice != "none"
     job = Job(prompt=prompt, max_tokens=max_tokens, sampling=turn.sampling, stop=turn.stop,
               stop_tokens={tok.eos_id}, banned_tokens=chat.banned_tokens(tok, thinking, tools),
-              logit_bias=logit_bias(tok, turn.logit_bias), guide=guide, kind=turn.kind)
+              logit_bias=logit_bias(tok, turn.logit_bias), guide=guide, kind=WARM if WARMING.get() else turn.kind)
     handle = submit(state, job)
     prefix = turn.call_id_prefix
     parser = chat.StreamParser(thinking, new_call_id=lambda: prefix + secrets.token_hex(12), tools=tools)

@@ -119,6 +119,9 @@ async def health(request: Request) -> JSONResponse:
     down = _engine_status(sched).get("health")
     if down:
         return JSONResponse({"status": "error", "reason": down}, status_code=503)
+    if not st.warm.is_set():
+        return JSONResponse({"status": "loading", "reason": "the server is making its first requests"},
+                            status_code=503, headers={"Retry-After": "1"})
     return JSONResponse({"status": "ok", "model": st.model_name})
 
 
