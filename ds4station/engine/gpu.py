@@ -613,8 +613,8 @@ class _StepGraph(_StepInputs):
             stage.graph_pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(self.graph, pool=stage.graph_pool):
             self.out = stage._step(self, cache, bucket, logits)
-        # The first launch of a graph uploads it to the device (~10 ms for a 43-layer step, seen as a late
-        # first token on the H200): paid here, on the warm-up's inputs, so it writes what the warm-up wrote.
+        # The first launch of a graph uploads it to the device: paid here rather than by the first request
+        # that replays it, on the warm-up's inputs, so it writes what the warm-up wrote.
         self.graph.replay()
 
     def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
