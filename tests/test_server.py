@@ -395,9 +395,14 @@ def test_full_queue_answers_503_with_retry_after_and_keepalives_flow(engine, fre
     started, release = threading.Event(), threading.Event()
     raw_queued: list[str] = []
 
+    held: list[str] = []
+
     def hold_engine() -> None:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", json=body, timeout=60) as r:
+            held.append(str(r.status_code))
             for line in r.iter_lines():
+                if len(held) < 4:
+                    held.append(line[:300])
                 if '"content"' in line:
                     started.set()
                 if release.is_set():
@@ -411,7 +416,7 @@ def test_full_queue_answers_503_with_retry_after_and_keepalives_flow(engine, fre
 
     holder = threading.Thread(target=hold_engine)
     holder.start()
-    assert started.wait(30)
+    assert started.wait(30), (held, _status(srv)["queue"], _status(srv)["state"])
     waiter = threading.Thread(target=queued)
     waiter.start()
     deadline = time.monotonic() + 10

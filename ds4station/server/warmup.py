@@ -11,6 +11,7 @@ session left behind) and the request counter skips them.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import json
 import logging
@@ -26,19 +27,20 @@ _TOOL = {"name": "get_time", "description": "The time in a city.",
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
-def requests(model: str) -> list[tuple[str, dict[str, Any]]]:
-    """(path, body) of the warm-up requests: each dialect streamed, with a tool, two tokens each."""
+def requests(model: str) -> list[tuple[str, dict[str, Any], tuple[bytes, ...]]]:
+    """(path, body, how a whole answer ends) of the warm-up requests: each dialect streamed, with a tool."""
     text = "warm up"
     return [
         ("/v1/chat/completions", {"model": model, "stream": True, "max_tokens": 2,
                                   "messages": [{"role": "system", "content": text}, {"role": "user", "content": text}],
-                                  "tools": [{"type": "function", "function": _TOOL}]}),
+                                  "tools": [{"type": "function", "function": _TOOL}]}, (b"data: [DONE]",)),
         ("/v1/messages", {"model": model, "stream": True, "max_tokens": 2, "system": text,
                           "messages": [{"role": "user", "content": text}],
                           "tools": [{"name": _TOOL["name"], "description": _TOOL["description"],
-                                     "input_schema": _TOOL["parameters"]}]}),
+                                     "input_schema": _TOOL["parameters"]}]}, (b"event: message_stop",)),
         ("/v1/responses", {"model": model, "stream": True, "max_output_tokens": 16, "instructions": text,
-                           "input": text, "tools": [{"type": "function", **_TOOL}]}),
+                           "input": text, "tools": [{"type": "function", **_TOOL}]},
+         (b"response.completed", b"response.incomplete")),
     ]
 
 
@@ -54,12 +56,14 @@ async def call(app: ASGIApp, path: str, body: dict[str, Any], api_key: str | Non
              "client": ("127.0.0.1", 0), "server": ("127.0.0.1", 0)}
     sent = False
     status, chunks = 500, []
+    finished = asyncio.Event()
 
     async def receive() -> Message:
         nonlocal sent
         if not sent:
             sent = True
             return {"type": "http.request", "body": raw, "more_body": False}
+        await finished.wait()  # a client that stays until the whole answer is in (a stream watches for this)
         return {"type": "http.disconnect"}
 
     async def send(message: Message) -> None:
@@ -68,6 +72,8 @@ async def call(app: ASGIApp, path: str, body: dict[str, Any], api_key: str | Non
             status = message["status"]
         elif message["type"] == "http.response.body":
             chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                finished.set()
 
     await app(scope, receive, send)
     return status, b"".join(chunks)
@@ -79,7 +85,7 @@ async def warm(app: ASGIApp, model: str, api_key: str | None) -> list[str]:
     token = WARMING.set(True)
     failed = []
     try:
-        for path, body in requests(model):
+        for path, body, ends in requests(model):
             try:
                 status, text = await call(app, path, body, api_key)
             except Exception as exc:  # the server still serves; the log says why its first request may be slow
@@ -87,6 +93,8 @@ async def warm(app: ASGIApp, model: str, api_key: str | None) -> list[str]:
                 continue
             if status != 200:
                 failed.append(f"{path}: {status} {text[:200].decode(errors='replace')}")
+            elif not any(end in text for end in ends):
+                failed.append(f"{path}: the stream did not finish: ...{text[-200:].decode(errors='replace')}")
     finally:
         WARMING.reset(token)
     for f in failed:
