@@ -281,3 +281,49 @@ def test_freeform_input_decodes_whatever_the_fragments(cut: int) -> None:
     odd = _FreeformInput()
     assert odd.feed('{"patch": "x"}') == "" and odd.finish() == "x"  # another name for the one string
     assert _FreeformInput().finish() == ""
+
+
+def test_system_messages_mid_conversation_render_at_their_position() -> None:
+    """Claude Code sends `role: "system"` inside `messages` (beta mid-conversation-system-2026-04-07): rendered
+    where it stands, as the OpenAI path renders a system message there; after a user turn it joins that turn
+    (the format has no system turn between a question and its answer), so the answer still opens."""
+    ant_messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Sunny."}]},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: explore, plan."},
+                                       {"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "And Rome?"},
+        {"role": "system", "content": "Answer in French."}]
+    ant_turn = messages_turn(S.MessagesRequest.model_validate(
+        {"model": "m", "max_tokens": 8, "system": "Top.", "messages": ant_messages}))
+    openai_turn = chat_turn(S.ChatRequest.model_validate({"messages": [
+        {"role": "system", "content": "Top."}, {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "system", "content": "Agents: explore, plan.\n\nBe brief."},
+        {"role": "user", "content": "And Rome?"}, {"role": "system", "content": "Answer in French."}],
+        "thinking": False}))  # as Anthropic's default (no thinking config)
+    prompt = _prompt(ant_turn)
+    assert prompt == _prompt(openai_turn)
+    assert prompt == (f"{chat.BOS}Top.{chat.USER}Weather in Paris?{chat.ASSISTANT}{chat.THINK_END}Sunny.{chat.EOS}"
+                      f"Agents: explore, plan.\n\nBe brief.{chat.USER}And Rome?\n\nAnswer in French."
+                      f"{chat.ASSISTANT}{chat.THINK_END}")
+    with pytest.raises(ValidationError, match="text blocks only"):
+        S.MessagesRequest.model_validate({"model": "m", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "system", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]}]})
+
+
+def test_claude_code_shaped_request_and_connectivity_check(server) -> None:  # noqa: F811
+    """A mid-conversation system message with Claude Code's beta header through the anthropic SDK, and the
+    `HEAD /` / `GET /` it and other clients probe first."""
+    import httpx
+
+    client = ant(server)
+    msg = client.messages.create(model="tiny", max_tokens=3, system="You are a coding agent.", messages=[
+        {"role": "user", "content": "List the files."},
+        {"role": "system", "content": "Available agents: explore, plan."}],  # type: ignore[list-item]
+        extra_headers={"anthropic-beta": "mid-conversation-system-2026-04-07"})
+    assert msg.role == "assistant" and msg.usage.output_tokens >= 1
+    head = httpx.head(server.url + "/")
+    got = httpx.get(server.url + "/")
+    assert head.status_code == 200 and got.status_code == 200 and got.json()["name"] == "ds4station"

@@ -86,7 +86,7 @@ CORPUS = [
     ("responses-call-without-id", "POST", RESP,
      {"model": "tiny", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, 400),
     ("anthropic-no-max-tokens", "POST", MSG, {"model": "tiny", "messages": USER}, 400),
-    ("anthropic-system-role", "POST", MSG, msg(messages=[{"role": "system", "content": "x"}]), 400),
+    ("anthropic-only-system", "POST", MSG, msg(messages=[{"role": "system", "content": "x"}]), 400),
     ("anthropic-image-block", "POST", MSG, msg(messages=[{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]), 400),
     ("anthropic-tool-no-schema", "POST", MSG, msg(tools=[{"name": "f"}]), 400),

@@ -68,6 +68,7 @@ def test_a_killed_stage_fails_its_requests_with_503_then_the_route_restarts(mode
     srv = BackgroundServer(app).start()
     try:
         st = wait_for(srv, lambda s: s["state"] == "ready")
+        assert srv.wait_ready(60)  # and the server's own first requests are done
         pids = [s["pid"] for s in st["stages"]]
         assert pids[0] == os.getpid() and all(alive(p) for p in pids[1:]), st["stages"]
         client = oai(srv)
@@ -132,6 +133,7 @@ def test_when_every_restart_fails_health_stays_503_with_the_reason(model_path: P
     srv = BackgroundServer(create_app(scheduler, model_name="tiny", model_path=str(path), ctx=256)).start()
     try:
         st = wait_for(srv, lambda s: s["state"] == "ready")
+        assert srv.wait_ready(60)
         broken = tmp_path / "broken.gguf"
         broken.write_bytes(b"GGUF" + b"\0" * 64)
         os.replace(broken, path)  # a new file: the running engine keeps its mapping of the old one
@@ -148,3 +150,30 @@ def test_when_every_restart_fails_health_stays_503_with_the_reason(model_path: P
         srv.stop()
     err = capfd.readouterr().err
     assert "restart attempt 1 of 2 failed" in err and "restart attempt 2 of 2 failed" in err
+
+
+_FAILING_LOAD = """
+import socket, sys
+from ds4station.engine.scheduler import Scheduler
+from ds4station.server.app import create_app, serve
+
+def load():
+    raise OSError(12, "Cannot allocate memory")  # what a too-large KV or weight mapping gives on a real machine
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+app = create_app(Scheduler(load, ctx=256), model_name="tiny", model_path="tiny.gguf", ctx=256)
+sys.exit(serve(app, "127.0.0.1", port, shutdown_grace=1.0, log_level="warning"))
+"""
+
+
+def test_a_model_that_fails_to_load_ends_serve_with_the_reason() -> None:
+    """No server left answering 503 forever: the first load failing ends the process, non-zero, the reason on
+    stderr (the control panel shows the exit and the log)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _FAILING_LOAD], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "loading the model failed: OSError: [Errno 12] Cannot allocate memory" in done.stderr

@@ -135,5 +135,4 @@ def run(args: argparse.Namespace) -> int:
               "the model", file=sys.stderr)
     print(f"ds4station serve: http://{where['host']}:{where['port']}/v1 (OpenAI, Responses), "
           f"http://{where['host']}:{where['port']} (Anthropic); /health, /status, /metrics", file=sys.stderr)
-    serve(app, where["host"], where["port"], shutdown_grace=args.shutdown_grace)
-    return 0
+    return serve(app, where["host"], where["port"], shutdown_grace=args.shutdown_grace)

@@ -12,6 +12,9 @@ The format is the one DeepSeek-V4 was trained on, as written by DeepSeek's refer
   dropped (and those turns open with `</think>`) unless tools are declared, when every turn keeps it.
 - `developer` messages count as system text (OpenAI's newer name for it; the reference's own `developer`
   role belongs to DeepSeek's internal search pipeline).
+- A system message may come anywhere (Claude Code sends one mid-conversation): its text goes in at its
+  position, as the reference writes system text; one that follows a user turn joins that turn as a text
+  block instead (the reference would glue it to the user text and open no assistant turn after it).
 
 Tool schemas are rendered as `json.dumps` lines; `canonical_tools` makes that text independent of the order a
 client sends tools and object keys in, except the order of each schema's `properties`, which the model follows
@@ -268,7 +271,11 @@ def _turns(messages: Iterable[Mapping[str, Any]]) -> list[_Turn]:
     for i, m in enumerate(messages):
         role = m.get("role")
         if role in ("system", "developer"):
-            turns.append(_Turn("system", text=_content_text(m.get("content"), "")))
+            text = _content_text(m.get("content"), "")
+            if turns and turns[-1].role == "user":  # the format has no system turn between a user turn and
+                turns[-1].blocks.append((None, text))  # the answer: it joins the user turn as a text block
+            else:
+                turns.append(_Turn("system", text=text))
         elif role in ("user", "tool", "function"):
             block = (None, _content_text(m.get("content"), "")) if role == "user" else \
                 (m.get("tool_call_id") or "", _content_text(m.get("content"), "\n\n"))

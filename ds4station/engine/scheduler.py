@@ -432,6 +432,7 @@ class Scheduler:
         self.engine: GenerationEngine | None = None
         self.pool: SessionPool | None = None
         self.state = "loading"  # loading | ready | restarting | failed | stopping | stopped
+        self.load_error: str | None = None  # why the first load failed (nothing was ever served)
         self.error: str | None = None
         self.restart: dict[str, Any] | None = None  # while restarting: the attempt, its limit, the reason
         self.restarts = 0  # restarts that brought the engine back
@@ -553,10 +554,11 @@ class Scheduler:
     def _main(self) -> None:
         try:
             self._load()
-        except Exception as e:  # a missing or damaged model file: /health says why
+        except Exception as e:  # a missing or damaged model file: /health says why (and serve exits)
             self._discard_engine()
             with self._guard:
                 self.error = f"loading the model failed: {type(e).__name__}: {e}"
+                self.load_error = self.error
                 self.state = "failed"
             self.ready.set()
             return

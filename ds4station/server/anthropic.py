@@ -37,6 +37,9 @@ def _messages(system: str | None, messages: list[S.AMessage]) -> list[dict[str, 
         out.append({"role": "system", "content": system})
     for m in messages:
         blocks = [S.AText(type="text", text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == "system":  # text blocks only (schemas.AMessage); rendered at its position (engine/chat.py)
+            out.append({"role": "system", "content": "\n\n".join(b.text for b in blocks if isinstance(b, S.AText))})
+            continue
         if m.role == "user":
             for b in blocks:
                 if isinstance(b, S.AToolResult):

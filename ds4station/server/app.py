@@ -246,6 +246,16 @@ class Server(uvicorn.Server):
         self.grace = grace
         self._now = threading.Event()
         self._drain: threading.Thread | None = None
+        self.load_failed = False
+
+    async def on_tick(self, counter: int) -> bool:
+        # A model that never loaded leaves nothing to serve: exit (non-zero, see `serve`) rather than answer
+        # 503 forever. A route that failed later, after its restarts, stays up to say why (/health).
+        if self.scheduler.load_error is not None and not self.load_failed:
+            self.load_failed = True
+            print(f"ds4station serve: {self.scheduler.load_error}", file=sys.stderr)
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Not recorded as uvicorn's captured signal: a drained server exits normally (status 0), it does not
@@ -267,15 +277,18 @@ class Server(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> None:
-    """Run `app` (made by create_app) in this thread until a signal has drained it (see Server).
+def serve(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> int:
+    """Run `app` (made by create_app) in this thread until a signal has drained it (see Server); -> the exit
+    status: 0, or 1 when the model failed to load (the reason is printed).
 
     The process's interpreter lock changes hands every GIL_SWITCH_S instead of Python's 5 ms: the engine's
     worker thread gives it up while the GPU runs a step, and must not then wait up to 5 ms for the event
     loop (writing the previous token's chunk) to hand it back."""
     sys.setswitchinterval(GIL_SWITCH_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_CLOSE_WAIT)
-    Server(config, app.state.ds4.scheduler, shutdown_grace).run()
+    server = Server(config, app.state.ds4.scheduler, shutdown_grace)
+    server.run()
+    return 1 if server.load_failed else 0
 
 
 class BackgroundServer:

@@ -554,8 +554,15 @@ ABlock = AText | AThinking | ARedactedThinking | AToolUse | AToolResult
 
 
 class AMessage(Strict):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: a mid-conversation instruction (a Claude Code beta)
     content: str | list[ABlock]
+
+    @model_validator(mode="after")
+    def _system_is_text(self) -> AMessage:
+        if self.role == "system" and not isinstance(self.content, str) and \
+                any(not isinstance(b, AText) for b in self.content):
+            raise ValueError("a system message takes text blocks only")
+        return self
 
 
 class ATool(Strict):
@@ -646,6 +653,8 @@ class MessagesRequest(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> MessagesRequest:
+        if all(m.role == "system" for m in self.messages):
+            raise ValueError("messages hold only system messages: a user message is needed to answer")
         names = [t.name for t in self.tools or []]
         _unique_names(names, "tools")
         if self.tool_choice is not None and self.tool_choice.type == "tool":

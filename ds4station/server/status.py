@@ -99,6 +99,13 @@ def _engine_status(scheduler: Scheduler) -> dict[str, Any]:
     return {}
 
 
+@router.api_route("/", methods=["GET", "HEAD"])
+async def root(request: Request) -> JSONResponse:
+    """What answers here (clients' connectivity checks, e.g. Claude Code's HEAD /): the server and its model."""
+    st = request.app.state.ds4
+    return JSONResponse({"name": "ds4station", "model": st.model_name, "health": "/health"})
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     st = request.app.state.ds4
