@@ -11,7 +11,8 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
   chunks); a session that cannot roll back far enough (`truncate` returns False) is re-prefilled;
 - the decode loop samples, detokenizes incrementally, applies stop tokens / stop strings / max tokens,
   and checks the request's cancel flag before every step, so a client that goes away stops the
-  generation within one decode step;
+  generation within one decode step; on an engine that queues its steps (`queues_steps`: one local CUDA
+  stage) each sampled token is fed to the next step before its text is made and sent, so the two overlap;
 - a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) when no
   request arrives within SETTLE_GRACE, so settling never delays an unrelated request; a request that
   continues the turn before then settles it first (that prefill is its own work), so what it reuses does
@@ -603,17 +604,16 @@ class Scheduler:
         self.engine = self._loader()
         self.pool = SessionPool(self.engine, self.capacity)
         self._warm()
-        # What is alive now (the engine, tokenizer, server modules: ~250K objects even for the demo model)
-        # lives as long as the engine does: moved out of the collector's reach, so a full collection no
-        # longer costs a request ~30-80 ms at a random moment (as the first one after ready did on the H200).
+        # A full collection now, while nobody waits: the warm-up's garbage goes and the collector's counts
+        # start from zero, so the next full pass (~75-80 ms over the demo model's ~250K live objects on a
+        # CI CPU) does not land on the first requests. (gc.freeze() also made every later pass cheap, but
+        # /health under 20 MiB request bodies then stalled past 100 ms in some test-suite runs.)
         gc.collect()
-        gc.freeze()
 
     def _discard_engine(self) -> None:
         """Give the live KV back and close the engine (when it is ours); nothing is left to serve from."""
         engine, pool = self.engine, self.pool
         self.engine, self.pool = None, None
-        gc.unfreeze()  # what the engine held can be collected again
         if pool is not None:
             for live in list(pool.slots):
                 pool.drop(live)
