@@ -17,7 +17,7 @@ from ds4station.hardware import detect
 from ds4station.model.footprint import FootprintSettings, named_shape, stage_footprint
 from ds4station.model.route import parse_route
 from ds4station.planner.devices import DeviceBudget, budgets_from_gpus, nominal_bandwidth, parse_gpu_spec
-from ds4station.planner.presets import PresetError, load_host_profile, load_preset
+from ds4station.planner.presets import PresetError, is_host_profile, load_host_profile, load_preset
 from ds4station.planner.propose import PlanError, _Planner, evaluate, propose
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -232,6 +232,25 @@ def test_preset_files() -> None:
         load_preset("gfx906-workstation")
     with pytest.raises(PresetError, match="known: context, gfx906-workstation"):
         load_preset("turbo")
+
+
+def test_a_key_no_preset_or_host_profile_takes_is_refused_by_name(tmp_path: Path) -> None:
+    """A misspelt knob must not quietly plan with the default."""
+    typo = tmp_path / "mine.toml"
+    typo.write_text('objective = "speed"\nprefil_chunk = 2048\n')
+    with pytest.raises(PresetError, match="preset mine: unknown key 'prefil_chunk' \\(did you mean 'prefill_chunk'"):
+        load_preset(str(typo))
+    odd = tmp_path / "odd.toml"
+    odd.write_text('objective = "speed"\nturbo_mode = true\n')
+    with pytest.raises(PresetError, match="unknown key 'turbo_mode'; known keys: activation_factor, ctx"):
+        load_preset(str(odd))
+    host = tmp_path / "box.toml"
+    host.write_text('kind = "host"\ngpus = "24GiB"\nhost_rams = "64GiB"\n')
+    with pytest.raises(PresetError, match="host profile box.toml: unknown key 'host_rams' \\(did you mean 'host_ram'"):
+        load_host_profile(str(host))
+    # every shipped file uses only known keys
+    for shipped in sorted((Path(__file__).parent.parent / "ds4station" / "presets").glob("*.toml")):
+        (load_host_profile if is_host_profile(str(shipped)) else load_preset)(str(shipped))
 
 
 # ---- the plan command --------------------------------------------------------------------------------------------

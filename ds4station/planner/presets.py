@@ -80,7 +80,28 @@ def _read(path: Path) -> dict[str, Any]:
         raise PresetError(f"{path}: {e}") from e
 
 
+# The keys each kind of file takes; anything else is refused with its name (a typo must not silently plan
+# with a default).
+PRESET_KEYS = frozenset({
+    "name", "description", "objective", "ctx", "prefill_chunk", "kv_dtype", "runtime_overhead",
+    "activation_factor", "expert_streaming", "expert_cache", "stream_below_ctx", "desktop_headroom", "reserve",
+    "spare_target", "min_ctx", "ctx_step"})
+HOST_KEYS = frozenset({"kind", "name", "description", "gpus", "host_ram"})
+
+
+def _check_keys(data: dict[str, Any], known: frozenset[str], where: str) -> None:
+    import difflib
+
+    for key in data:
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else f"; known keys: {', '.join(sorted(known))}"
+            raise PresetError(f"{where}: unknown key {key!r}{hint}")
+
+
 def settings_from_dict(data: dict[str, Any], name: str = "custom") -> PlanSettings:
+    _check_keys(data, PRESET_KEYS, f"preset {name}")
+
     def size(key: str, default: int) -> int:
         try:
             return parse_size(data[key]) if key in data else default
@@ -122,6 +143,7 @@ def load_host_profile(name: str) -> HostProfile:
     data = _read(path)
     if data.get("kind") != "host" or "gpus" not in data:
         raise PresetError(f"{path.name} is not a host profile (needs kind = \"host\" and gpus = \"SPEC\")")
+    _check_keys(data, HOST_KEYS, f"host profile {path.name}")
     ram = data.get("host_ram")
     try:
         host_ram = parse_size(ram) if ram is not None else None
@@ -137,5 +159,5 @@ def is_host_profile(name: str) -> bool:
         return False
 
 
-__all__ = ["HostProfile", "PRESET_DIR", "PlanSettings", "PresetError", "is_host_profile", "load_host_profile",
-           "load_preset", "settings_from_dict"]
+__all__ = ["HOST_KEYS", "HostProfile", "PRESET_DIR", "PRESET_KEYS", "PlanSettings", "PresetError", "is_host_profile",
+           "load_host_profile", "load_preset", "settings_from_dict"]
