@@ -6,11 +6,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.iq2_xxs import dequantize_iq2_xxs, iq2_xxs_matvec, iq2_xxs_matvec_ref, repack_iq2_xxs
+from ds4station.kernels.iq2_xxs import (
+    _sign_selectors,
+    dequantize_iq2_xxs,
+    iq2_xxs_matvec,
+    iq2_xxs_matvec_ref,
+    repack_iq2_xxs,
+    sign_nibbles,
+)
 from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -72,3 +81,24 @@ def test_matvec_rejects_bad_shapes() -> None:
         iq2_xxs_matvec(torch.zeros(1, 512, device=DEVICE), w)
     with pytest.raises(ValueError, match="1-8 activation rows"):
         iq2_xxs_matvec(torch.zeros(9, 256, device=DEVICE), w)
+
+
+@triton.jit
+def _selectors_kernel(s7_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, _sign_selectors(tl.load(s7_ptr + offs)))
+
+
+def test_sign_selectors_equal_the_sign_table_for_every_field() -> None:
+    """The "spread" decode's arithmetic (popc + three multiply-and-mask steps) against `sign_nibbles`, the
+    table the "signed_permute" decode looks up, for all 128 7-bit sign fields; that table itself against the
+    format's rule (the 8th sign is the parity of the 7)."""
+    s7 = torch.arange(128, dtype=torch.int32, device=DEVICE)
+    out = torch.empty_like(s7)
+    _selectors_kernel[(1,)](s7, out, N=128)
+    table = sign_nibbles(torch.device(DEVICE))
+    assert torch.equal(out, table)
+    for field in range(128):
+        sign8 = field | (bin(field).count("1") % 2) << 7
+        want = sum(((sign8 >> e) & 1) << (4 * e + 2) for e in range(8))
+        assert int(table[field]) & 0xFFFFFFFF == want
