@@ -1,11 +1,12 @@
 """The fused routed-expert decode (`moe_decode`, integer dot) on one Flash layer's 256 random q2 experts: the
-IQ2_XXS sign decodes ("permute", "spread") x gate+up tiles (rows 4/8/16 x K chunk 1024/2048/4096 with 1/2/4
-warps), at 1 token and at 23 (a short prompt's static step), 6 experts per token. Each case is timed as a CUDA
+gate+up tiles (rows 4/8/16 x K chunk 1024/2048/4096 with 1/2/4 warps), at 1 token and at 23 (a short
+prompt's static step), 6 experts per token. Each case is timed as a CUDA
 graph over 16 routings, so few experts come back from L2. Needs a CUDA GPU. From the repository root:
 
     python docs/scripts/moe_tiles.py [tokens ...]
 
-docs/PERFORMANCE.md has its runs (sixth session: the sweep behind dispatch.moe_tiles and the "spread" default).
+docs/PERFORMANCE.md has its runs (sixth session: the sweep behind dispatch.moe_tiles; that run also timed the
+sign decodes the kernel had then, of which it keeps the fastest).
 """
 from __future__ import annotations
 
@@ -34,19 +35,17 @@ def sweep(experts: Experts, t: int, gen: torch.Generator) -> None:
     base = dispatch.moe_tiles("iq2_xxs", "q2_k", FLASH.dim, experts.gate.n, t * SLOTS, "cuda")
     want = moe_decode(x, experts.gate, experts.up, experts.down, ids[0], wts, 10.0, tiles=base)
     print(f"T={t}: default tiles {base}", flush=True)
-    for decode in ("permute", "spread"):
-        for bn in (4, 8, 16):
-            for bk, nw in ((1024, 1), (2048, 2), (4096, 4)):
-                gu = dataclasses.replace(base.gate_up, block_n=bn, block_k=bk, num_warps=nw)
-                tiles = dataclasses.replace(base, iq2_decode=decode, gate_up=gu)
+    for bn in (4, 8, 16):
+        for bk, nw in ((1024, 1), (2048, 2), (4096, 4)):
+            tiles = dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up, block_n=bn, block_k=bk,
+                                                                          num_warps=nw))
 
-                def launch(i: int, tiles: dispatch.MoeTiles = tiles) -> torch.Tensor:
-                    return moe_decode(x, experts.gate, experts.up, experts.down, ids[i], wts, 10.0, out=y, tiles=tiles)
+            def launch(i: int, tiles: dispatch.MoeTiles = tiles) -> torch.Tensor:
+                return moe_decode(x, experts.gate, experts.up, experts.down, ids[i], wts, 10.0, out=y, tiles=tiles)
 
-                err = ((launch(0) - want).norm() / want.norm()).item()
-                us = _graph_time_us(launch, ROUTINGS)
-                print(f"  {decode:8s} block_n {bn:2d} block_k {bk} warps {nw}: {us:8.1f} us  (diff {err:.1e})",
-                      flush=True)
+            err = ((launch(0) - want).norm() / want.norm()).item()
+            us = _graph_time_us(launch, ROUTINGS)
+            print(f"  block_n {bn:2d} block_k {bk} warps {nw}: {us:8.1f} us  (diff {err:.1e})", flush=True)
 
 
 def main(rows: list[int]) -> None:

@@ -331,7 +331,7 @@ def bench_moe(device: torch.device, copy_gbps: float, n_experts: int = 256, d_mo
     from gguf import GGMLQuantizationType as Q
 
     from ds4station.kernels import dispatch
-    from ds4station.kernels.iq2_xxs import IQ2_DECODES, repack_iq2_xxs
+    from ds4station.kernels.iq2_xxs import repack_iq2_xxs
     from ds4station.kernels.moe import moe_decode, moe_decode_ref
     from ds4station.kernels.q2_k import repack_q2_k
 
@@ -351,8 +351,7 @@ def bench_moe(device: torch.device, copy_gbps: float, n_experts: int = 256, d_mo
     base = dispatch.moe_tiles(gate.qtype, down.qtype, d_model, d_ff, slots, dispatch.launch_backend(x))
     variants = [("fp32 math", False, base)]
     if dispatch.use_int_dot(dispatch.launch_backend(x)):
-        variants += [(f"int8 dot, {d} decode", True, dataclasses.replace(base, iq2_decode=d))
-                     for d in IQ2_DECODES]
+        variants.append(("int8 dot", True, base))
     res = []
     for label, int_dot, tiles in variants:
         err = _rel_err(moe_decode(x, gate, up, down, ids[0], weights, out=y, tiles=tiles, int_dot=int_dot), exact)

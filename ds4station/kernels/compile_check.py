@@ -177,25 +177,24 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         specs.append(KernelSpec(
             "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,
-             "h_ptr": ptr32, "grid_ptr": "*i32", "signs_ptr": "*i32",
+             "h_ptr": ptr32, "grid_ptr": "*i32",
              "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16, "last_ptr": "*i64",
              "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr",
-             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "DECODE": "constexpr", "PADDED": "constexpr"},
+             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "PADDED": "constexpr"},
             {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n, "BLOCK_U": mo.gate_up.block_k // 32,
-             "DECODE": iq2_xxs.IQ2_DECODES[mo.iq2_decode], "PADDED": False},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "signs_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
+             "PADDED": False},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
              "F", "D"),
             mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
         specs.append(KernelSpec(
             "moe_down_i8 q2_k 6x4096x2048", moe._moe_down_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32,
-             "grid_ptr": "*i32", "signs_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", "last_ptr": "*i64",
+             "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", "last_ptr": "*i64",
              "F": i32, "D": i32, "stride_yt": i32,
              "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
-             "DECODE": "constexpr", "PADDED": "constexpr"},
-            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16,
-             "DECODE": iq2_xxs.IQ2_DECODES[mo.iq2_decode], "PADDED": False},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "signs_ptr", "d0", "d1", "d2", "F", "D",
+             "PADDED": "constexpr"},
+            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16, "PADDED": False},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D",
              "stride_yt"),
             mo.down.num_warps, mo.down.num_stages, decode=True))
     specs += _hc_specs(hc, backend)

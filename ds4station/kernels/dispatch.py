@@ -183,8 +183,6 @@ def matvec_tiles(
 class MoeTiles:
     gate_up: MatvecTiles  # IQ2_XXS-style gate+up rows [F, D]
     down: MatvecTiles  # Q2_K-style down rows [D, F]
-    # integer-dot IQ2_XXS: how the signed magnitude bytes are made (iq2_xxs.IQ2_DECODES, _iq2_xxs_dot_i8)
-    iq2_decode: str = "spread"
 
 
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:

@@ -77,12 +77,10 @@ def grid_words(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(words).to(device)
 
 
-# The grid's three magnitudes as bytes, and negated, for the byte-permute decodes: selector nibble c picks
+# The grid's three magnitudes as bytes, and negated, for the byte-permute decode: selector nibble c picks
 # magnitude c (0: 8, 1: 25, 2: 43), c + 4 the negated one.
 MAGS = tl.constexpr(0x002B1908)
 NEG_MAGS = tl.constexpr(0x00D5E7F8)  # -8, -25, -43 as int8
-# `_iq2_xxs_dot_i8`'s ways to make the signed magnitude bytes (dispatch.MoeTiles.iq2_decode).
-IQ2_DECODES = {"words": 0, "permute": 1, "signed_permute": 2, "spread": 3}
 
 
 @lru_cache(maxsize=8)
@@ -93,18 +91,6 @@ def grid_codes(device: torch.device) -> torch.Tensor:
     words = np.zeros(256, dtype=np.int64)
     for e in range(8):
         words |= codes[:, e] << (4 * e)
-    return torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
-
-
-@lru_cache(maxsize=8)
-def sign_nibbles(device: torch.device) -> torch.Tensor:
-    """int32 [128]: for a 7-bit sign field, sign e (the 8th is the parity of the 7) at bit 2 of nibble e, to
-    OR into grid_codes' nibbles: a byte-permute selector that picks the negated magnitude."""
-    words = np.zeros(128, dtype=np.int64)
-    for s7 in range(128):
-        sign8 = s7 | ((bin(s7).count("1") & 1) << 7)
-        for e in range(8):
-            words[s7] |= ((sign8 >> e) & 1) << (4 * e + 2)
     return torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
 
 
@@ -210,7 +196,7 @@ def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.c
 def _sign_selectors(s7):
     """The 8 signs of a 7-bit sign field (the 8th: the parity of the 7) at bit 2 of nibbles 0-7: OR'd into
     grid_codes' nibbles, the byte-permute selectors that pick each weight's signed magnitude. Computed, not
-    looked up (sign_nibbles' second divergent lookup cost more than its instructions saved): three
+    looked up (a 128-entry table's second divergent lookup cost more than its instructions saved): three
     multiply-and-mask steps move bit e to 4 e + 2; each multiply adds shifted copies whose set bits never
     overlap, so no carry crosses a kept bit (bits above 7 of the first operand, popc's high bits, are
     dropped by the first mask)."""
@@ -221,22 +207,17 @@ def _sign_selectors(s7):
 
 
 @triton.jit
-def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
-                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, DECODE: tl.constexpr):
+def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
+                    BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """Integer-dot form of _iq2_xxs_dot: activation quantised by act_quant ("iq2_xxs" layout: int32 [8, K/32]
-    words + fp32 scale per 32), two dp4a per 8 weights. The signed magnitude bytes of 8 weights, by DECODE
-    (IQ2_DECODES):
-    0 "words": the grid entry as an int64 of 8 magnitude bytes (grid_ptr: grid_words); the signs, the 7-bit
-      field plus its parity (popc), spread to byte masks by a multiply; byte-wise negation (g ^ 0xFF) + 1
-      (magnitudes are 8..43, so no byte carries);
-    1 "permute": the same signs, the magnitudes by two byte permutes of (8, 25, 43) by the entry's nibble
-      codes (grid_ptr: grid_codes, 1 KB against 2 KB: a warp's divergent lookup touches half the lines);
-    2 "signed_permute": the sign field looked up too (signs_ptr: sign_nibbles, 512 B), ORed into the codes,
-      and two byte permutes pick each weight's signed byte from (8, 25, 43, -8, -25, -43): no sign math;
-    3 "spread" (the default): the same selectors, the sign bits moved into them by arithmetic
-      (_sign_selectors: popc and three multiply-and-mask steps) instead of a second lookup. H200, the whole
-      moe_decode over 6 of 256 Flash experts per token: 47.6 against 54.1 us for "permute" at one token,
-      808 against 953 us at 23 tokens (743 us with the one-warp tiles of dispatch.moe_tiles)."""
+    words + fp32 scale per 32), two dp4a per 8 weights. The signed magnitude bytes of 8 weights come from two
+    byte permutes of (8, 25, 43, -8, -25, -43), whose selectors are the grid entry's nibble codes (grid_ptr:
+    grid_codes, 1 KB: a warp's divergent lookups touch ~8 cache lines) OR'd with the signs moved into bit 2 of
+    each nibble by arithmetic (_sign_selectors).
+    Measured on the H200 against the ways it replaced (docs/PERFORMANCE.md), the whole moe_decode over 6 of
+    256 Flash experts per token: 47.6 us at one token against 52.9-61.6 us for the int64 grid words with
+    multiplied sign masks, the nibble codes with the same masks, and a 128-entry sign table; 808 against
+    953 us at 23 tokens for the codes with masks (743 us with the one-warp tiles of dispatch.moe_tiles)."""
     G = K // 32
     offs_g = tl.arange(0, BLOCK_G)
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
@@ -252,36 +233,14 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs
         xs = tl.load(xs_ptr + gg, mask=g_mask, other=0.0)
         scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25 * xs[None, :]
         isum = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
-        if DECODE != 0:
-            mags = tl.full([BLOCK_N, BLOCK_G], MAGS, tl.int32)
-            neg_mags = tl.full([BLOCK_N, BLOCK_G], NEG_MAGS, tl.int32)
+        mags = tl.full([BLOCK_N, BLOCK_G], MAGS, tl.int32)
+        neg_mags = tl.full([BLOCK_N, BLOCK_G], NEG_MAGS, tl.int32)
         for j in tl.static_range(4):
             idx = (w0 >> (8 * j)) & 255
             s7 = (w1 >> (7 * j)) & 127
-            if DECODE == 2:
-                sel = tl.load(grid_ptr + idx) | tl.load(signs_ptr + s7)  # nibble e: code + 4 * sign
-                lo = _prmt(mags, neg_mags, sel)
-                hi = _prmt(mags, neg_mags, sel >> 16)
-            elif DECODE == 3:
-                sel = _sign_selectors(s7) | tl.load(grid_ptr + idx)  # nibble e: code + 4 * sign
-                lo = _prmt(mags, neg_mags, sel)
-                hi = _prmt(mags, neg_mags, sel >> 16)
-            else:
-                if DECODE == 1:
-                    code = tl.load(grid_ptr + idx)  # nibble e: the code of magnitude e
-                    glo = _prmt(mags, neg_mags, code)  # magnitudes 0-3
-                    ghi = _prmt(mags, neg_mags, code >> 16)  # magnitudes 4-7
-                else:
-                    gw = tl.load(grid_ptr + idx)  # one int64 gather (two int32 ones doubled the L1 work)
-                    glo = gw.to(tl.int32)
-                    ghi = (gw >> 32).to(tl.int32)
-                sign8 = s7 | ((_popc(s7) & 1) << 7)  # the 8th sign is the parity of the 7
-                # 4 sign bits -> bit 0 of 4 bytes (copies at offsets 0, 7, 14, 21 never overlap); negate those
-                # bytes as (g ^ 0xFF) + 1
-                tlo = ((sign8 & 15) * 0x00204081) & 0x01010101
-                thi = (((sign8 >> 4) & 15) * 0x00204081) & 0x01010101
-                lo = (glo ^ (tlo * 255)) + tlo
-                hi = (ghi ^ (thi * 255)) + thi
+            sel = _sign_selectors(s7) | tl.load(grid_ptr + idx)  # nibble e: code + 4 * sign
+            lo = _prmt(mags, neg_mags, sel)
+            hi = _prmt(mags, neg_mags, sel >> 16)
             xa = tl.broadcast_to(tl.load(xq_ptr + (2 * j) * G + gg, mask=g_mask, other=0)[None, :],
                                  (BLOCK_N, BLOCK_G))
             xb = tl.broadcast_to(tl.load(xq_ptr + (2 * j + 1) * G + gg, mask=g_mask, other=0)[None, :],

@@ -30,14 +30,12 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import dequantize_act, quantize_act, quantize_act_ref
 from ds4station.kernels.iq2_xxs import (
-    IQ2_DECODES,
     PackedIQ2XXS,
     _iq2_xxs_dot,
     _iq2_xxs_dot_i8,
     dequantize_iq2_xxs,
     grid_codes,
     grid_words,
-    sign_nibbles,
     transpose_groups,
 )
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
@@ -158,12 +156,11 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
-                 BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, DECODE: tl.constexpr):
+def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
+                 BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     """Integer-dot counterpart of _rows_dot over an act_quant-quantised activation row."""
     if QT == 0:
-        acc = _iq2_xxs_dot_i8(p0, p1, grid_ptr, signs_ptr, rows, n_mask, xq_ptr, xs_ptr, K, BLOCK_N, BLOCK_U,
-                              DECODE)
+        acc = _iq2_xxs_dot_i8(p0, p1, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K, BLOCK_N, BLOCK_U)
     else:
         acc = _q2_k_dot_i8(p0, p1, p2, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K, BLOCK_N, BLOCK_U)
     return acc
@@ -171,11 +168,11 @@ def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, signs_ptr, rows, n_mask
 
 @triton.jit
 def _moe_gate_up_i8_kernel(
-    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr, signs_ptr,
+    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr,
     g0, g1, g2, u0, u1, u2, last_ptr,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    DECODE: tl.constexpr, PADDED: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -188,8 +185,8 @@ def _moe_gate_up_i8_kernel(
     n_mask = offs_n < F
     rows = e * F + offs_n.to(tl.int64)
     xq, xs, xsum = xq_ptr + t * (D // 4), xs_ptr + t * (D // 32), xsum_ptr + t * (D // 16)
-    g = _rows_dot_i8(QT, g0, g1, g2, grid_ptr, signs_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, DECODE)
-    u = _rows_dot_i8(QT, u0, u1, u2, grid_ptr, signs_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U, DECODE)
+    g = _rows_dot_i8(QT, g0, g1, g2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
+    u = _rows_dot_i8(QT, u0, u1, u2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
     if CLAMP:
         g = tl.minimum(g, clamp)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -198,10 +195,10 @@ def _moe_gate_up_i8_kernel(
 
 @triton.jit
 def _moe_down_i8_kernel(
-    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr, signs_ptr,
+    xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr,
     d0, d1, d2, last_ptr,
     F, D, stride_yt,
-    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, DECODE: tl.constexpr,
+    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     PADDED: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -216,8 +213,8 @@ def _moe_down_i8_kernel(
         slot = (t * S + s).to(tl.int64)
         e = tl.load(ids_ptr + slot).to(tl.int64)
         rows = e * D + offs_n.to(tl.int64)
-        acc += _rows_dot_i8(QT, d0, d1, d2, grid_ptr, signs_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
-                            xs_ptr + slot * (F // 32), xsum_ptr + slot * (F // 16), F, BLOCK_N, BLOCK_U, DECODE)
+        acc += _rows_dot_i8(QT, d0, d1, d2, grid_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
+                            xs_ptr + slot * (F // 32), xsum_ptr + slot * (F // 16), F, BLOCK_N, BLOCK_U)
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
@@ -300,17 +297,15 @@ def _moe_decode_i8(
 ) -> torch.Tensor:
     t_count, d_model = x.shape
     d_ff, n_slots = gate.n, ids.shape[1]
-    decode = IQ2_DECODES[tiles.iq2_decode]
-    grid_tab = grid_words(x.device) if decode == 0 else grid_codes(x.device)
-    signs = sign_nibbles(x.device)
+    grid_tab = grid_codes(x.device)
     xq, xs, xsum = quantize_act(x, gate.qtype)
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     gu = tiles.gate_up
     _moe_gate_up_i8_kernel[(t_count * n_slots, triton.cdiv(d_ff, gu.block_n))](
-        xq, xs, xsum, ids, weights, h, grid_tab, signs, *_ptrs(gate), *_ptrs(up), ids if last is None else last,
+        xq, xs, xsum, ids, weights, h, grid_tab, *_ptrs(gate), *_ptrs(up), ids if last is None else last,
         d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None, BLOCK_N=gu.block_n,
-        BLOCK_U=gu.block_k // _UNIT[gate.qtype], DECODE=decode, PADDED=last is not None, num_warps=gu.num_warps,
+        BLOCK_U=gu.block_k // _UNIT[gate.qtype], PADDED=last is not None, num_warps=gu.num_warps,
         num_stages=gu.num_stages,
     )
     hq, hs, hsum = quantize_act(h, down.qtype)
@@ -318,9 +313,9 @@ def _moe_decode_i8(
         out = torch.empty((t_count, d_model), device=x.device, dtype=torch.float32)
     dn = tiles.down
     _moe_down_i8_kernel[(t_count, triton.cdiv(d_model, dn.block_n))](
-        hq, hs, hsum, ids, out, grid_tab, signs, *_ptrs(down), ids if last is None else last, d_ff, d_model,
+        hq, hs, hsum, ids, out, grid_tab, *_ptrs(down), ids if last is None else last, d_ff, d_model,
         out.stride(0), S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n,
-        BLOCK_U=dn.block_k // _UNIT[down.qtype], DECODE=decode, PADDED=last is not None, num_warps=dn.num_warps,
+        BLOCK_U=dn.block_k // _UNIT[down.qtype], PADDED=last is not None, num_warps=dn.num_warps,
         num_stages=dn.num_stages,
     )
     return out
