@@ -13,7 +13,7 @@ import torch
 from ds4station.engine.demo import make_model
 from ds4station.engine.engine import DEFAULT_GPU_CHUNK, Engine, check_settings, default_chunk
 from ds4station.engine.kv import DEFAULT_CHUNK
-from ds4station.engine.model import OFF, DS4Model
+from ds4station.engine.model import OFF
 from ds4station.engine.stage import choose_backend
 from ds4station.model.footprint import kv_bytes
 from ds4station.model.route import parse_route
@@ -38,13 +38,12 @@ PROMPT = list(range(2, 50))  # 48 tokens: past the window, several compressed bl
 def full_logits(engine: Engine, tokens: list[int]) -> torch.Tensor:
     """Every position's logits from the engine's own stage model (prefill + head over the whole state)."""
     model = engine.runner.model
-    assert isinstance(model, DS4Model)
     return model.head(model.prefill(tokens, model.new_cache(len(tokens), chunk=len(tokens))))
 
 
-def test_one_stage_runs_in_this_process_on_the_reference(engine) -> None:
+def test_one_stage_runs_in_this_process_on_the_kernel_stage(engine) -> None:
     assert engine.world == 1 and not engine.procs
-    assert engine.runner.compute == "reference" and str(engine.route) == "cpu=embed,0-5,output"
+    assert engine.runner.compute == "kernels" and str(engine.route) == "cpu=embed,0-5,output"
     # every KV slot is allocated at load, as the formula says
     assert engine.runner.kv_bytes() == 3 * kv_bytes(engine.cfg, None, 128, "f32", chunk=16, rollback=16)
 
@@ -99,13 +98,13 @@ def test_load_reports_progress_in_weight_bytes(gguf_path) -> None:
 
 
 def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
-    """compute="kernels" runs the kernel stage (engine/gpu.py, the default on a GPU; on the CPU its torch
-    fallbacks) behind the same Session interface: its logits follow the reference through prefill, decode
-    and a rollback."""
+    """The kernel stage (engine/gpu.py, the default; on the CPU its torch fallbacks) serves what the fp32
+    reference slice (compute="reference") does, behind the same Session interface: its logits follow the
+    reference through prefill, decode and a rollback."""
     from ds4station.engine.gpu import GpuStage
 
-    ref = Engine.load(gguf_path, ctx=128, device="cpu")
-    fast = Engine.load(gguf_path, ctx=128, device="cpu", compute="kernels")
+    ref = Engine.load(gguf_path, ctx=128, device="cpu", compute="reference")
+    fast = Engine.load(gguf_path, ctx=128, device="cpu")
     assert isinstance(fast.runner.model, GpuStage) and fast.runner.compute == "kernels"
     a, b = ref.new_session(), fast.new_session()
     prompt = [0, *range(5, 45)]
@@ -151,12 +150,12 @@ def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
 def test_backend_is_chosen_in_one_place() -> None:
     route = parse_route("cpu=embed,0-1,output; cuda:0=2-3; cuda:1=4-5,cache=2GiB", 6)
     cpu, gpu, streaming = route.stages
-    assert choose_backend(torch.device("cpu"), cpu) == "reference"
+    assert choose_backend(torch.device("cpu"), cpu) == "kernels"  # quantised weights on the CPU too
     assert choose_backend(torch.device("cuda:0"), gpu) == "kernels"
-    assert choose_backend(torch.device("cuda:1"), streaming) == "reference"  # streamed experts: reference slice
-    assert choose_backend(torch.device("cpu"), cpu, "kernels") == "kernels"
-    with pytest.raises(ValueError, match="streamed experts"):
-        choose_backend(torch.device("cuda:1"), streaming, "kernels")
+    assert choose_backend(torch.device("cuda:1"), streaming) == "kernels"
+    assert choose_backend(torch.device("cpu"), cpu, "reference") == "reference"
+    with pytest.raises(ValueError, match="streamed experts run on the kernel stage"):
+        choose_backend(torch.device("cuda:1"), streaming, "reference")
     with pytest.raises(ValueError, match="compute 'fast'"):
         choose_backend(torch.device("cpu"), cpu, "fast")
 

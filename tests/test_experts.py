@@ -1,15 +1,23 @@
-"""Streamed routed experts (engine/experts.py): bit-exact against resident experts, LRU eviction with the
-running layer pinned, prefetch, statistics that add up, and the refused too-small cache."""
+"""Streamed routed experts (engine/experts.py) on the kernel stage: slots hold exactly the resident packed
+experts, generation bit-exact against resident experts (torch fallbacks, and the Triton kernels in the
+interpreter), LRU eviction with the running layer pinned, hash-layer prefetch, statistics that add up, and the
+refused too-small cache."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from ds4station.engine.demo import make_model
 from ds4station.engine.engine import Engine
-from ds4station.engine.experts import ExpertCache, ExpertCacheTooSmall, ExpertView, min_cache_bytes, too_small_message
+from ds4station.engine.experts import ExpertCache, ExpertCacheTooSmall, min_cache_bytes, too_small_message
+from ds4station.engine.gpu import GpuStage
+from ds4station.engine.model import OFF
 from ds4station.engine.weights import load_tensors, tensor_view
+from ds4station.kernels import dispatch, ops
+from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.model.config import FLASH
 from ds4station.model.gguf import GGUFFile
 from ds4station.model.layout import model_tensors
@@ -34,24 +42,34 @@ def _ids(*experts: int) -> torch.Tensor:
     return torch.tensor([list(experts)])
 
 
-def test_streamed_rows_equal_the_resident_dequantisation(gguf: GGUFFile) -> None:
-    cache = _cache(gguf, range(3, 4))
-    for part, role in (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps")):
-        full = tensor_view(gguf, f"blk.3.{role}.weight").dequantize()
-        view = cache.view(3, part)
-        assert isinstance(view, ExpertView) and view.is_floating_point() and view.shape == tuple(full.shape)
-        for e in range(gguf.config.n_experts):
-            assert torch.equal(view[e], full[e])
+def _fields(p: object) -> list[torch.Tensor]:
+    return [getattr(p, f.name) for f in dataclasses.fields(p)]
+
+
+def test_slots_hold_exactly_the_resident_packed_experts(gguf: GGUFFile) -> None:
+    cache = _cache(gguf, range(3, 5))
+    n = gguf.config.n_experts
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(1))
+    for layer in (3, 4):
+        slots = cache.slots(layer, order.view(2, -1))
+        assert slots.shape == (2, n // 2) and len(set(slots.flatten().tolist())) == n
+        for part, role, pool in zip(("gate", "up", "down"), ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"),
+                                    cache.parts(), strict=True):
+            q = tensor_view(gguf, f"blk.{layer}.{role}.weight")
+            full = ops.repack(q.data.view(q.shape[0], q.shape[1], -1), q.qtype.name, q.shape[-1])
+            for e, s in zip(order.tolist(), slots.flatten().tolist(), strict=True):
+                for a, b in zip(_fields(pool), _fields(full), strict=True):
+                    assert torch.equal(a[s], b[e]), (layer, part, e)
 
 
 def test_streaming_generation_matches_resident_exactly(gguf: GGUFFile) -> None:
     path = gguf.path
-    resident = Engine.load(path, ctx=CTX, device="cpu", chunk=CHUNK)
-    tensors = load_tensors(gguf)
-    need = min_cache_bytes(tensors, range(gguf.config.n_layers))
+    resident = Engine.load(path, ctx=CTX, device="cpu", chunk=CHUNK, compute="kernels")
+    need = min_cache_bytes(load_tensors(gguf), range(gguf.config.n_layers))
     streamed = Engine.load(path, CTX, device="cpu", expert_cache=need, chunk=CHUNK, activation_bits=32)
     try:
         assert streamed.world == 1 and streamed.procs == {}  # one stage, in this process
+        assert streamed.stage_stats()[0]["compute"] == "kernels"  # the kernel stage streams, on the CPU too
         a, b = resident.new_session(), streamed.new_session()
         la, lb = a.extend(PROMPT), b.extend(PROMPT)
         for _ in range(5):
@@ -64,59 +82,92 @@ def test_streaming_generation_matches_resident_exactly(gguf: GGUFFile) -> None:
         assert stats["slots"] == gguf.config.n_experts and stats["evictions"] > 0 and stats["prefetched"] > 0
         assert stats["hits"] + stats["misses"] == stats["lookups"]
         assert stats["bytes_read"] == stats["misses"] * stats["slot_bytes"]
+        assert stats["device_bytes"] >= stats["slots"] * stats["slot_bytes"]
     finally:
         streamed.close()
+        resident.close()
+
+
+@pytest.mark.skipif(not dispatch.interpreting(), reason="on a GPU test_gpu_stage's cuda cases run the kernels")
+def test_streaming_through_the_kernels_in_the_interpreter_equals_resident(gguf: GGUFFile) -> None:
+    """The GPU code path, run by the Triton interpreter: a slice with a hash-routed ratio-4 + indexer layer
+    and a biased ratio-16 layer streams its experts (the fused MoE decode kernels read the pool through the
+    slot table) and gives exactly the resident logits; the grouped prefill kernels read slots exactly too."""
+    cfg, layers = gguf.config, range(2, 4)
+    tokens = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(9))
+    tensors = load_tensors(gguf, layers)
+    cache = ExpertCache(cfg, tensors, layers, min_cache_bytes(tensors, layers) + 3 * 55296)
+    got, want = [], []
+    with dispatch.interpreted_kernels():
+        for out, experts in ((want, None), (got, cache)):
+            stage = GpuStage(cfg, tensors, layers, device="cpu", round_trips=OFF, int_dot=False, experts=experts)
+            kv = stage.new_cache(64, chunk=8)
+            out += [stage.prefill(tokens[:6], kv, logits=True), stage.decode(int(tokens[6]), kv, logits=True)]
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b)
+        s = cache.stats
+        assert s.misses > 0 and s.hits + s.misses == s.lookups and s.bytes_read == s.misses * cache.slot_bytes
+        x = torch.randn(5, cfg.dim, generator=torch.Generator().manual_seed(2))
+        ids = torch.randint(0, cfg.n_experts, (5, cfg.n_experts_used), generator=torch.Generator().manual_seed(3))
+        wts = torch.rand(ids.shape, generator=torch.Generator().manual_seed(4))
+        resident = [ops.repack(q.data.view(q.shape[0], q.shape[1], -1), q.qtype.name, q.shape[-1])
+                    for q in (tensors[f"blk.3.{r}.weight"] for r in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))]
+        assert torch.equal(moe_prefill(x, *cache.parts(), cache.slots(3, ids), wts),
+                           moe_prefill(x, *resident, ids, wts))
 
 
 def test_lru_evicts_oldest_unpinned_and_never_the_running_layer(gguf: GGUFFile) -> None:
     cache = _cache(gguf, range(3, 5))  # exactly 8 slots, no prefetch
     n = gguf.config.n_experts
-    cache.select(3, _ids(0, 1, 2))
+    cache.slots(3, _ids(0, 1, 2))
     assert cache.stats.misses == 3 and cache.stats.lookups == 3
-    cache.select(4, torch.arange(n).view(1, -1))  # every expert of layer 4: layer 3's are evicted, none pinned
+    cache.slots(4, torch.arange(n).view(1, -1))  # every expert of layer 4: layer 3's are evicted, none pinned
     assert set(cache.slot_of) == {(4, e) for e in range(n)}
     assert cache.stats.evictions == 3
-    cache.select(4, _ids(7, 2))  # hits refresh the LRU order
+    cache.slots(4, _ids(7, 2))  # hits refresh the LRU order
     assert cache.stats.hits == 2
-    cache.select(3, _ids(5))  # evicts the least recently selected unpinned expert: (4, 0)
+    slot = cache.slots(3, _ids(5))  # evicts the least recently selected unpinned expert: (4, 0)
     assert (4, 0) not in cache.slot_of and (3, 5) in cache.slot_of and (4, 7) in cache.slot_of
-    assert cache.pinned == {(3, 5)}
+    assert cache.pinned == {(3, 5)} and int(slot) == cache.slot_of[(3, 5)]
     s = cache.stats
     assert s.hits + s.misses == s.lookups == 3 + n + 2 + 1
     assert s.bytes_read == s.misses * cache.slot_bytes
-    # get() hands out the pinned slot's expert; an expert used without select() is looked up on demand
-    assert torch.equal(cache.get(3, 5, "down"), tensor_view(gguf, "blk.3.ffn_down_exps.weight").dequantize()[5])
-    before = s.lookups
-    cache.get(4, 0, "gate")
-    assert s.lookups == before + 1 and (4, 0) in cache.slot_of
 
 
-def test_prefetch_loads_a_hash_layers_experts_ahead(gguf: GGUFFile) -> None:
+def test_prefetch_loads_the_hash_layers_experts_ahead(gguf: GGUFFile) -> None:
     cfg = gguf.config
-    assert cfg.is_hash_layer(1)
-    cache = _cache(gguf, range(0, 2), prefetch=True)
+    assert cfg.is_hash_layer(1) and cfg.is_hash_layer(0)
+    cache = _cache(gguf, range(0, 2), capacity=2 * min_cache_bytes(load_tensors(gguf), range(0, 2)), prefetch=True)
     tokens = torch.tensor([5, 9, 100])
-    ahead = sorted(set(tensor_view(gguf, "blk.1.ffn_gate_tid2eid.weight").dequantize()[tokens].flatten().tolist()))
-    cache.select(0, _ids(0), tokens)
-    report = cache.report()  # waits for the prefetch
-    assert report["prefetched"] == len(ahead)
-    assert all((1, e) in cache.slot_of for e in ahead)
-    hits = cache.stats.hits
-    cache.select(1, torch.tensor([ahead]), tokens)
-    assert cache.stats.hits == hits + len(ahead)  # layer 1 found everything in place
+    ahead = {layer: sorted(set(tensor_view(gguf, f"blk.{layer}.ffn_gate_tid2eid.weight").dequantize()[tokens]
+                               .flatten().tolist())) for layer in (0, 1)}
+    cache.prefetch(tokens)
+    assert cache.stats.prefetched == cache.stats.misses == sum(len(v) for v in ahead.values())
+    for layer in (0, 1):
+        hits = cache.stats.hits
+        cache.slots(layer, torch.tensor([ahead[layer]]))
+        assert cache.stats.hits == hits + len(ahead[layer])  # the layer found everything in place
     assert cache.stats.hits + cache.stats.misses == cache.stats.lookups
-    cache.close()
+    cache.prefetch(tokens)  # all there already: nothing read
+    assert cache.stats.prefetched == sum(len(v) for v in ahead.values())
 
 
 def test_prefetch_never_evicts_the_running_layers_experts(gguf: GGUFFile) -> None:
     n = gguf.config.n_experts
-    cache = _cache(gguf, range(3, 5), prefetch=True)
-    cache.select(4, _ids(1, 2))  # remembered as layer 4's last choice: what the prefetch will guess
-    cache.select(3, torch.arange(n).view(1, -1))  # all 8 slots pinned by layer 3
-    report = cache.report()
-    assert report["prefetched"] == 0
-    assert {(3, e) for e in range(n)} <= set(cache.slot_of)
-    cache.close()
+    cache = _cache(gguf, range(0, 2), prefetch=True)  # exactly one layer's table
+    cache.slots(0, torch.arange(n).view(1, -1))  # all 8 slots pinned by layer 0
+    cache.prefetch(torch.tensor([5, 9, 100]))
+    assert cache.stats.prefetched == 0
+    assert set(cache.slot_of) == {(0, e) for e in range(n)}
+
+
+def test_dry_selections_read_and_count_nothing(gguf: GGUFFile) -> None:
+    cache = _cache(gguf, range(0, 2), prefetch=True)
+    cache.dry = True
+    slots = cache.slots(1, _ids(7, 3))
+    cache.prefetch(torch.tensor([5, 9]))
+    assert slots.tolist() == [[7 % cache.n_slots, 3 % cache.n_slots]]
+    assert cache.stats.lookups == 0 and not cache.slot_of
 
 
 def test_too_small_cache_is_refused_with_the_minimum(gguf: GGUFFile) -> None:
@@ -127,7 +178,7 @@ def test_too_small_cache_is_refused_with_the_minimum(gguf: GGUFFile) -> None:
     assert need == per  # all experts of one layer: gate + up + down
     with pytest.raises(ExpertCacheTooSmall, match=rf"8 experts x .* = {format_size(need)} \({need} bytes\)"):
         ExpertCache(gguf.config, tensors, layers, need - 1)
-    ExpertCache(gguf.config, tensors, layers, need).close()
+    assert ExpertCache(gguf.config, tensors, layers, need).n_slots == gguf.config.n_experts
     # what `generate --expert-cache` / `serve --expert-cache` meet first, before anything is loaded
     with pytest.raises(ExpertCacheTooSmall, match=rf"stage 0 .*minimum; give --expert-cache {format_size(need)}"):
         Engine.load(gguf.path, CTX, device="cpu", expert_cache="100KiB")
@@ -140,3 +191,35 @@ def test_minimum_for_the_real_q2_file_is_one_layers_256_experts() -> None:
     msg = too_small_message(1 << 30, FLASH.n_experts, per)
     assert "256 experts x 6912KiB = 1728MiB (1.69 GiB, 1811939328 bytes) is the minimum" in msg
     assert "--expert-cache 1728MiB" in msg
+
+
+def test_a_streaming_server_reports_its_cache_in_status_and_metrics(gguf: GGUFFile) -> None:
+    """`serve --expert-cache` as a client sees it: answers through the official SDK, the cache's counters in
+    /status (which the control panel reads) and in /metrics, adding up."""
+    import httpx
+    import openai
+
+    from ds4station.engine.scheduler import Scheduler
+    from ds4station.server.app import BackgroundServer, create_app
+
+    need = min_cache_bytes(load_tensors(gguf), range(gguf.config.n_layers))
+    scheduler = Scheduler(lambda: Engine.load(gguf.path, 1024, device="cpu", expert_cache=need, chunk=CHUNK),
+                          sessions=1, ctx=1024)
+    srv = BackgroundServer(create_app(scheduler, model_name="tiny", model_path=str(gguf.path), ctx=1024)).start()
+    try:
+        assert srv.wait_ready(60)
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hello there"}],
+                                           max_tokens=4, temperature=0)
+        assert r.usage.completion_tokens == 4
+        cache = httpx.get(srv.url + "/status").json()["expert_cache"]
+        assert cache["capacity_bytes"] == need and cache["misses"] > 0
+        assert cache["hits"] + cache["misses"] == cache["lookups"] and cache["stream_s"] > 0
+        metrics = {line.split()[0]: float(line.split()[1]) for line in httpx.get(srv.url + "/metrics").text.splitlines()
+                   if line.startswith("ds4_expert_cache")}
+        assert metrics["ds4_expert_cache_hits_total"] + metrics["ds4_expert_cache_misses_total"] == \
+            metrics["ds4_expert_cache_lookups_total"] >= cache["lookups"]
+        assert metrics["ds4_expert_cache_read_bytes_total"] == metrics["ds4_expert_cache_misses_total"] * 55296
+        assert metrics["ds4_expert_cache_capacity_bytes"] == need
+    finally:
+        srv.stop()

@@ -562,6 +562,8 @@ class Engine:
         if caches:
             keys = ("lookups", "hits", "misses", "bytes_read", "prefetched", "evictions", "capacity_bytes")
             total = {k: sum(int(c[k]) for c in caches) for k in keys}
+            total["stream_s"] = round(sum(float(c.get("stream_s", 0.0)) for c in caches), 4)
+            total["gb_per_s"] = round(total["bytes_read"] / total["stream_s"] / 1e9, 3) if total["stream_s"] else 0.0
         return {"route": str(self.route), "backend": self.backend, "activation_bits": self.activation_bits,
                 "stages": stages, "expert_cache": total, "health": self.health()}
 

@@ -1,32 +1,35 @@
-"""Routed experts of one stage: resident, or streamed from the memory-mapped GGUF through a bounded cache.
+"""Routed experts streamed from the memory-mapped GGUF through a bounded pool of slots on the stage's device.
 
-Resident experts are dequantised once at load like every other weight. Streamed experts stay as raw
-blocks in the memory map; an `ExpertCache` owns a fixed pool of expert *slots* on the stage's device, each
-holding one expert's raw gate|up|down blocks (the q2 file: 6.75 MiB per expert). The pool is allocated once
-at start, so the cache never grows past its size:
+The kernel stage (gpu.py) of a route stage with `cache=` keeps every other weight resident and quantised; its
+routed experts stay as raw blocks in the read-only memory map, and an `ExpertCache` owns a fixed pool of expert
+*slots* on the device, in the form the MoE kernels read (the packed gate / up / down of one expert per slot:
+the q2 file, 6.75 MiB per expert). The pool is allocated once at start, so the cache never grows:
 
-- a routed layer calls `select(layer, ids, tokens)` before its expert loop (see `install`): every selected
-  expert is looked up (hit) or copied in from the file (miss), and the layer's selection is *pinned* until
-  the next layer is selected, so a slot the running layer needs is never evicted;
+- before a routed layer's experts run, `slots(layer, ids)` looks every selected expert up (hit) or copies it
+  in (miss), *pins* the layer's selection until the next layer asks (so a slot the running layer needs is
+  never evicted), and returns the selection as slot numbers; the fused MoE decode and grouped prefill
+  kernels then read the pool through them (a slot table per layer, on the device);
+- a layer's misses are one batch: each expert's raw blocks are copied from the memory map into a pinned
+  staging buffer (host memory the GPU can read by DMA), sent to the device on a side stream and repacked into
+  their slots there, two staging buffers in turn so the host fills one while the device drains the other;
 - eviction is least-recently-selected first, among unpinned slots;
-- after a selection the next layer's likely choices are prefetched on a background thread: exact for
-  hash-routed layers (their experts are a table lookup of the token ids), the same layer's choices of the
-  previous step otherwise (consecutive tokens reuse experts); a prefetch only takes a free or evictable slot;
-- the model reads `gate[e]` / `up[e]` / `down[e]` through `ExpertView`s that dequantise the slot's blocks
-  on use (a GPU kernel reads the slot's raw blocks directly; dequantising a slice of whole blocks gives
-  bit-for-bit the rows of the whole tensor's dequantisation, so streamed == resident exactly).
+- hash-routed layers choose experts by token id alone (`ffn_gate_tid2eid`), so a step's tokens give their
+  choices ahead: `prefetch(tokens)` loads them at the start of the step, before their layers ask;
+- a cache smaller than one layer's full expert table is refused (`ExpertCacheTooSmall`): a long prefill
+  chunk can select all n_experts experts of a layer, and all of them must be pinned at once.
 
-A cache smaller than one layer's full expert table is refused (`ExpertCacheTooSmall`): a long prefill
-chunk can select all n_experts experts of a layer, and all of them must be pinned at once.
-
-Statistics: every demand lookup is a hit or a miss; a prefetch read counts as a lookup and a miss when it
-happens (the later demand lookup of that expert is then a hit), so hits + misses == lookups and
-bytes_read == misses x expert bytes always hold; `prefetched` says how many of the misses were prefetches.
+Raw blocks repacked slice by slice give exactly the rows of the whole tensor's repack, so streamed == resident
+bit for bit. Statistics: every lookup is a hit or a miss (a prefetch read counts as a lookup and a miss when it
+happens, and the later demand lookup is a hit), so hits + misses == lookups and bytes_read == misses x slot
+bytes always hold; `prefetched` says how many misses were prefetches; `stream_s` is the wall time spent
+reading misses (so bytes_read / stream_s is the rate streamed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -34,12 +37,15 @@ from typing import Any
 
 import torch
 
-from ds4station.kernels.quants import QTensor, dequantize
+from ds4station.kernels import ops
+from ds4station.kernels.quants import QTensor
 from ds4station.model.config import ModelConfig
 from ds4station.model.sizes import GiB, format_size, gib
 
 PARTS = ("gate", "up", "down")
 ROLE_OF_PART = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
+# Experts per staging buffer (two buffers): the q2 file's decode misses of one layer (6 experts) fit one.
+STAGING_EXPERTS = 8
 
 
 class ExpertCacheTooSmall(ValueError):
@@ -68,6 +74,11 @@ def min_cache_bytes(tensors: Mapping[str, QTensor], layers: range) -> int:
     return max((tensors[expert_name(i, "gate")].shape[0] * expert_bytes(tensors, i) for i in layers), default=0)
 
 
+def staging_bytes(slot_bytes: int, device: torch.device | str) -> int:
+    """Pinned host bytes (and as many device bytes) a streaming stage on `device` holds for its staging."""
+    return 2 * STAGING_EXPERTS * slot_bytes if torch.device(device).type == "cuda" else 0
+
+
 def too_small_message(capacity: int, n_experts: int, per_expert: int, where: str = "") -> str:
     need = n_experts * per_expert
     exact = f"{gib(need)}, {need} bytes" if need >= GiB else f"{need} bytes"
@@ -82,250 +93,199 @@ class CacheStats:
     hits: int = 0
     misses: int = 0
     bytes_read: int = 0
-    prefetched: int = 0  # misses issued ahead of demand by the prefetcher
+    prefetched: int = 0  # misses read ahead of demand (hash-routed layers)
     evictions: int = 0
+    stream_s: float = 0.0  # wall time spent reading misses
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-class ExpertView:
-    """`[E, rows, cols]`-like stand-in for one layer's gate/up/down expert tensor: `view[e]` is a float32
-    tensor dequantised from the cache slot (what model.MoE indexes)."""
-
-    dtype = torch.float32
-
-    def __init__(self, cache: ExpertCache, layer: int, part: str) -> None:
-        self.cache, self.layer, self.part = cache, layer, part
-        self.shape = cache.shapes[(layer, part)]
-        self.device = cache.device
-
-    def is_floating_point(self) -> bool:
-        return True
-
-    def __len__(self) -> int:
-        return self.shape[0]
-
-    def __getitem__(self, e: int) -> torch.Tensor:
-        return self.cache.get(self.layer, int(e), self.part)
-
-    def __repr__(self) -> str:
-        return f"ExpertView(blk.{self.layer}.{self.part}, shape={list(self.shape)}, streamed)"
+def _fields(p: Any) -> list[torch.Tensor]:
+    return [getattr(p, f.name) for f in dataclasses.fields(p)]
 
 
 class ExpertCache:
-    """A fixed pool of expert slots for the routed experts of `layers`, filled from `tensors` on demand."""
+    """A fixed pool of expert slots for the routed experts of `layers`, filled from `tensors` (raw views of the
+    memory map) on demand, in the packed form of ops.repack."""
 
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, QTensor], layers: range, capacity_bytes: int,
                  device: torch.device | str = "cpu", *, prefetch: bool = True, where: str = "") -> None:
         self.cfg, self.layers, self.device = cfg, layers, torch.device(device)
         self.capacity_bytes = int(capacity_bytes)
-        self.src: dict[tuple[int, str], QTensor] = {}
-        self.shapes: dict[tuple[int, str], tuple[int, ...]] = {}
-        self.part_bytes: dict[tuple[int, str], int] = {}
-        for i in layers:
-            for part in PARTS:
-                q = tensors[expert_name(i, part)]
-                self.src[(i, part)] = q
-                self.shapes[(i, part)] = q.shape
-                self.part_bytes[(i, part)] = q.nbytes // q.shape[0]
-        self.slot_bytes = max((expert_bytes(tensors, i) for i in layers), default=0)
-        n_experts = max((self.shapes[(i, "gate")][0] for i in layers), default=0)
-        self.min_bytes = n_experts * self.slot_bytes
+        self.src: dict[tuple[int, str], QTensor] = {(i, p): tensors[expert_name(i, p)] for i in layers for p in PARTS}
+        form = {p: {(q.qtype, q.shape[1:]) for (_, part), q in self.src.items() if part == p} for p in PARTS}
+        if any(len(f) > 1 for f in form.values()):
+            raise ValueError(f"{where}streamed experts need one quant type and shape per part across the stage's "
+                             f"layers; got {form}")
+        self.part_bytes = {p: q.nbytes // q.shape[0] for (i, p), q in self.src.items() if i == layers[0]} \
+            if len(layers) else {}
+        self.slot_bytes = sum(self.part_bytes.values())
+        self.n_experts = cfg.n_experts
+        self.min_bytes = self.n_experts * self.slot_bytes
         if self.capacity_bytes < self.min_bytes:
-            raise ExpertCacheTooSmall(too_small_message(self.capacity_bytes, n_experts, self.slot_bytes, where))
+            raise ExpertCacheTooSmall(too_small_message(self.capacity_bytes, self.n_experts, self.slot_bytes, where))
         self.n_slots = self.capacity_bytes // self.slot_bytes if self.slot_bytes else 0
-        # the whole pool up front: the cache's memory is fixed from the start (no fragmentation on a GPU)
-        self.pool = torch.empty(self.n_slots, self.slot_bytes, dtype=torch.uint8, device=self.device)
+        # The whole pool up front (its memory is fixed from the start: no fragmentation on a GPU), field by
+        # field in the kernels' form: one expert repacked gives each field's shape.
+        self.pool: dict[str, Any] = {}
+        for p in PARTS:
+            q = self.src[(layers[0], p)]
+            one = ops.repack(q.data[: self.part_bytes[p]].view(1, q.shape[1], -1), q.qtype.name, q.shape[-1])
+            self.pool[p] = type(one)(*(torch.zeros((self.n_slots, *t.shape[1:]), dtype=t.dtype, device=self.device)
+                                       for t in _fields(one)))
+        # the slot table: layer index in the stage -> expert -> slot (valid only for resident experts)
+        self.table = torch.zeros(len(layers), self.n_experts, dtype=torch.long, device=self.device)
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.slot_of: OrderedDict[tuple[int, int], int] = OrderedDict()  # LRU order: oldest first
         self.pinned: set[tuple[int, int]] = set()
         self.stats = CacheStats()
-        # hash-routed layers choose experts by token id alone, so their choices are known ahead of time
+        self._lock = threading.Lock()  # the stats: updated by the compute thread, read by /status
         self.tid2eid = {i: tensors[f"blk.{i}.ffn_gate_tid2eid.weight"].dequantize().long()
                         for i in layers if cfg.is_hash_layer(i)}
-        self.last_choice: dict[int, list[int]] = {}
         self.prefetch_enabled = prefetch
-        self._lock = threading.Lock()
-        self._prefetcher = _Prefetcher() if prefetch else None
+        # dry: selections map onto whatever the slots hold, nothing is read or counted (the warm-up's steps,
+        # which compile kernels and whose results are thrown away)
+        self.dry = False
+        self.staging: list[torch.Tensor] = []
+        if self.device.type == "cuda":
+            n = STAGING_EXPERTS * self.slot_bytes
+            self.staging = [torch.empty(n, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.dev_staging = [torch.empty(n, dtype=torch.uint8, device=self.device) for _ in range(2)]
+            self.copied = [torch.cuda.Event() for _ in range(2)]
+            self.stream = torch.cuda.Stream(self.device)
 
-    # ---- the model's side --------------------------------------------------------------------------
-    def view(self, layer: int, part: str) -> ExpertView:
-        return ExpertView(self, layer, part)
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the pool and the device staging (what the plan counts for the cache)."""
+        pool = sum(t.numel() * t.element_size() for p in self.pool.values() for t in _fields(p))
+        return pool + self.table.numel() * 8 + sum(t.numel() for t in getattr(self, "dev_staging", []))
 
-    def select(self, layer: int, ids: torch.Tensor, tokens: torch.Tensor | None = None) -> None:
-        """The routed experts of `layer` for the tokens being computed: load them, pin them (releasing the
-        previous layer's pins) and start prefetching the next layer's likely choices."""
-        if self._prefetcher is not None:
-            self._prefetcher.wait()  # the cache is mutated by one party at a time, in a fixed order
-        wanted = sorted(set(ids.flatten().tolist()))
-        with self._lock:
-            self.pinned = {(layer, e) for e in wanted}
-            for e in wanted:
-                self._lookup((layer, e))
-        self.last_choice[layer] = wanted
-        nxt = layer + 1
-        if self._prefetcher is not None and nxt in self.layers:
-            guess = self._guess(nxt, tokens)
-            if guess:
-                self._prefetcher.submit(lambda: self._prefetch(nxt, guess))
+    # ---- the kernel stage's side ---------------------------------------------------------------------
+    def parts(self) -> tuple[Any, Any, Any]:
+        """The pool's packed gate, up and down [n_slots, ...]: what the MoE kernels read through `slots`."""
+        return self.pool["gate"], self.pool["up"], self.pool["down"]
 
-    def get(self, layer: int, e: int, part: str) -> torch.Tensor:
-        """Expert e's `part` of `layer` as float32 [rows, cols]."""
-        key = (layer, e)
-        with self._lock:
-            slot = self.slot_of.get(key)
-        if slot is None:  # used without a select() first (no hook installed): a demand lookup now
-            if self._prefetcher is not None:
-                self._prefetcher.wait()
-            with self._lock:
-                slot = self._lookup(key)
-        off = 0
-        for p in PARTS[: PARTS.index(part)]:
-            off += self.part_bytes[(layer, p)]
-        n = self.part_bytes[(layer, part)]
-        q = self.src[(layer, part)]
-        return dequantize(self.pool[slot, off: off + n], q.qtype, q.shape[1:])
+    def slots(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """The selected experts ids [T, S] of `layer` (device) as slots of the pool: each one loaded (a miss)
+        or found (a hit), the layer's selection pinned until the next call."""
+        if self.dry:
+            return ids.long() % self.n_slots
+        wanted = sorted(set(ids.flatten().tolist()))  # the one host synchronisation of a streamed layer
+        keys = [(layer, e) for e in wanted]
+        self.pinned = set(keys)
+        misses = []
+        for key in keys:
+            if key in self.slot_of:
+                self.slot_of.move_to_end(key)
+            else:
+                misses.append(key)
+        self._read(misses, lookups=len(keys))
+        return self.table[layer - self.layers.start][ids]
+
+    def prefetch(self, tokens: torch.Tensor | list[int]) -> None:
+        """Load the experts the hash-routed layers will choose for `tokens` (their choice is a table lookup of
+        the token ids), ahead of those layers. Never evicts a pinned expert."""
+        if self.dry or not (self.prefetch_enabled and self.tid2eid):
+            return
+        tokens = torch.as_tensor(tokens).view(-1).cpu()
+        keys = []
+        for layer, table in self.tid2eid.items():
+            chosen = sorted(set(table[tokens].flatten().tolist()))
+            keys += [(layer, e) for e in chosen if (layer, e) not in self.slot_of]
+        keys = keys[: max(0, self.n_slots - len(self.pinned))]
+        self._read(keys, lookups=len(keys), prefetch=True)
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _lookup(self, key: tuple[int, int]) -> int:
-        """A demand lookup (lock held): a hit refreshes the LRU position, a miss reads the expert."""
-        self.stats.lookups += 1
-        slot = self.slot_of.get(key)
-        if slot is not None:
-            self.stats.hits += 1
-            self.slot_of.move_to_end(key)
-            return slot
-        self.stats.misses += 1
-        slot = self._take_slot()
-        if slot is None:  # cannot happen when the pool holds a full layer (checked at start)
-            raise RuntimeError(f"expert cache: all {self.n_slots} slots are pinned by the running layer")
-        self._read(key, slot)
-        return slot
-
-    def _take_slot(self) -> int | None:
+    def _take_slot(self) -> tuple[int, bool]:
+        """-> (a free slot, or the least recently selected unpinned one; whether that evicted an expert)."""
         if self.free:
-            return self.free.pop()
+            return self.free.pop(), False
         for key in self.slot_of:  # oldest first
             if key not in self.pinned:
-                self.stats.evictions += 1
-                return self.slot_of.pop(key)
-        return None
+                return self.slot_of.pop(key), True
+        # cannot happen when the pool holds a full layer (checked at start)
+        raise RuntimeError(f"expert cache: all {self.n_slots} slots are pinned by the running layer")
 
-    def _read(self, key: tuple[int, int], slot: int) -> None:
-        """Copy expert key's raw blocks from the memory map into `slot`."""
-        layer, e = key
+    def _read(self, keys: list[tuple[int, int]], *, lookups: int, prefetch: bool = False) -> None:
+        """Copy these experts' raw blocks from the memory map into slots, repacked; update the slot table; then
+        count the lookups (all at once, so a report read from another thread always adds up)."""
+        t0 = time.perf_counter()
+        evicted = 0
+        if keys:
+            slots = []
+            for key in keys:
+                slot, ev = self._take_slot()
+                evicted += ev
+                slots.append(slot)
+                self.slot_of[key] = slot
+            if self.device.type == "cuda":
+                self._read_staged(keys, slots)
+            else:
+                raw = torch.empty(len(keys), self.slot_bytes, dtype=torch.uint8)
+                self._gather(keys, raw)
+                self._scatter(keys, slots, raw)
+        with self._lock:
+            s = self.stats
+            s.lookups += lookups
+            s.misses += len(keys)
+            s.hits += lookups - len(keys)
+            s.prefetched += len(keys) if prefetch else 0
+            s.evictions += evicted
+            s.bytes_read += len(keys) * self.slot_bytes
+            s.stream_s += time.perf_counter() - t0 if keys else 0.0
+
+    def _gather(self, keys: list[tuple[int, int]], out: torch.Tensor) -> None:
+        """Host copy of each expert's gate | up | down raw blocks into the rows of `out` [n, slot_bytes]."""
+        for j, (layer, e) in enumerate(keys):
+            off = 0
+            for p in PARTS:
+                n = self.part_bytes[p]
+                out[j, off: off + n].copy_(self.src[(layer, p)].data[e * n: (e + 1) * n])
+                off += n
+
+    def _scatter(self, keys: list[tuple[int, int]], slots: list[int], raw: torch.Tensor) -> None:
+        """Repack raw [n, slot_bytes] (on the pool's device) into the pool's slots; point the table at them."""
+        idx = torch.tensor(slots, dtype=torch.long).to(self.device, non_blocking=True)
         off = 0
-        for part in PARTS:
-            n = self.part_bytes[(layer, part)]
-            self.pool[slot, off: off + n].copy_(self.src[(layer, part)].data[e * n: (e + 1) * n])
+        for p in PARTS:
+            q, n = self.src[(keys[0][0], p)], self.part_bytes[p]
+            packed = ops.repack(raw[:, off: off + n].reshape(len(keys), q.shape[1], -1), q.qtype.name, q.shape[-1])
+            for dst, src in zip(_fields(self.pool[p]), _fields(packed), strict=True):
+                dst.index_copy_(0, idx, src)
             off += n
-        self.slot_of[key] = slot
-        self.stats.bytes_read += off  # == slot_bytes: every DS4 layer's experts have the same size
+        li = torch.tensor([layer - self.layers.start for layer, _ in keys], dtype=torch.long)
+        ex = torch.tensor([e for _, e in keys], dtype=torch.long)
+        self.table.index_put_((li.to(self.device, non_blocking=True), ex.to(self.device, non_blocking=True)), idx)
 
-    def _guess(self, layer: int, tokens: torch.Tensor | None) -> list[int]:
-        if layer in self.tid2eid and tokens is not None:
-            return sorted(set(self.tid2eid[layer][tokens.cpu()].flatten().tolist()))
-        return self.last_choice.get(layer, [])
+    def _read_staged(self, keys: list[tuple[int, int]], slots: list[int]) -> None:
+        """The GPU read: batches of STAGING_EXPERTS through the two pinned buffers in turn, each sent and
+        repacked on the side stream while the host fills the other."""
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)  # the slots being refilled are not read by anything queued before
+        for b, s in enumerate(range(0, len(keys), STAGING_EXPERTS)):
+            k, sl = keys[s: s + STAGING_EXPERTS], slots[s: s + STAGING_EXPERTS]
+            i = b % 2
+            self.copied[i].synchronize()  # the buffer's previous batch has reached the device
+            host = self.staging[i][: len(k) * self.slot_bytes].view(len(k), self.slot_bytes)
+            self._gather(k, host)
+            with torch.cuda.stream(self.stream):
+                dev = self.dev_staging[i][: host.numel()].view_as(host)
+                dev.copy_(host, non_blocking=True)
+                self.copied[i].record(self.stream)
+                self._scatter(k, sl, dev)
+        main.wait_stream(self.stream)
 
-    def _prefetch(self, layer: int, experts: list[int]) -> None:
-        with self._lock:
-            for e in experts:
-                key = (layer, e)
-                if key in self.slot_of:
-                    continue
-                slot = self._take_slot()
-                if slot is None:  # everything else is pinned: never evict the running layer's experts
-                    return
-                self.stats.lookups += 1
-                self.stats.misses += 1
-                self.stats.prefetched += 1
-                self._read(key, slot)
-
-    # ---- reporting and teardown --------------------------------------------------------------------
+    # ---- reporting ---------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
-        if self._prefetcher is not None:
-            self._prefetcher.wait()
         with self._lock:
-            return {**self.stats.as_dict(), "capacity_bytes": self.capacity_bytes, "slot_bytes": self.slot_bytes,
-                    "slots": self.n_slots, "used_slots": len(self.slot_of), "min_bytes": self.min_bytes,
-                    "prefetch": self.prefetch_enabled}
-
-    def close(self) -> None:
-        if self._prefetcher is not None:
-            self._prefetcher.close()
-            self._prefetcher = None
+            s = dataclasses.replace(self.stats)
+        rate = s.bytes_read / s.stream_s / 1e9 if s.stream_s > 0 else 0.0
+        return {**s.as_dict(), "stream_s": round(s.stream_s, 4), "gb_per_s": round(rate, 3),
+                "capacity_bytes": self.capacity_bytes, "slot_bytes": self.slot_bytes, "slots": self.n_slots,
+                "used_slots": len(self.slot_of), "min_bytes": self.min_bytes, "prefetch": self.prefetch_enabled,
+                "device_bytes": self.nbytes, "staging_bytes": sum(t.numel() for t in self.staging)}
 
 
-class _Prefetcher:
-    """One daemon thread running prefetch jobs one at a time; `wait()` blocks until the queue is drained.
-    A daemon thread (not an executor) so a process never waits on it at exit."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._job: Any = None
-        self._busy = False
-        self._closed = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="expert-prefetch", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Any) -> None:
-        with self._cv:
-            self._job, self._busy = job, True
-            self._cv.notify_all()
-
-    def wait(self) -> None:
-        with self._cv:
-            while self._busy:
-                self._cv.wait()
-            if self._error is not None:
-                err, self._error = self._error, None
-                raise RuntimeError(f"expert prefetch failed: {err}") from err
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._job is None and not self._closed:
-                    self._cv.wait()
-                if self._closed:
-                    return
-                job, self._job = self._job, None
-            try:
-                job()
-            except BaseException as e:  # surfaced to the compute thread at its next wait()
-                self._error = e
-            with self._cv:
-                self._busy = False
-                self._cv.notify_all()
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-
-
-def install(model: Any, cache: ExpertCache) -> None:
-    """Make every MoE of `model` (a DS4Model slice) tell the cache its selection before the expert loop.
-
-    model.MoE calls `self.route(xn, tokens)` and then indexes the experts; wrapping the instance's `route`
-    is the hook (no change to model.py). The cleaner permanent form is a call in MoE.__call__ right after
-    routing: `select = getattr(self.gate, "select_experts", None); if select: select(ids, tokens)`.
-    """
-    for block in model.blocks:
-        moe = block.moe
-        if not isinstance(moe.gate, ExpertView):
-            continue
-        original = moe.route
-
-        def route(xn: torch.Tensor, tokens: torch.Tensor, _route: Any = original,
-                  _layer: int = block.layer) -> tuple[torch.Tensor, torch.Tensor]:
-            ids, wts = _route(xn, tokens)
-            cache.select(_layer, ids, tokens)
-            return ids, wts
-
-        moe.route = route
-
-
-__all__ = ["CacheStats", "ExpertCache", "ExpertCacheTooSmall", "ExpertView", "expert_bytes", "install",
-           "is_routed_expert", "min_cache_bytes", "too_small_message"]
+__all__ = ["CacheStats", "ExpertCache", "ExpertCacheTooSmall", "expert_bytes", "is_routed_expert", "min_cache_bytes",
+           "staging_bytes", "too_small_message"]

@@ -49,6 +49,7 @@ from ds4station.kernels.rows import finish_rows
 from ds4station.model.config import ModelConfig
 from ds4station.model.layout import model_tensors
 
+from .experts import ExpertCache
 from .kv import DEFAULT_CHUNK, Frontier, KVCache
 from .model import RoundTrips
 
@@ -83,6 +84,13 @@ def _dense(w: Weight, device: torch.device, dtype: torch.dtype) -> Tensor:
     return t.to(device=device, dtype=dtype)
 
 
+def _kept(w: Weight, device: torch.device) -> Tensor:
+    """A float matrix as the kernel stage holds it: fp16 on a GPU (no bf16: Vega20 has none); on the CPU in
+    the file's own width (F16 stays fp16, converted exactly to fp32 where it is used; anything else fp32)."""
+    q = _q(w)
+    return _dense(q, device, torch.float16 if device.type == "cuda" or q.qtype == Q.F16 else torch.float32)
+
+
 def _cat_rows(ws: list[Weight]) -> Weight:
     """Weights of one type and width stacked by rows: projections of the same input become one matvec."""
     qs = [_q(w) for w in ws]
@@ -103,8 +111,8 @@ class Linear:
         self.dense: Tensor | None = None
         if q.qtype == Q.Q8_0 or (q.qtype == Q.Q4_K and groups == 1):  # kernel forms (grouped: Q8_0 only)
             self.packed = ops.repack(q.data.to(device), q.qtype.name, self.k)
-        else:  # F16 stays fp16 on a GPU (no bf16: Vega20 has none); exact fp32 on CPU
-            self.dense = _dense(q, device, torch.float16 if device.type == "cuda" else torch.float32)
+        else:
+            self.dense = _kept(q, device)
 
     @property
     def nbytes(self) -> int:
@@ -112,23 +120,29 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.dense is not None:
+            if self.groups == 1 and self.dense.dtype == torch.float16 and x.shape[0] <= ops.MAX_MATVEC_ROWS \
+                    and dispatch.use_triton(x):
+                return f16_matvec(x, self.dense)
+            w = self.dense if self.dense.device.type == "cuda" else self.dense.float()  # CPU: fp32 math
             if self.groups == 1:
-                if self.dense.dtype == torch.float16 and x.shape[0] <= ops.MAX_MATVEC_ROWS and dispatch.use_triton(x):
-                    return f16_matvec(x, self.dense)
-                return (x.to(self.dense.dtype) @ self.dense.T).float()
-            xg = x.to(self.dense.dtype).view(x.shape[0], self.groups, self.k)
-            return torch.einsum("mgk,gnk->mgn", xg, self.dense.view(self.groups, -1, self.k)).flatten(1).float()
+                return (x.to(w.dtype) @ w.T).float()
+            xg = x.to(w.dtype).view(x.shape[0], self.groups, self.k)
+            return torch.einsum("mgk,gnk->mgn", xg, w.view(self.groups, -1, self.k)).flatten(1).float()
         return ops.linear(x if dispatch.use_triton(x) else x.float(), self.packed, self.groups,
                           out_dtype=torch.float32)
 
 
-def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K:
+def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K | Tensor:
+    """A layer's routed experts [E, N, K] in the form the MoE reads: IQ2_XXS / Q2_K packed for the fused
+    kernels; float types (F32 / F16 / BF16 files) dense, fp16 on a GPU, exact fp32 on the CPU."""
     q = _q(w)
     k = q.shape[-1]
     if q.qtype in (Q.IQ2_XXS, Q.Q2_K):
         return ops.repack(q.data.to(device).view(*q.shape[:-1], -1), q.qtype.name, k)  # raw [E, N, row bytes]
-    raise NotImplementedError(f"the GPU path has expert kernels for IQ2_XXS and Q2_K, not {q.qtype.name}; "
-                              "use the reference engine (--device cpu) for this file")
+    if q.qtype in (Q.F32, Q.F16, Q.BF16):
+        return _kept(q, device)
+    raise NotImplementedError(f"the kernel stage has routed-expert kernels for IQ2_XXS and Q2_K (and float "
+                              f"experts), not {q.qtype.name}")
 
 
 class Experts:
@@ -143,12 +157,30 @@ class Experts:
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return sum(w.numel() * w.element_size() if isinstance(w, Tensor) else w.nbytes
+                   for w in (self.gate, self.up, self.down))
 
     def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32. `last` (device, [1]): the last real token of a padded
         static step; the decode kernels may skip the tokens after it (their rows are never read)."""
         return ops.moe(xn, self.gate, self.up, self.down, ids, wts, self.clamp, int_dot=self.int_dot, last=last)
+
+
+class StreamedExperts:
+    """A layer's routed experts read from the stage's ExpertCache: the selection becomes slots of the cache's
+    pool (loading the misses first), and the same MoE kernels read the pool through them."""
+
+    nbytes = 0  # the pool is the cache's, counted once for the stage
+
+    def __init__(self, cache: ExpertCache, layer: int, clamp: float, int_dot: bool | None = None) -> None:
+        self.cache, self.layer = cache, layer
+        self.clamp = clamp if clamp > 0 else None
+        self.int_dot = int_dot
+
+    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
+        gate, up, down = self.cache.parts()
+        return ops.moe(xn, gate, up, down, self.cache.slots(self.layer, ids), wts, self.clamp, int_dot=self.int_dot,
+                       last=last)
 
 
 # ---- one layer's weights -----------------------------------------------------------------------------------
@@ -169,7 +201,8 @@ class GpuLayer:
     and kv (Q8_0), the compressors' kv / gate and the indexer's head weights (F16), shared gate and up."""
 
     def __init__(self, cfg: ModelConfig, i: int, w: Mapping[str, Weight], dev: torch.device,
-                 int_dot: bool | None = None, rt: RoundTrips = RoundTrips()) -> None:
+                 int_dot: bool | None = None, rt: RoundTrips = RoundTrips(),
+                 experts: ExpertCache | None = None) -> None:
         p = f"blk.{i}"
 
         def f32(name: str) -> Tensor:
@@ -215,8 +248,9 @@ class GpuLayer:
         self.tid2eid = _dense(w[f"{p}.ffn_gate_tid2eid.weight"], dev, torch.int32).long() \
             if cfg.is_hash_layer(i) else None
         self.bias = None if cfg.is_hash_layer(i) else f32("exp_probs_b.bias")
-        self.experts = Experts(w[f"{p}.ffn_gate_exps.weight"], w[f"{p}.ffn_up_exps.weight"],
-                               w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev, int_dot)
+        self.experts: Experts | StreamedExperts = StreamedExperts(experts, i, cfg.swiglu_clamp[i], int_dot) \
+            if experts is not None else Experts(w[f"{p}.ffn_gate_exps.weight"], w[f"{p}.ffn_up_exps.weight"],
+                                                w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev, int_dot)
         self.shared = (stacked("ffn_gate_shexp", "ffn_up_shexp"), lin("ffn_down_shexp")) \
             if cfg.n_shared_experts else None
 
@@ -244,9 +278,11 @@ class GpuStage:
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Weight], layers: range | None = None, *,
                  embed: bool = True, output: bool = True, device: str | torch.device = "cuda",
-                 round_trips: RoundTrips = RoundTrips(), int_dot: bool | None = None) -> None:
+                 round_trips: RoundTrips = RoundTrips(), int_dot: bool | None = None,
+                 experts: ExpertCache | None = None) -> None:
         """`int_dot`: the MoE decode kernels' integer-dot path (None = the backend's default, on for CUDA);
-        False gives fp32 math, for comparisons with the reference."""
+        False gives fp32 math, for comparisons with the reference. `experts`: stream the routed experts through
+        this cache (engine/experts.py) instead of holding them; every other weight stays resident."""
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = range(cfg.n_layers) if layers is None else layers
         self.has_embed, self.has_output, self.rt = embed, output, round_trips
@@ -257,9 +293,9 @@ class GpuStage:
         if self.device.type == "cuda":  # fp16 GEMMs accumulate in fp32, as the reference does
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         dev = self.device
-        self.token_embd = _dense(weights["token_embd.weight"], dev, torch.float16 if dev.type == "cuda"
-                                 else torch.float32) if embed else None
-        self.blocks = [GpuLayer(cfg, i, weights, dev, int_dot, round_trips) for i in self.layers]
+        self.token_embd = _kept(weights["token_embd.weight"], dev) if embed else None
+        self.experts = experts
+        self.blocks = [GpuLayer(cfg, i, weights, dev, int_dot, round_trips, experts) for i in self.layers]
         if output:
             self.out_hc = HyperConnection(*(_dense(weights[f"output_hc_{k}.weight"], dev, torch.float32)
                                             for k in ("fn", "scale", "base")), cfg)
@@ -269,6 +305,8 @@ class GpuStage:
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+        if experts is not None:  # a layer's misses are known only once its router has run: eager launches
+            self.graphs = False
 
     # ---- building blocks -----------------------------------------------------------------------------------
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -404,6 +442,8 @@ class GpuStage:
 
     def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
         eps = self.cfg.rms_eps
+        if self.experts is not None:  # the hash-routed layers' experts follow from the tokens: load them ahead
+            self.experts.prefetch(tokens)
         for L in self.blocks:  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
             x, post, comb = self._hc_pre(L.hc_attn, X)
             X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)

@@ -2,8 +2,9 @@
 worker loop that runs a stage in its own process (`ds4station worker`).
 
 Shared by the engine (engine.py, rank 0, which runs stage 0 in its own process) and the workers:
-- `choose_backend`, the one place that decides how a stage computes: the kernel stage (gpu.py) on a GPU
-  with resident experts, the fp32 reference slice (model.py) on the CPU and where experts stream. Both
+- `choose_backend`, the one place that decides how a stage computes: the kernel stage (gpu.py) on every
+  device, routed experts resident or streamed (engine/experts.py); the fp32 reference slice (model.py) when
+  asked for. Both
   backends have one interface: `prefill(tokens, cache, X, logits=)` / `decode(token, cache, X, logits=)`
   take the HC state from the previous stage (or embed the tokens) and give the next stage's state (or the
   head's logits), with `embed` and `head` as their building blocks;
@@ -49,8 +50,8 @@ from ds4station.kernels.quants import QTensor
 from ds4station.model.gguf import GGUFFile
 from ds4station.model.route import Route, RouteError, Stage, parse_route
 
-from .experts import PARTS, ROLE_OF_PART, ExpertCache, ExpertCacheTooSmall, install, is_routed_expert
-from .gpu import GpuStage
+from .experts import ExpertCache, ExpertCacheTooSmall
+from .gpu import MIN_BUCKET, GpuStage
 from .kv import KVCache
 from .model import DS4Model, RoundTrips
 
@@ -217,32 +218,35 @@ def stage_label(rank: int, stage: Stage) -> str:
 
 
 def choose_backend(device: torch.device, stage: Stage, compute: str = "auto") -> str:
-    """The one place that decides how a stage computes: "kernels" (engine/gpu.py: quantised weights, Triton
-    kernels, graph decode) on a GPU with resident experts; "reference" (the fp32 DS4Model slice) on the CPU
-    and where experts stream (until those run on the kernel stage). `compute` forces one (tests run the
-    kernel stage's CPU fallbacks with "kernels")."""
+    """The one place that decides how a stage computes: "kernels" (engine/gpu.py: weights quantised as in the
+    file, Triton kernels on a GPU and their torch references on the CPU, graph decode, routed experts resident
+    or streamed through the stage's cache) unless `compute` asks for "reference" (the fp32 DS4Model slice:
+    every weight dequantised at load, what the tests compare the kernel stage with)."""
     if compute not in COMPUTE:
         raise ValueError(f"compute {compute!r}: use one of {', '.join(COMPUTE)}")
-    if compute == "kernels" and stage.streaming:
-        raise ValueError(f"{stage.device}: streamed experts need the reference slice; drop the stage's cache= "
+    if compute == "reference" and stage.streaming:
+        raise ValueError(f"{stage.device}: streamed experts run on the kernel stage; drop the stage's cache= "
                          "or let the engine choose the backend")
-    if compute != "auto":
-        return compute
-    return "kernels" if device.type == "cuda" and not stage.streaming else "reference"
+    return "reference" if compute == "reference" else "kernels"
 
 
 class _Progress(Mapping[str, QTensor]):
-    """A stage's tensors, reporting `progress(bytes handed out, total bytes)` as each one is taken."""
+    """A stage's tensors, reporting `progress(bytes handed out, total bytes)` as each one is first taken."""
 
     def __init__(self, tensors: dict[str, QTensor], progress: Callable[[int, int], None]) -> None:
         self.tensors, self.progress = tensors, progress
-        self.total, self.done = sum(q.nbytes for q in tensors.values()), 0
+        self.total, self.done, self.taken = sum(q.nbytes for q in tensors.values()), 0, set()
 
     def __getitem__(self, name: str) -> QTensor:
         q = self.tensors[name]
-        self.done += q.nbytes
-        self.progress(self.done, self.total)
+        if name not in self.taken:
+            self.taken.add(name)
+            self.done += q.nbytes
+            self.progress(self.done, self.total)
         return q
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -270,24 +274,14 @@ class StageRunner:
             if kv_dtype not in (torch.float32, torch.float16):
                 raise ValueError(f"{stage_label(rank, stage)}: the kernel stage keeps KV in float32 or float16, "
                                  f"not {settings.kv_dtype}")
-            self.model = GpuStage(self.cfg, tensors, stage.layers, embed=stage.embed, output=stage.output,
-                                  device=device, round_trips=round_trips)
-        else:
             if stage.streaming:
                 self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
                                            prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
-            weights: dict[str, Any] = {}
-            for name in tensors:
-                if self.experts is not None and is_routed_expert(name):
-                    layer, role = int(name.split(".")[1]), name.split(".")[2]
-                    part = next(p for p in PARTS if ROLE_OF_PART[p] == role)
-                    weights[name] = self.experts.view(layer, part)
-                else:
-                    weights[name] = tensors[name].dequantize().to(device)
-            self.model = DS4Model(self.cfg, weights, stage.layers, embed=stage.embed, output=stage.output,
-                                  round_trips=round_trips)
-            if self.experts is not None:
-                install(self.model, self.experts)
+            self.model = GpuStage(self.cfg, tensors, stage.layers, embed=stage.embed, output=stage.output,
+                                  device=device, round_trips=round_trips, experts=self.experts)
+        else:
+            self.model = DS4Model(self.cfg, {name: tensors[name].dequantize().to(device) for name in tensors},
+                                  stage.layers, embed=stage.embed, output=stage.output, round_trips=round_trips)
         # The forms this stage's steps take: the first stage embeds; the head runs inside the step when this
         # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`).
         self.embeds = stage.embed
@@ -314,6 +308,8 @@ class StageRunner:
         gen = torch.Generator().manual_seed(self.rank)
         steps = [(0, n) for n in warm_lengths(min(self.settings.chunk, ctx))]
         steps += [(p, n) for p in warm_positions(ctx) for n in (17, 64) if p + n <= ctx]
+        if self.experts is not None:  # the steps compile kernels only: no expert is read for them
+            self.experts.dry = True
         for position, n in steps:
             tokens = torch.randint(2, cfg.vocab_size, (n,), generator=gen)
             X = None if self.embeds else torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
@@ -321,6 +317,14 @@ class StageRunner:
             self.model.prefill(tokens, cache, X, logits=self.logits, graph=False)  # the chunked path's kernels
             cache.reset()
         assert isinstance(self.model, GpuStage)
+        if not self.model.graphs:  # eager decode (a streaming stage): the static step's kernels per bucket
+            for position in [0, *(p for p in warm_positions(ctx) if p >= MIN_BUCKET)]:
+                cache.length = position
+                X = None if self.embeds else torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
+                self.model.decode(2, cache, X, logits=self.logits)
+                cache.reset()
+        if self.experts is not None:
+            self.experts.dry = False
         graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
                      for slot in self.slots)
         torch.cuda.synchronize(self.device)
@@ -380,8 +384,6 @@ class StageRunner:
         }
 
     def close(self) -> None:
-        if self.experts is not None:
-            self.experts.close()
         if isinstance(self.model, GpuStage):
             for cache in self.slots:
                 self.model.drop_graphs(cache)

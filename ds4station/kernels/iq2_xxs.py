@@ -94,11 +94,6 @@ def grid_codes(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(words.astype(np.uint32).view(np.int32)).to(device)
 
 
-@lru_cache(maxsize=8)
-def _grid_f32(device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(_grid_np()).to(device)
-
-
 def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
     """Split raw GGUF IQ2_XXS bytes (uint8 [..., N, K/256*66] or flat) of rows of length `k`."""
     if raw.dtype != torch.uint8:
@@ -118,21 +113,29 @@ def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
     return PackedIQ2XXS(qs=qs, d=d)
 
 
+@lru_cache(maxsize=8)
+def _signed_grid(device: torch.device) -> torch.Tensor:
+    """fp32 [256 * 128, 8]: row g * 128 + s is grid entry g with the signs of 7-bit field s (the 8th sign is
+    the field's parity, as the format defines), so dequantising is one gather per 8 weights."""
+    s7 = torch.arange(128)
+    parity = s7.clone()
+    for sh in (4, 2, 1):
+        parity = parity ^ (parity >> sh)
+    sign8 = s7 | ((parity & 1) << 7)
+    neg = ((sign8.unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # [128, 8]
+    mags = torch.from_numpy(_grid_np())  # [256, 8]
+    return torch.where(neg[None], -mags[:, None], mags[:, None]).reshape(256 * 128, 8).to(device)
+
+
 def dequantize_iq2_xxs(w: PackedIQ2XXS) -> torch.Tensor:
     """fp32 [*lead, N, K] values of a repacked IQ2_XXS weight (torch, any device)."""
     words = w.qs.to(torch.int64) & 0xFFFFFFFF
     words = words.unflatten(-1, (-1, 2))  # [..., K/32, 2]
     w0, w1 = words[..., 0], words[..., 1]
-    shifts8 = torch.tensor([0, 8, 16, 24], device=w.qs.device)
-    idx = (w0.unsqueeze(-1) >> shifts8) & 255  # [..., K/32, 4]
-    mags = _grid_f32(w.qs.device)[idx]  # [..., K/32, 4, 8]
-    s7 = (w1.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=w.qs.device)) & 127
-    parity = s7.clone()
-    for sh in (4, 2, 1):
-        parity = parity ^ (parity >> sh)
-    sign8 = s7 | ((parity & 1) << 7)
-    bits = (sign8.unsqueeze(-1) >> torch.arange(8, device=w.qs.device)) & 1  # [..., K/32, 4, 8]
-    signed = torch.where(bits.bool(), -mags, mags)
+    dev = w.qs.device
+    idx = (w0.unsqueeze(-1) >> torch.tensor([0, 8, 16, 24], device=dev)) & 255  # [..., K/32, 4]
+    s7 = (w1.unsqueeze(-1) >> torch.tensor([0, 7, 14, 21], device=dev)) & 127
+    signed = _signed_grid(dev)[idx * 128 + s7]  # [..., K/32, 4, 8]
     scale = w.d.float().repeat_interleave(8, dim=-1) * (0.5 + ((w1 >> 28) & 15).float()) * 0.25  # [..., K/32]
     return (signed * scale[..., None, None]).flatten(-3)
 

@@ -97,9 +97,9 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
 
 def moe(
     x: torch.Tensor,
-    gate: PackedIQ2XXS | PackedQ2K,
-    up: PackedIQ2XXS | PackedQ2K,
-    down: PackedIQ2XXS | PackedQ2K,
+    gate: PackedIQ2XXS | PackedQ2K | torch.Tensor,
+    up: PackedIQ2XXS | PackedQ2K | torch.Tensor,
+    down: PackedIQ2XXS | PackedQ2K | torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
     clamp: float | None = 10.0,
@@ -113,17 +113,20 @@ def moe(
     GPU: up to MOE_DECODE_ROWS tokens run the decode kernels (integer dot on CUDA unless `int_dot` is False;
     `last`: see moe_decode), more the prefill kernels (tokens grouped by expert, tl.dot); no host
     synchronisation on either path. CPU: the torch reference for a few tokens; for more, each used expert
-    dequantised once and multiplied with all its tokens."""
-    if dispatch.use_triton(x):
+    dequantised once and multiplied with all its tokens. Float experts (dense [E, N, K] tensors: files whose
+    experts are F32 / F16 / BF16) take that per-expert path on every device."""
+    dense = isinstance(gate, torch.Tensor)
+    if dispatch.use_triton(x) and not dense:
         if x.shape[0] <= MOE_DECODE_ROWS:
             return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last)
         return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
-    if x.shape[0] <= MAX_MATVEC_ROWS:
+    if x.shape[0] <= MAX_MATVEC_ROWS and not dense:
         return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
-    y = torch.zeros(x.shape, dtype=torch.float32)
+    y = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # [T, S, D]: the sum does not
+    x = x.float()  # depend on the experts' order (numbers or cache slots), as on the GPU
     for e in ids.unique().tolist():
         t, slot = torch.where(ids == e)
-        g, u, d = (dequantize(_expert(w, e)) for w in (gate, up, down))
+        g, u, d = (w[e].float() if dense else dequantize(_expert(w, e)) for w in (gate, up, down))
         h = swiglu_pair(x[t] @ g.T, x[t] @ u.T, clamp or 0.0) * weights[t, slot, None]
-        y.index_add_(0, t, h @ d.T)
-    return y
+        y[t, slot] = h @ d.T
+    return y.sum(1)

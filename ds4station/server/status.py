@@ -86,6 +86,19 @@ class _SchedulerCollector(Collector):
                                   sessions["prefix_misses"])
         yield GaugeMetricFamily("ds4_ready", "1 when the model is loaded and serving", 1 if st["state"] == "ready"
                                 else 0)
+        cache = _engine_status(self.scheduler).get("expert_cache")
+        if cache:  # streamed routed experts (a route stage with cache=), summed over the stages
+            for key, help_ in (("lookups", "Routed-expert lookups"), ("hits", "Routed experts found in the cache"),
+                               ("misses", "Routed experts read from the model file"),
+                               ("prefetched", "Misses read ahead of their layer (hash-routed layers)"),
+                               ("evictions", "Routed experts evicted from the cache")):
+                yield CounterMetricFamily(f"ds4_expert_cache_{key}", help_, cache[key])
+            yield CounterMetricFamily("ds4_expert_cache_read_bytes", "Bytes of routed experts streamed in",
+                                      cache["bytes_read"])
+            yield CounterMetricFamily("ds4_expert_cache_stream_seconds", "Wall time spent streaming routed experts",
+                                      cache["stream_s"])
+            yield GaugeMetricFamily("ds4_expert_cache_capacity_bytes", "Bytes of the expert caches",
+                                    cache["capacity_bytes"])
 
 
 def _engine_status(scheduler: Scheduler) -> dict[str, Any]:
