@@ -13,6 +13,7 @@ from ds4station.model.footprint import (
     activation_bytes_per_token,
     indexer_scratch_bytes,
     kv_bytes,
+    kept_bytes,
     kv_bytes_per_token,
     named_shape,
     shape_from_specs,
@@ -80,18 +81,29 @@ def test_shape_from_a_spec_list_equals_the_named_shape() -> None:
 
 def test_stage_footprint_parts() -> None:
     m = named_shape("flash-q2")
-    fs = FootprintSettings(prefill_chunk=512, kv_dtype="f32", runtime_overhead=768 * MiB)
+    fs = FootprintSettings(prefill_chunk=512, kv_dtype="f32", sessions=1, rollback=0, runtime_overhead=768 * MiB)
     layers = range(8, 15)
     res = stage_footprint(m, layers, 32768, fs)
     streamed = stage_footprint(m, layers, 32768, fs, expert_cache_bytes=2 * GiB)
-    assert res.weights_bytes == sum(s.n_bytes for s in model_tensors(FLASH, "q2", layers, embed=False, output=False))
+    assert res.weights_bytes == sum(kept_bytes(s) for s in model_tensors(FLASH, "q2", layers, embed=False, output=False))
+    assert sum(s.n_bytes for s in model_tensors(FLASH, "q2", layers, embed=False, output=False)) < res.weights_bytes
     assert res.weights_bytes - streamed.weights_bytes == 7 * 1728 * MiB
+    slot = 6912 * 1024  # one expert: 6.75 MiB
+    staging = 2 * 8 * slot  # two staging buffers of 8 experts on the device
+    pool = (2 * GiB // slot) * slot + 7 * 256 * 8  # whole slots + the slot table (int64 per layer and expert)
     assert streamed.predicted_bytes == streamed.weights_bytes + streamed.kv_bytes + streamed.scratch_bytes + \
-        768 * MiB + 2 * GiB
+        768 * MiB + pool + staging
+    assert streamed.host_staging_bytes == staging
+    on_cpu = stage_footprint(m, layers, 32768, fs, expert_cache_bytes=2 * GiB, device_kind="cpu")
+    assert on_cpu.expert_cache_bytes == pool and on_cpu.host_staging_bytes == 0
+    two = stage_footprint(m, layers, 32768, dataclasses.replace(fs, sessions=2, rollback=1024))
+    assert two.kv_bytes == 2 * kv_bytes(FLASH, layers, 32768, "f32", chunk=512, rollback=1024)
     head = stage_footprint(m, layers, 32768, fs, embed=True, output=True)
     assert head.weights_bytes - res.weights_bytes == m.embed_bytes + m.output_bytes
-    # the indexer scratch is ds4's 2 x ctx/4 x chunk x fp32 and grows with the context
-    assert indexer_scratch_bytes(FLASH, 1 << 20, 512) == 2 * (1 << 18) * 512 * 4
+    # the indexer's selection scratch: [chunk, k + step] int64, step bounded by the engine's 256 MiB block
+    assert indexer_scratch_bytes(FLASH, 1 << 20, 512) == 8 * 512 * (512 + (256 << 20) // (8 * 512) - 512) + \
+        16 * 512 * 512
+    assert indexer_scratch_bytes(FLASH, 4096, 512) == 8 * 512 * (512 + 1024) + 16 * 512 * 512
     heavier = stage_footprint(m, layers, 32768, dataclasses.replace(fs, activation_factor=3.0))
     assert heavier.scratch_bytes - res.scratch_bytes == 2 * activation_bytes_per_token(FLASH) * 512
     long = stage_footprint(m, layers, 1 << 20, fs)

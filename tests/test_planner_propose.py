@@ -39,29 +39,39 @@ def assert_fits(plan) -> None:  # type: ignore[no-untyped-def]
 
 
 # ---- reference host 1: 32 GiB + 5 x 16 GiB Vega 20, one on the desktop, 96 GiB RAM, q2 ----------------------
-def test_host1_speed_is_balanced_8_plus_7x5_at_32k() -> None:
+def test_host1_speed_fills_the_16gib_cards_at_32k() -> None:
+    """What serve allocates (2 sessions, 2048-token prefill chunks, rollback 1024) leaves room for six layers on
+    a 16 GiB card; the 32 GiB card takes the rest with the embedding and the head."""
     devices, ram = host1()
     assert [d.total_bytes // GiB for d in devices] == [32, 16, 16, 16, 16, 16]
     assert [d.desktop for d in devices] == [False, True, False, False, False, False]
-    plan = propose(FLASH_Q2, devices, load_preset("speed"), host_ram=ram)
+    settings = load_preset("speed")
+    assert (settings.footprint.sessions, settings.footprint.prefill_chunk, settings.footprint.rollback) == \
+        (2, 2048, 1024)
+    plan = propose(FLASH_Q2, devices, settings, host_ram=ram)
     assert plan.ctx == 32768 and not plan.streaming
-    assert plan.layer_counts == [8, 7, 7, 7, 7, 7]
-    assert str(plan.route).startswith("cuda:0=embed,0-7,output; cuda:1=8-14;")
+    assert plan.layer_counts == [13, 6, 6, 6, 6, 6]
+    assert str(plan.route).startswith("cuda:0=embed,0-12,output; cuda:1=13-18;")
     assert_fits(plan)
+    seven = stage_footprint(FLASH_Q2, range(13, 20), 32768, settings.footprint).predicted_bytes
+    assert seven > plan.stages[2].available_bytes  # a seventh layer does not fit a 16 GiB card
     # the desktop card is offered 16 GiB less the 1.5 GiB headroom and the 256 MiB reserve
     assert plan.stages[1].available_bytes == 16 * GiB - 3 * GiB // 2 - 256 * MiB
 
 
-def test_host1_context_is_conservative_13_plus_6x5_resident() -> None:
+def test_host1_context_is_the_longest_that_keeps_the_margin_resident() -> None:
     devices, ram = host1()
-    plan = propose(FLASH_Q2, devices, load_preset("context"), host_ram=ram)
-    assert not plan.streaming and plan.ctx >= 750_000
-    assert plan.layer_counts == [13, 6, 6, 6, 6, 6]
+    settings = load_preset("context")
+    assert settings.spare_target == 512 * MiB
+    plan = propose(FLASH_Q2, devices, settings, host_ram=ram)
+    assert not plan.streaming and plan.ctx == 546_816
+    assert plan.layer_counts == [14, 5, 6, 6, 6, 6]
     assert plan.stages[0].stage.embed and plan.stages[0].stage.output
     assert_fits(plan)
-    # it is the longest: one ctx_step more fits no split
-    p = _Planner(FLASH_Q2, devices, load_preset("context"), ram)
-    assert p.solve(p.fits(plan.ctx + 1024, 0), minimise=False) is None
+    assert min(s.spare_bytes for s in plan.stages) >= 512 * MiB  # the stated margin, not 0.00
+    # it is the longest: one ctx_step more keeps the margin on no split
+    p = _Planner(FLASH_Q2, devices, settings, ram)
+    assert p.solve(p.fits(plan.ctx + 1024, 0, 512 * MiB), minimise=False) is None
 
 
 def test_host1_native_context_with_a_2gib_expert_cache() -> None:
@@ -137,17 +147,19 @@ def test_refusal_says_by_how_much_and_what_helps() -> None:
     with pytest.raises(PlanError) as e:
         propose(FLASH_Q2, parse_gpu_spec("24GiB,24GiB"), load_preset("speed"))
     msg = str(e.value)
-    # 80.76 GiB of weights + KV + 2 x (runtime, scratch) against 2 x (24 - 0.25) GiB
+    # 80.76 GiB of weights + 2 sessions' KV (2.35) + 2 x (runtime 0.75, scratch 1.76) against 2 x (24 - 0.25) GiB
     short = float(re.search(r"short by ([0-9.]+) GiB", msg).group(1))  # type: ignore[union-attr]
-    assert 36 < short < 37
+    assert 40 < short < 41.5
     assert "--expert-cache 1728MiB" in msg and "another GPU with at least" in msg and "CPU stage" in msg
 
 
 def test_refusal_when_the_total_fits_but_no_split_does() -> None:
     # 43 layers of ~1.85 GiB over many 2.5 GiB cards: plenty in total, but a card holds at most one layer and the
-    # first card cannot also hold the 1.5 GiB embedding and head.
+    # first card cannot also hold the 1.5 GiB embedding and head (one session, 512-token chunks).
+    small = dataclasses.replace(load_preset("speed"), footprint=FootprintSettings(prefill_chunk=512, sessions=1,
+                                                                                  rollback=0))
     with pytest.raises(PlanError, match="no contiguous split fits"):
-        propose(FLASH_Q2, parse_gpu_spec("3GiBx60"), load_preset("speed"))
+        propose(FLASH_Q2, parse_gpu_spec("3GiBx60"), small)
 
 
 # ---- optimality on small cases (brute force) ---------------------------------------------------------------------
@@ -161,7 +173,8 @@ def _splits(n_layers: int, n_devices: int):  # type: ignore[no-untyped-def]
 def test_speed_split_is_optimal_against_brute_force() -> None:
     model = named_shape("tiny-q2")
     settings = dataclasses.replace(load_preset("speed"), ctx=4096, reserve=0, min_ctx=1024, ctx_step=256,
-                                   footprint=FootprintSettings(prefill_chunk=16, runtime_overhead=0))
+                                   footprint=FootprintSettings(prefill_chunk=16, sessions=1, rollback=0,
+                                                               runtime_overhead=0))
     rng = random.Random(0)
     feasible = 0
     for _ in range(30):
@@ -267,8 +280,9 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
                            "--host-ram", "96GiB", "--preset", "context", "--json")
     assert rc == 0
     d = json.loads(out)
-    assert d["preset"] == "context" and d["ctx"] >= 750_000
-    assert parse_route(d["route"], 43).stages[0].last_layer == 12
+    assert d["preset"] == "context" and d["ctx"] == 546_816
+    assert parse_route(d["route"], 43).stages[0].last_layer == 13
+    assert (d["sessions"], d["prefill_chunk"], d["rollback"], d["kv_dtype"]) == (1, 1024, 1024, "f32")
     keys = {"device", "first_layer", "last_layer", "embed", "output", "weights_bytes", "kv_bytes",
             "expert_cache_bytes", "predicted_bytes", "available_bytes"}
     assert all(keys <= set(s) for s in d["stages"])

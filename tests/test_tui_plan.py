@@ -3,14 +3,15 @@ boundaries with the fit recomputed, context and cache changes, refusals that say
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
 from ds4station.hardware import detect
-from ds4station.planner import PlanError, evaluate, named_shape, parse_gpu_spec
+from ds4station.planner import evaluate, named_shape, parse_gpu_spec
+from ds4station.planner.launch import read_launch
 from ds4station.tui.app import plan_budgets
-from ds4station.tui.launcher import serve_options
 from ds4station.tui.planning import ModelChoice, PlanEditor, demo_model, serve_args
 from ds4station.tui.telemetry import bar, spark
 
@@ -23,15 +24,17 @@ def flash_editor_budgets():  # type: ignore[no-untyped-def]
     return plan_budgets(detect(HOST1, use_nvml=False), 64 * GiB, "speed")
 
 
-def test_cpu_only_machine_gets_a_cpu_route_for_the_demo_model() -> None:
+def test_cpu_only_machine_gets_a_cpu_route_for_the_demo_model(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ed = PlanEditor(demo_model(), plan_budgets([], 32 * GiB, "speed"), 32 * GiB)
     assert ed.fits and ed.plan is not None
     assert str(ed.plan.route) == "cpu=embed,0-5,output"
     assert ed.plan.ctx == 4096  # the demo model's whole context
-    args = serve_args(ed.plan, ed.model, 8123, serve_options=serve_options())
-    assert args[:6] == ["--host", "127.0.0.1", "--port", "8123", "--ctx", "4096"]
-    assert "--model" not in args  # serve builds the demo model itself
-    assert ("--route" in args) or args[-2:] == ["--device", "cpu"]
+    args = serve_args(ed.plan, ed.model, 8123, launch_dir=str(tmp_path))
+    assert args == ["--host", "127.0.0.1", "--port", "8123", "--plan", str(tmp_path / "launch-8123.toml")]
+    launch = read_launch(args[-1])  # the plan, as serve will run it: the demo model, the route, every size
+    assert launch.model == "" and launch.route == "cpu=embed,0-5,output" and launch.ctx == 4096
+    fs = ed.plan.footprint
+    assert (launch.sessions, launch.prefill_chunk, launch.rollback) == (fs.sessions, fs.prefill_chunk, fs.rollback)
 
 
 def test_budgets_order_matches_the_plan_command(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
@@ -55,7 +58,9 @@ def test_moving_a_boundary_recomputes_the_fit_and_refuses_an_overfull_stage(flas
     assert (a0.stage.last_layer, a1.stage.first_layer) == (s0.stage.last_layer - 1, s1.stage.first_layer - 1)
     # the recomputed fit is the planner's own accounting of the new route
     budgets = [a.budget for a in ed.plan.stages]
-    ref = evaluate(ed.model.shape, ed.plan.route, budgets, ed.settings, ed.plan.ctx, 64 * GiB)
+    settings = dataclasses.replace(ed.settings, footprint=ed.plan.footprint)  # the proposal's chunk (it fell back)
+    assert ed.plan.footprint.prefill_chunk < ed.settings.footprint.prefill_chunk
+    ref = evaluate(ed.model.shape, ed.plan.route, budgets, settings, ed.plan.ctx, 64 * GiB)
     assert [s.footprint.predicted_bytes for s in ed.plan.stages] == [s.footprint.predicted_bytes for s in ref.stages]
     assert a0.footprint.weights_bytes < s0.footprint.weights_bytes < a0.footprint.weights_bytes + 2 * GiB
     assert a1.footprint.predicted_bytes > s1.footprint.predicted_bytes
@@ -101,12 +106,11 @@ def test_context_changes_recheck_the_route_and_refusals_say_what_would_help(flas
     assert ed.fits and ed.preset == "context" and ed.plan.ctx > 32768
 
 
-def test_multi_stage_routes_need_a_server_that_takes_routes(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+def test_multi_stage_routes_launch_through_the_launch_file(flash_editor_budgets, tmp_path) -> None:  # type: ignore[no-untyped-def]
     ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)
     assert ed.plan is not None and len(ed.plan.stages) > 1
-    assert "--route" in serve_args(ed.plan, ed.model, 1, serve_options={"--route"})
-    with pytest.raises(PlanError, match="--route"):
-        serve_args(ed.plan, ed.model, 1, serve_options=set())
+    launch = read_launch(serve_args(ed.plan, ed.model, 1, launch_dir=str(tmp_path))[-1])
+    assert launch.route == str(ed.plan.route) and launch.ctx == ed.plan.ctx
 
 
 def test_spark_and_bar_scale_values() -> None:

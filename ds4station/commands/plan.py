@@ -23,6 +23,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ctx", metavar="N", type=token_count, help="context length in tokens (e.g. 32768, 32K, 1M)")
     p.add_argument("--expert-cache", metavar="SIZE",
                    help="stream routed experts through a cache of SIZE per GPU process (0 = keep them resident)")
+    p.add_argument("--sessions", type=int, metavar="N", help="live KV sessions to plan for (default: the preset's)")
+    p.add_argument("--prefill-chunk", type=token_count, metavar="N", help="tokens per prefill step (default: the "
+                   "preset's)")
+    p.add_argument("--rollback", type=token_count, metavar="N", help="positions a session can roll back (default: "
+                   "the preset's)")
+    p.add_argument("--out", metavar="FILE", help="also write the plan as a launch file for `ds4station serve --plan "
+                   "FILE`")
     p.add_argument("--desktop-headroom", metavar="SIZE", help="memory left free on the card driving the display")
     p.add_argument("--sysfs-root", default="/", metavar="PATH", help="AMD sysfs root for --gpus auto")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -41,6 +48,10 @@ def run(args: argparse.Namespace) -> int:
         settings = load_preset(args.preset)
         if args.desktop_headroom is not None:
             settings = dataclasses.replace(settings, desktop_headroom=parse_size(args.desktop_headroom))
+        given = {k: v for k, v in (("sessions", args.sessions), ("prefill_chunk", args.prefill_chunk),
+                                   ("rollback", args.rollback)) if v is not None}
+        if given:
+            settings = dataclasses.replace(settings, footprint=dataclasses.replace(settings.footprint, **given))
         host_ram = parse_size(args.host_ram) if args.host_ram else None
         cache = parse_size(args.expert_cache) if args.expert_cache is not None else None
         if args.model:
@@ -88,10 +99,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.out:
+        from ds4station.planner.launch import launch_from_plan, write_launch
+
+        demo = not args.model and (args.shape or "flash-q2") == "tiny-q2"  # the demo model's shape
+        write_launch(args.out, launch_from_plan(plan, str(args.model) if args.model else "" if demo else None), plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
     _print(plan, model.total_bytes)
+    if args.out:
+        print(f"\nwrote {args.out}: run it with `ds4station serve --plan {args.out}`")
     return 0
 
 
@@ -100,7 +118,9 @@ def _print(plan, model_bytes: int) -> None:  # type: ignore[no-untyped-def]
     mode = "experts streamed" if plan.streaming else "resident"
     print(f"plan: preset {plan.preset}, model {plan.model} ({model_bytes / g:.2f} GiB), {mode}, "
           f"context {plan.ctx} tokens")
+    fs = plan.footprint
     print(f"route: {plan.route}")
+    print(f"sessions {fs.sessions}, prefill chunk {fs.prefill_chunk}, rollback {fs.rollback}, KV {fs.kv_dtype}")
     print(f"\n{'stage':>5}  {'device':14} {'layers':>16} {'weights':>8} {'KV':>7} {'scratch':>8} {'runtime':>8} "
           f"{'cache':>7} {'predicted':>10} {'available':>10} {'spare':>7}  GiB")
     for i, s in enumerate(plan.stages):

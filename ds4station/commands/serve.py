@@ -21,9 +21,11 @@ import sys
 from typing import Any
 
 from ds4station.commands.worker import add_pipeline_arguments, pipeline_options
+from ds4station.model.footprint import FootprintSettings
 from ds4station.model.sizes import token_count
 
 DEFAULT_CTX = 32768
+_FOOTPRINT = FootprintSettings()  # serve's defaults are the planner's: one owner for sessions and rollback
 DEFAULT_SHUTDOWN_GRACE = 5.0
 DEFAULT_TRACE_MAX_MB = 64
 DEFAULT_TRACE_KEEP = 3
@@ -42,14 +44,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "'*' any); by default only localhost, 127.0.0.1, [::1] and the --host address")
     p.add_argument("--ctx", type=token_count, default=None, metavar="N",
                    help=f"context length per session, e.g. 32K or 1M (default: the model's, at most {DEFAULT_CTX})")
-    p.add_argument("--sessions", type=int, default=2, help="live KV sessions kept for prefix reuse (default 2)")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="run a launch file written by `ds4station plan --out FILE`: its model, route, context, "
+                        "sessions, prefill chunk, rollback and KV dtype (flags that contradict it are refused)")
+    p.add_argument("--sessions", type=int, default=None,
+                   help=f"live KV sessions kept for prefix reuse, each a KV slot allocated at load "
+                        f"(default {_FOOTPRINT.sessions})")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait behind the running one")
     p.add_argument("--max-tokens", type=token_count, default=4096, metavar="N",
                    help="default generation limit per request (default 4096)")
     p.add_argument("--prefill-chunk", type=token_count, default=None, metavar="N",
                    help="tokens per prefill step (default: 2048 on a GPU, 256 on the CPU)")
-    p.add_argument("--rollback", type=token_count, default=1024, metavar="N",
-                   help="tokens a live session can roll back for prefix reuse (default 1024)")
+    p.add_argument("--rollback", type=token_count, default=None, metavar="N",
+                   help=f"tokens a live session can roll back for prefix reuse (default {_FOOTPRINT.rollback})")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
     p.add_argument("--device", default="auto",
@@ -82,30 +89,37 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from ds4station.server.app import create_app
     from ds4station.server.trace import RequestTrace
 
+    kv_dtype = "float32"
+    if args.plan:
+        apply_launch(args)
+        kv_dtype = args.kv_dtype
+    sessions = _FOOTPRINT.sessions if args.sessions is None else args.sessions
+    rollback = _FOOTPRINT.rollback if args.rollback is None else args.rollback
     path = args.model or str(demo_model_path())
     gguf = GGUFFile.open(path)  # reads the header only; fails early with a clear message
     cfg = gguf.config
     ctx = args.ctx or min(cfg.context_length, DEFAULT_CTX)
     if ctx < 16:
         raise ValueError(f"--ctx {ctx} is too small (16 tokens at least)")
-    if args.sessions < 1:
+    if sessions < 1:
         raise ValueError("--sessions must be at least 1")
-    if args.restarts < 0 or args.shutdown_grace < 0:
-        raise ValueError("--restarts and --shutdown-grace cannot be negative")
+    if args.restarts < 0 or args.shutdown_grace < 0 or rollback < 0:
+        raise ValueError("--restarts, --rollback and --shutdown-grace cannot be negative")
     opts = pipeline_options(args)
     route = check_settings(gguf, ctx, opts.pop("route"), opts.pop("expert_cache"), args.activation_bits,
                            args.device)
     chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
-    per_session = kv_bytes(cfg, None, ctx, "f32", chunk=chunk, rollback=args.rollback)
-    print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk}, KV "
-          f"{per_session / 2**20:.1f} MiB per session x {args.sessions} session(s) = "
-          f"{per_session * args.sessions / 2**20:.1f} MiB", file=sys.stderr)
+    per_session = kv_bytes(cfg, None, ctx, "f32" if kv_dtype == "float32" else "f16", chunk=chunk,
+                           rollback=rollback)
+    print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk}, rollback {rollback}, KV "
+          f"{per_session / 2**20:.1f} MiB per session x {sessions} session(s) = "
+          f"{per_session * sessions / 2**20:.1f} MiB", file=sys.stderr)
 
     def load() -> Any:
-        return Engine.load(path, ctx, route, sessions=args.sessions, chunk=chunk, rollback=args.rollback,
+        return Engine.load(path, ctx, route, sessions=sessions, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
                            progress=scheduler.report_load, **opts)
 
-    scheduler = Scheduler(load, sessions=args.sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx,
+    scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx,
                           max_restarts=args.restarts)
     trace = None
     if args.trace:
@@ -120,6 +134,33 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), default_max_tokens=args.max_tokens,
                      keepalive_s=args.keepalive, trace=trace)
     return app, {"host": args.host, "port": args.port}
+
+
+def apply_launch(args: argparse.Namespace) -> None:
+    """Fill args from the launch file `args.plan` (planner/launch.py); a flag given as well must agree with
+    it, or this raises naming both."""
+    from ds4station.planner.launch import read_launch
+
+    launch = read_launch(args.plan)
+    where = f"--plan {args.plan}"
+    if launch.model is None and args.model is None:
+        raise ValueError(f"{where} names no model file (it was planned for a named shape); add --model FILE")
+    wanted = {"model": launch.model or None, "route": launch.route, "ctx": launch.ctx, "sessions": launch.sessions,
+              "prefill_chunk": launch.prefill_chunk, "rollback": launch.rollback}
+    for key, value in wanted.items():
+        given = getattr(args, key)
+        if key == "model" and launch.model == "" and given is not None:
+            raise ValueError(f"{where} is a plan for the built-in demo model but --model {given!r} was given; "
+                             "drop --model or plan for that file with `ds4station plan --model FILE --out`")
+        if given is not None and value is not None and given != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{where} sets {key} = {value!r} but {flag} {given!r} was given; drop {flag} or "
+                             "write a new launch file with `ds4station plan ... --out`")
+        if value is not None:
+            setattr(args, key, value)
+    if args.expert_cache is not None:
+        raise ValueError(f"{where}: the launch file's route sets each stage's expert cache; drop --expert-cache")
+    args.kv_dtype = launch.engine_kv_dtype
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from ds4station.cache import cache_dir
 from ds4station.kernels.quants import QTensor, random_blocks
 from ds4station.model.config import PRESETS, ModelConfig
 from ds4station.model.layout import TensorSpec, model_tensors
@@ -85,11 +86,6 @@ def make_model(out: str | os.PathLike[str], preset: str = DEMO_PRESET, seed: int
     meta = tokenizer_metadata(build_demo_vocab(cfg.vocab_size))
     extra = {"general.name": f"ds4station random {preset} ({quant}, seed {seed})"}
     return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra)
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "ds4station"
 
 
 def demo_model_path() -> Path:

@@ -40,12 +40,11 @@ import torch
 from ds4station.kernels import ops
 from ds4station.kernels.quants import QTensor
 from ds4station.model.config import ModelConfig
+from ds4station.model.footprint import STAGING_EXPERTS  # per staging buffer (two): one layer's decode misses
 from ds4station.model.sizes import GiB, format_size, gib
 
 PARTS = ("gate", "up", "down")
 ROLE_OF_PART = {"gate": "ffn_gate_exps", "up": "ffn_up_exps", "down": "ffn_down_exps"}
-# Experts per staging buffer (two buffers): the q2 file's decode misses of one layer (6 experts) fit one.
-STAGING_EXPERTS = 8
 
 
 class ExpertCacheTooSmall(ValueError):
@@ -72,11 +71,6 @@ def expert_bytes(tensors: Mapping[str, QTensor], layer: int) -> int:
 def min_cache_bytes(tensors: Mapping[str, QTensor], layers: range) -> int:
     """The smallest cache `ExpertCache` accepts for these layers: one layer's full expert table."""
     return max((tensors[expert_name(i, "gate")].shape[0] * expert_bytes(tensors, i) for i in layers), default=0)
-
-
-def staging_bytes(slot_bytes: int, device: torch.device | str) -> int:
-    """Pinned host bytes (and as many device bytes) a streaming stage on `device` holds for its staging."""
-    return 2 * STAGING_EXPERTS * slot_bytes if torch.device(device).type == "cuda" else 0
 
 
 def too_small_message(capacity: int, n_experts: int, per_expert: int, where: str = "") -> str:
@@ -157,7 +151,8 @@ class ExpertCache:
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the pool and the device staging (what the plan counts for the cache)."""
+        """Device bytes of the pool, the slot table and the device staging: what the plan counts for the cache
+        (model/footprint.py expert_cache_device_bytes)."""
         pool = sum(t.numel() * t.element_size() for p in self.pool.values() for t in _fields(p))
         return pool + self.table.numel() * 8 + sum(t.numel() for t in getattr(self, "dev_staging", []))
 
@@ -288,4 +283,4 @@ class ExpertCache:
 
 
 __all__ = ["CacheStats", "ExpertCache", "ExpertCacheTooSmall", "expert_bytes", "is_routed_expert", "min_cache_bytes",
-           "staging_bytes", "too_small_message"]
+           "too_small_message"]

@@ -289,6 +289,7 @@ class StageRunner:
         self.slots = [self.model.new_cache(settings.ctx, chunk=settings.chunk, rollback=settings.rollback,
                                            dtype=kv_dtype) for _ in range(settings.sessions)]
         self.kv: dict[int, KVCache] = {}  # session id -> its slot
+        self.held = self.held_weight_bytes()
         self.warm_s = 0.0
         if settings.warm:
             self.warm()
@@ -366,6 +367,11 @@ class StageRunner:
         return self.model.head(X.to(self.device, torch.float32))
 
     # ---- reporting ---------------------------------------------------------------------------------
+    def held_weight_bytes(self) -> int:
+        """Bytes of the tensors the stage's model holds (its weights in their kept forms, tables), KV slots
+        and the expert cache's pool excluded: what the plan's `weights` counts."""
+        return held_bytes(self.model, skip=(KVCache, ExpertCache))
+
     def kv_bytes(self) -> int:
         """Bytes of every KV slot this stage allocated (what the plan must count)."""
         return sum(c.nbytes() for c in self.slots)
@@ -379,7 +385,7 @@ class StageRunner:
             "embed": s.embed, "output": s.output, "compute": self.compute,
             "sessions": {str(k): {"tokens": c.length, "kv_bytes": c.nbytes()} for k, c in sessions.items()},
             "kv_bytes": sum(c.nbytes() for c in sessions.values()), "kv_allocated_bytes": self.kv_bytes(),
-            "kv_slots": len(self.slots), "warm_s": round(self.warm_s, 3),
+            "kv_slots": len(self.slots), "warm_s": round(self.warm_s, 3), "weights_held_bytes": self.held,
             "expert_cache": None if self.experts is None else self.experts.report(),
         }
 
@@ -389,6 +395,29 @@ class StageRunner:
                 self.model.drop_graphs(cache)
         self.kv.clear()
         self.slots.clear()
+
+
+def held_bytes(root: Any, skip: tuple[type, ...] = ()) -> int:
+    """Bytes of the distinct tensors reachable from `root` through attributes, dataclass fields, lists, tuples
+    and dicts (objects of the `skip` types not entered; a tensor and its views count once, by storage)."""
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, skip):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            storages[st.data_ptr()] = st.nbytes()
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module.__class__)):
+            stack.extend(vars(obj).values())
+    return sum(storages.values())
 
 
 # ---- transport ---------------------------------------------------------------------------------------

@@ -1,19 +1,23 @@
-"""Footprint: the bytes one pipeline stage needs on its device, from the tensor table and the context.
+"""Footprint: the bytes one pipeline stage needs on its device, from the tensor table and the launch settings.
 
-    predicted = weights + kv(ctx) + scratch(ctx, chunk) + runtime overhead (+ expert cache when streaming)
+    predicted = weights + sessions x kv(ctx) + scratch(ctx, chunk) + runtime overhead
+                (+ expert cache and its staging when streaming)
 
-- weights: the sum of `TensorSpec.n_bytes` over the stage's tensors (from a GGUF file's table or from a
-  named shape such as `flash-q2`, the layout of config.FLASH with the "q2" recipe). A streaming stage keeps
-  everything but the routed experts resident and holds `expert_cache_bytes` of expert slots instead.
-- kv (DS4-MODEL.md "KV cache per layer"): per layer the raw window ring (window + chunk rows x head_dim), the
-  compressed rows ceil(ctx/r) x head_dim on compressed layers, the indexer keys ceil(ctx/4) x index_dim on
-  ratio-4 layers, and each compressor's frontier ring (projections + scores, fp32, the unfinished block +
-  chunk rows). At f32 the per-token part is 13,760 bytes over Flash's 43 layers. This is engine/kv.py's
-  allocation, byte for byte (a test compares them): the one formula, which the engine sizes its caches with.
-- scratch: the prefill chunk's activations (`activation_bytes_per_token` x chunk, fp32) and the indexer's
-  score scratch, 2 x ceil(ctx/4) x chunk x 4 bytes on a
-  stage with any ratio-4 layer (ds4's figure; it grows with ctx x chunk, which is why the context preset uses
-  a small chunk), plus the logits row on the stage holding the output head.
+This is what `serve` allocates for the same settings (a launch file carries them: planner/launch.py):
+- weights: the sum of `kept_bytes` over the stage's tensors (from a GGUF file's table or from a named shape
+  such as `flash-q2`, the layout of config.FLASH with the "q2" recipe). The kernel stage keeps every tensor in
+  its file type, on a GPU and on the CPU alike, except a few small ones it widens (WIDENED_ROLES). A streaming stage keeps everything but the
+  routed experts resident and holds `expert_cache_bytes` of expert slots instead, plus its staging buffers
+  (STAGING_EXPERTS experts, twice, on the device; as much pinned host memory).
+- kv (DS4-MODEL.md "KV cache per layer"): per session and layer the raw window ring (window + slack rows x
+  head_dim, slack = max(chunk, rollback)), the compressed rows ceil(ctx/r) x head_dim on compressed layers,
+  the indexer keys ceil(ctx/4) x index_dim on ratio-4 layers, and each compressor's frontier ring
+  (projections + scores, fp32, the unfinished block + slack rows). At f32 the per-token part is 13,760 bytes
+  over Flash's 43 layers. This is engine/kv.py's allocation, byte for byte (a test compares them): the one
+  formula, which the engine sizes its caches with. Every session is a KV slot allocated at load.
+- scratch: the prefill chunk's activations (`activation_bytes_per_token` x chunk x the measured factor), the
+  indexer's selection scratch (the engine bounds its [chunk, k + step] int64 block by SCRATCH_BYTES), and
+  the logits row on the stage holding the output head.
 - runtime overhead: a per-process constant for the CUDA/ROCm context, kernel images and allocator slack
   (DEFAULT_RUNTIME_OVERHEAD; presets may change it). It is not in torch's allocator statistics but it is in
   the device's used memory, which is what must fit.
@@ -37,6 +41,23 @@ FRONTIER_BYTES = 4  # the compressors accumulate in fp32 whatever the cache dtyp
 # Measured on an H200 (torch 2.11, CUDA 13, 2026-11-29): the CUDA context alone 529 MiB, with cuBLAS and one
 # Triton kernel loaded 685 MiB. ROCm contexts on gfx906 are of the same order; keep a little above both.
 DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
+# The engine's bound on one prefill column block of indexer selection keys (kernels/indexer.py SCRATCH_BYTES)
+# and the experts per staging buffer of a streaming stage (engine/experts.py STAGING_EXPERTS; tests check both).
+INDEXER_SCRATCH_BYTES = 256 * MiB
+STAGING_EXPERTS = 8
+
+
+# Tensors the kernel stage keeps wider than the file stores them (engine/gpu.py): the hyper-connection mixes and
+# the compressors' position biases as fp32 (F16 in the q2 file), the hash-routing tables as int64 (I32).
+WIDENED_ROLES = frozenset({"hc_attn_fn", "hc_ffn_fn", "output_hc_fn", "attn_compressor_ape", "indexer_compressor_ape",
+                           "ffn_gate_tid2eid"})
+
+
+def kept_bytes(spec: TensorSpec) -> int:
+    """Bytes the kernel stage holds for this tensor: its file bytes, twice for a widened 2- or 4-byte type."""
+    if spec.role in WIDENED_ROLES and spec.qtype.name in ("F16", "BF16", "I32"):
+        return 2 * spec.n_bytes
+    return spec.n_bytes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -107,8 +128,17 @@ def activation_bytes_per_token(cfg: ModelConfig) -> int:
 
 
 def indexer_scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
-    """ds4's score scratch for one prefill chunk: 2 x ctx/4 x chunk x fp32."""
-    return 2 * _cdiv(ctx, 4) * chunk * 4
+    """The indexer's selection scratch for one prefill chunk: the [chunk, k + step] int64 key block (step: as
+    many index blocks as keep it within INDEXER_SCRATCH_BYTES, at most ceil(ctx/4)) and the running top-k's
+    values and indices."""
+    k = min(cfg.index_topk, max(_cdiv(ctx, 4), 1))
+    step = min(max(INDEXER_SCRATCH_BYTES // (8 * chunk) - k, k), max(_cdiv(ctx, 4), 1))
+    return 8 * chunk * (k + step) + 16 * chunk * k
+
+
+def staging_bytes(slot_bytes: int) -> int:
+    """Device bytes (and as many pinned host bytes) of a GPU streaming stage's two staging buffers."""
+    return 2 * STAGING_EXPERTS * slot_bytes
 
 
 @dataclass(frozen=True)
@@ -126,15 +156,16 @@ class ModelShape:
         experts = [0] * L
         embed = output = 0
         for s in self.specs:
+            n = kept_bytes(s)
             if s.layer is None:
                 if s.role == "token_embd":
-                    embed += s.n_bytes
+                    embed += n
                 else:
-                    output += s.n_bytes
+                    output += n
             elif s.is_routed_expert:
-                experts[s.layer] += s.n_bytes
+                experts[s.layer] += n
             else:
-                non_expert[s.layer] += s.n_bytes
+                non_expert[s.layer] += n
         used, n = self.cfg.n_experts_used, max(self.cfg.n_experts, 1)
         read = [ne + e * used // n for ne, e in zip(non_expert, experts, strict=True)]
         return non_expert, experts, embed, output, read
@@ -168,6 +199,10 @@ class ModelShape:
     def layer_weight_bytes(self, layer: int, streaming: bool = False) -> int:
         return self.non_expert_bytes[layer] + (0 if streaming else self.expert_bytes[layer])
 
+    def expert_slot_bytes(self, layers: Iterable[int]) -> int:
+        """Bytes of one routed expert (gate + up + down) of these layers: one cache slot."""
+        return max((self.expert_bytes[i] // max(self.cfg.n_experts, 1) for i in layers), default=0)
+
     def min_expert_cache(self, layers: Iterable[int]) -> int:
         """The smallest streaming cache that still holds one full layer's expert table."""
         return max((self.expert_bytes[i] for i in layers), default=0)
@@ -197,8 +232,10 @@ def shape_from_specs(name: str, cfg: ModelConfig, specs: Sequence[TensorSpec]) -
 
 @dataclass(frozen=True)
 class FootprintSettings:
-    prefill_chunk: int = 512
+    prefill_chunk: int = 2048
     kv_dtype: str = "f32"
+    sessions: int = 2  # KV slots allocated at load (serve --sessions)
+    rollback: int = 1024  # positions a live session can roll back (serve --rollback)
     runtime_overhead: int = DEFAULT_RUNTIME_OVERHEAD
     # Measured peak temporaries of a prefill chunk over `activation_bytes_per_token` x chunk. 1.0 is the budget
     # the shapes need; engine/gpu.py measured 2.8 (H200, layers 0-3 + head, chunk 256, 2026-11-29).
@@ -209,6 +246,8 @@ class FootprintSettings:
             raise ValueError(f"kv_dtype {self.kv_dtype!r}: choose one of {', '.join(KV_DTYPE_BYTES)}")
         if self.prefill_chunk <= 0:
             raise ValueError("prefill_chunk must be > 0")
+        if self.sessions < 1 or self.rollback < 0:
+            raise ValueError("sessions must be >= 1 and rollback >= 0")
         if self.activation_factor <= 0:
             raise ValueError("activation_factor must be > 0")
 
@@ -216,10 +255,11 @@ class FootprintSettings:
 @dataclass(frozen=True)
 class StageFootprint:
     weights_bytes: int  # resident weights (routed experts excluded when streaming)
-    kv_bytes: int
+    kv_bytes: int  # every session's KV slot
     scratch_bytes: int
     overhead_bytes: int
-    expert_cache_bytes: int = 0
+    expert_cache_bytes: int = 0  # the slot pool, its slot table and device staging buffers
+    host_staging_bytes: int = 0  # pinned host memory of a GPU streaming stage (counted against host RAM)
 
     @property
     def predicted_bytes(self) -> int:
@@ -227,15 +267,32 @@ class StageFootprint:
 
 
 def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: FootprintSettings, *,
-                    embed: bool = False, output: bool = False, expert_cache_bytes: int = 0) -> StageFootprint:
-    """Predicted bytes for a stage holding `layers` (and optionally the embedding / output head)."""
+                    embed: bool = False, output: bool = False, expert_cache_bytes: int = 0,
+                    device_kind: str = "gpu") -> StageFootprint:
+    """Predicted bytes for a stage holding `layers` (and optionally the embedding / output head), with
+    `settings.sessions` KV slots; a streaming stage on a GPU also holds its staging buffers (device and
+    pinned host); a CPU stage ("cpu") has neither staging nor a GPU runtime."""
     cfg = model.cfg
     streaming = expert_cache_bytes > 0
     weights = sum(model.layer_weight_bytes(i, streaming) for i in layers)
     weights += (model.embed_bytes if embed else 0) + (model.output_bytes if output else 0)
-    kv = kv_bytes(cfg, layers, ctx, settings.kv_dtype, chunk=settings.prefill_chunk)
+    kv = settings.sessions * kv_bytes(cfg, layers, ctx, settings.kv_dtype, chunk=settings.prefill_chunk,
+                                      rollback=settings.rollback)
+    cache = expert_cache_device_bytes(model, layers, expert_cache_bytes, device_kind) if streaming else 0
+    stage = staging_bytes(model.expert_slot_bytes(layers)) if streaming and device_kind != "cpu" else 0
     return StageFootprint(weights, kv, scratch_bytes(cfg, layers, ctx, settings, output=output),
-                          settings.runtime_overhead, expert_cache_bytes)
+                          settings.runtime_overhead, cache, stage)
+
+
+def expert_cache_device_bytes(model: ModelShape, layers: range, capacity: int, device_kind: str = "gpu") -> int:
+    """What a streaming stage's ExpertCache holds on its device for a cache of `capacity` bytes: whole slots
+    (capacity // slot bytes of them), the slot table (int64 per layer and expert) and, on a GPU, the device
+    staging buffers (engine/experts.py; a test compares them)."""
+    slot = model.expert_slot_bytes(layers)
+    if not slot:
+        return 0
+    table = len(layers) * model.cfg.n_experts * 8
+    return capacity // slot * slot + table + (staging_bytes(slot) if device_kind != "cpu" else 0)
 
 
 def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: FootprintSettings, *,
@@ -253,4 +310,5 @@ __all__ = [
     "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "KV_DTYPE_BYTES", "ModelShape", "SHAPES", "StageFootprint",
     "activation_bytes_per_token", "frontier_rows", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token",
     "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
+    "staging_bytes", "expert_cache_device_bytes", "kept_bytes", "WIDENED_ROLES", "INDEXER_SCRATCH_BYTES", "STAGING_EXPERTS",
 ]

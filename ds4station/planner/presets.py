@@ -83,7 +83,7 @@ def _read(path: Path) -> dict[str, Any]:
 # The keys each kind of file takes; anything else is refused with its name (a typo must not silently plan
 # with a default).
 PRESET_KEYS = frozenset({
-    "name", "description", "objective", "ctx", "prefill_chunk", "kv_dtype", "runtime_overhead",
+    "name", "description", "objective", "ctx", "prefill_chunk", "sessions", "rollback", "kv_dtype", "runtime_overhead",
     "activation_factor", "expert_streaming", "expert_cache", "stream_below_ctx", "desktop_headroom", "reserve",
     "spare_target", "min_ctx", "ctx_step"})
 HOST_KEYS = frozenset({"kind", "name", "description", "gpus", "host_ram"})
@@ -114,7 +114,10 @@ def settings_from_dict(data: dict[str, Any], name: str = "custom") -> PlanSettin
             raise PresetError(f"preset {name}: ctx = {ctx!r}; write a number of tokens or \"max\"")
         ctx = None
     try:
-        fp = FootprintSettings(prefill_chunk=int(data.get("prefill_chunk", 512)),
+        base = FootprintSettings()
+        fp = FootprintSettings(prefill_chunk=int(data.get("prefill_chunk", base.prefill_chunk)),
+                               sessions=int(data.get("sessions", base.sessions)),
+                               rollback=int(data.get("rollback", base.rollback)),
                                kv_dtype=str(data.get("kv_dtype", "f32")),
                                runtime_overhead=size("runtime_overhead", DEFAULT_RUNTIME_OVERHEAD),
                                activation_factor=float(data.get("activation_factor", 1.0)))

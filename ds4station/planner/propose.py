@@ -23,15 +23,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4station.model.footprint import (
+    FootprintSettings,
     ModelShape,
     StageFootprint,
+    expert_cache_device_bytes,
     kv_bytes,
     layer_kv_bytes,
     scratch_bytes,
     stage_footprint,
 )
 from ds4station.model.route import Route, Stage
-from ds4station.model.sizes import format_size, gib
+from ds4station.model.sizes import MiB, format_size, gib
 
 from .devices import DEFAULT_HOST_RESERVE, DeviceBudget
 from .presets import PlanSettings
@@ -92,6 +94,7 @@ class Plan:
     stages: tuple[StagePlan, ...]
     max_resident_ctx: int  # 0 when resident weights do not fit at the minimum context
     notes: tuple[str, ...] = ()
+    footprint: FootprintSettings = dataclasses.field(default_factory=FootprintSettings)  # sessions, chunk, ...
 
     @property
     def streaming(self) -> bool:
@@ -106,6 +109,8 @@ class Plan:
             "preset": self.preset, "model": self.model, "ctx": self.ctx, "route": str(self.route),
             "streaming": self.streaming, "max_resident_ctx": self.max_resident_ctx,
             "stages": [s.to_dict() for s in self.stages], "notes": list(self.notes),
+            "sessions": self.footprint.sessions, "prefill_chunk": self.footprint.prefill_chunk,
+            "rollback": self.footprint.rollback, "kv_dtype": self.footprint.kv_dtype,
         }
 
 
@@ -139,7 +144,8 @@ class _Planner:
     def _kv_prefix(self, ctx: int) -> list[int]:
         if ctx != self._kv_ctx:
             cfg, fs = self.model.cfg, self.settings.footprint
-            self._kv = _prefix(layer_kv_bytes(cfg, i, ctx, fs.kv_dtype, chunk=fs.prefill_chunk) for i in range(self.L))
+            self._kv = _prefix(fs.sessions * layer_kv_bytes(cfg, i, ctx, fs.kv_dtype, chunk=fs.prefill_chunk,
+                                                            rollback=fs.rollback) for i in range(self.L))
             self._kv_ctx = ctx
         return self._kv
 
@@ -152,7 +158,9 @@ class _Planner:
         cache = self.cache_for(j, cache)
         w = (self.w_str if cache else self.w_res)
         kv = self._kv_prefix(ctx)
-        n = w[b] - w[a] + kv[b] - kv[a] + fs.runtime_overhead + cache
+        n = w[b] - w[a] + kv[b] - kv[a] + fs.runtime_overhead
+        if cache:  # slots, slot table and staging (CPU stages never stream: cache_for)
+            n += expert_cache_device_bytes(self.model, range(a, b), cache)
         n += scratch_bytes(cfg, range(a, b) if self.n_idx[b] - self.n_idx[a] else range(0), ctx, fs, output=j == 0)
         if j == 0:
             n += self.head
@@ -212,42 +220,46 @@ class _Planner:
             i = prev
         return out[::-1]
 
-    def fits(self, ctx: int, cache: int) -> Callable[[int, int, int], float | None]:
+    def fits(self, ctx: int, cache: int, margin: int = 0) -> Callable[[int, int, int], float | None]:
+        """-> spare(j, a, b): the bytes device j has left holding layers [a, b), None when that is below
+        `margin`."""
         def spare(j: int, a: int, b: int) -> float | None:
             s = self.avail[j] - self.predicted(j, a, b, ctx, cache)
-            return float(s) if s >= 0 else None
+            return float(s) if s >= margin else None
         return spare
 
-    def max_ctx(self, cache: int, upper: int) -> int:
-        """Longest context (a multiple of ctx_step, or `upper`) at which some split fits; 0 if none."""
+    def max_ctx(self, cache: int, upper: int, margin: int = 0) -> int:
+        """Longest context (a multiple of ctx_step, or `upper`) at which some split fits keeping `margin`
+        spare on every device; 0 if none."""
         step, lo = self.settings.ctx_step, self.settings.min_ctx
-        if self.solve(self.fits(lo, cache), minimise=False) is None:
+        if self.solve(self.fits(lo, cache, margin), minimise=False) is None:
             return 0
-        if self.solve(self.fits(upper, cache), minimise=False) is not None:
+        if self.solve(self.fits(upper, cache, margin), minimise=False) is not None:
             return upper
         a, b = lo // step, upper // step  # fits at a*step, not at upper
         while b - a > 1:
             mid = (a + b) // 2
-            if self.solve(self.fits(mid * step, cache), minimise=False) is not None:
+            if self.solve(self.fits(mid * step, cache, margin), minimise=False) is not None:
                 a = mid
             else:
                 b = mid
         return max(a * step, lo)
 
     # ---- building the answer -----------------------------------------------------------------------
-    def plan(self, split: Split, ctx: int, cache: int, max_res: int, notes: list[str]) -> Plan:
+    def plan(self, split: Split, ctx: int, caches: list[int], max_res: int, notes: list[str]) -> Plan:
         stages = []
-        for n, (j, a, b) in enumerate(split):
+        for n, ((j, a, b), cache) in enumerate(zip(split, caches, strict=True)):
             stages.append(Stage(self.devices[j].device, a, b - 1, embed=n == 0, output=n == 0,
-                                expert_cache_bytes=self.cache_for(j, cache)))
+                                expert_cache_bytes=cache))
         route = Route(tuple(stages), self.L)
         plans = tuple(self.stage_plan(s, self.devices[j], ctx) for s, (j, _, _) in zip(stages, split, strict=True))
         self.check_host_ram(plans)
-        return Plan(self.settings.name, self.model.name, ctx, route, plans, max_res, tuple(notes))
+        return Plan(self.settings.name, self.model.name, ctx, route, plans, max_res, tuple(notes),
+                    self.settings.footprint)
 
     def stage_plan(self, s: Stage, d: DeviceBudget, ctx: int) -> StagePlan:
         fp = stage_footprint(self.model, s.layers, ctx, self.settings.footprint, embed=s.embed, output=s.output,
-                             expert_cache_bytes=s.expert_cache_bytes)
+                             expert_cache_bytes=s.expert_cache_bytes, device_kind=d.kind)
         read = self.read[s.last_layer + 1] - self.read[s.first_layer] + (self.model.output_bytes if s.output else 0)
         return StagePlan(s, d, fp, d.available(self.settings.desktop_headroom, self.settings.reserve), read)
 
@@ -271,6 +283,11 @@ def _prefix(values) -> list[int]:  # type: ignore[no-untyped-def]
     return out
 
 
+# The smallest prefill chunk the proposer falls back to when the preset's does not fit (its activations are
+# scratch on every stage: 1.6 GiB per stage for Flash at 2048 tokens, 0.4 GiB at 512).
+MIN_PREFILL_CHUNK = 256
+
+
 def propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanSettings, *, ctx: int | None = None,
             expert_cache: int | None = None, host_ram: int | None = None) -> Plan:
     """The route, context and per-stage expert caches for `devices` (in stage order) under `settings`.
@@ -278,7 +295,29 @@ def propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanSe
     ctx: the context to plan for (default: the preset's; for the context preset, the longest that fits).
     expert_cache: None = the preset decides; 0 = resident only; > 0 = stream routed experts through a cache of
     this many bytes per GPU process. host_ram: checks APU and CPU stages against the system RAM they share.
+    When nothing fits with the preset's prefill chunk, halved chunks down to MIN_PREFILL_CHUNK are tried (the
+    plan notes it: prompts then prefill in smaller, slower steps); the first refusal is the one raised.
     """
+    chunk = settings.footprint.prefill_chunk
+    try:
+        return _propose(model, devices, settings, ctx, expert_cache, host_ram)
+    except PlanError as first:
+        while chunk > MIN_PREFILL_CHUNK:
+            chunk //= 2
+            smaller = dataclasses.replace(settings, footprint=dataclasses.replace(settings.footprint,
+                                                                                  prefill_chunk=chunk))
+            try:
+                plan = _propose(model, devices, smaller, ctx, expert_cache, host_ram)
+            except PlanError:
+                continue
+            note = (f"prefill chunk {chunk} instead of the preset's {settings.footprint.prefill_chunk}: its "
+                    "activations did not fit (prompts prefill in smaller, slower steps)")
+            return dataclasses.replace(plan, notes=(*plan.notes, note))
+        raise first from None
+
+
+def _propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanSettings, ctx: int | None,
+             expert_cache: int | None, host_ram: int | None) -> Plan:
     limit = model.cfg.context_length
     if settings.min_ctx > limit:  # a small demo model: its whole context is the minimum
         settings = dataclasses.replace(settings, min_ctx=limit)
@@ -310,7 +349,13 @@ def propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanSe
         notes.append(f"streaming routed experts through a {format_size(cache)} cache per GPU process: {why}")
 
     if settings.objective == "context" and target is None:
-        best = max_res if not cache else p.max_ctx(cache, limit)
+        margin = settings.spare_target  # the longest context that still leaves this on every device
+        best = p.max_ctx(cache, limit, margin) if margin else 0
+        if best == 0:
+            best = max_res if not cache else p.max_ctx(cache, limit)
+            if best and margin:
+                notes.append(f"no split keeps the preset's {format_size(margin)} spare on every device; this plan "
+                             "leaves less on its tightest one")
         if best == 0:
             raise _refusal(p, settings.min_ctx, cache)
         ctx_final = best
@@ -322,7 +367,32 @@ def propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanSe
     split = _choose_split(p, ctx_final, cache)
     if max_res and cache == 0 and settings.objective == "speed" and max_res > ctx_final:
         notes.append(f"resident weights leave room for up to {max_res} tokens of context (the context preset)")
-    return p.plan(split, ctx_final, cache, max_res, notes)
+    caches = [p.cache_for(j, cache) for j, _, _ in split]
+    if cache and settings.objective == "context" and expert_cache is None:
+        caches = _grow_caches(p, split, ctx_final, cache, notes)
+    return p.plan(split, ctx_final, caches, max_res, notes)
+
+
+def _grow_caches(p: _Planner, split: Split, ctx: int, cache: int, notes: list[str]) -> list[int]:
+    """The context preset gives what each streaming device has left, above its spare target, to its expert
+    cache (in whole MiB, at most the stage's whole expert table), and notes the expected hit rate (uniform
+    routing: the share of the stage's experts the cache holds)."""
+    out, grown = [], []
+    for n, (j, a, b) in enumerate(split):
+        base = p.cache_for(j, cache)
+        if not base:
+            out.append(0)
+            continue
+        spare = p.avail[j] - p.predicted(j, a, b, ctx, base) - p.settings.spare_target
+        table = p.expert[b] - p.expert[a]
+        size = min(base + max(spare, 0), max(table, base)) // MiB * MiB
+        out.append(max(size, base))
+        if size > base:
+            grown.append(f"stage {n} {format_size(base)} -> {format_size(size)} (hit rate ~{min(base / table, 1):.0%} "
+                         f"-> ~{min(size / table, 1):.0%})")
+    if grown:
+        notes.append("expert caches grown into the spare memory: " + "; ".join(grown))
+    return out
 
 
 def _choose_split(p: _Planner, ctx: int, cache: int) -> Split:
@@ -357,7 +427,7 @@ def evaluate(model: ModelShape, route: Route, devices: Sequence[DeviceBudget], s
     p = _Planner(model, devices, settings, host_ram)
     plans = tuple(p.stage_plan(s, d, ctx) for s, d in zip(route.stages, devices, strict=True))
     p.check_host_ram(plans)
-    return Plan(settings.name, model.name, ctx, route, plans, 0)
+    return Plan(settings.name, model.name, ctx, route, plans, 0, footprint=settings.footprint)
 
 
 def _round_up_mib(n: int) -> int:
@@ -368,7 +438,7 @@ def _refusal(p: _Planner, ctx: int, cache: int) -> PlanError:
     """Why nothing fits at `ctx`, by how much, and what would help."""
     cfg, fs, model = p.model.cfg, p.settings.footprint, p.model
     weights = (p.w_str if cache else p.w_res)[p.L] + p.head
-    kv = kv_bytes(cfg, range(p.L), ctx, fs.kv_dtype, chunk=fs.prefill_chunk)
+    kv = fs.sessions * kv_bytes(cfg, range(p.L), ctx, fs.kv_dtype, chunk=fs.prefill_chunk, rollback=fs.rollback)
     per_dev = fs.runtime_overhead + scratch_bytes(cfg, range(p.L), ctx, fs)
     need = weights + kv + sum(per_dev + p.cache_for(j, cache) for j in range(len(p.devices)))
     have = sum(p.avail)

@@ -21,9 +21,9 @@ from textual.timer import Timer
 from textual.widgets import RichLog
 
 from ds4station.hardware import Device, detect_devices
-from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
+from ds4station.planner import DeviceBudget, Plan, budgets_from_gpus, load_preset, parse_gpu_spec
 
-from .launcher import ServerProcess, free_port, serve_command, serve_options, stop_all
+from .launcher import ServerProcess, free_port, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, serve_args
 from .screens import DashboardScreen, HelpScreen, PlanScreen
@@ -271,9 +271,9 @@ class Ds4StationApp(App[None]):
             return
         port = self.port or free_port(self.host)
         try:
-            args = serve_args(ed.plan, ed.model, port, self.host, serve_options())
-        except PlanError as e:
-            self.notify(str(e), severity="error", timeout=8)
+            args = serve_args(ed.plan, ed.model, port, self.host)
+        except OSError as e:  # the launch file could not be written
+            self.notify(f"cannot write the launch file: {e}", severity="error", timeout=8)
             return
         if self.api_key:
             args += ["--api-key", self.api_key]

@@ -37,17 +37,6 @@ def serve_command(serve_args: Sequence[str]) -> list[str]:
     return [sys.executable, "-m", "ds4station.cli", "serve", *serve_args]
 
 
-def serve_options() -> set[str]:
-    """The option strings `ds4station serve` accepts (so a plan passes --route only to a server that has it)."""
-    import argparse
-
-    from ds4station.commands import serve
-
-    parser = argparse.ArgumentParser(add_help=False)
-    serve.add_arguments(parser)
-    return {opt for action in parser._actions for opt in action.option_strings}
-
-
 @dataclass(eq=False)  # identity semantics: kept in a set of live servers
 class ServerProcess:
     """One `ds4station serve` child: its argv, endpoint, API key, log tail and exit status."""

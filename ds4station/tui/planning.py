@@ -170,8 +170,11 @@ class PlanEditor:
 
     def _evaluate(self, route: Route, ctx: int) -> None:
         by_device = {b.device: b for b in self.budgets}
+        # the proposal's own sizes (its prefill chunk may be smaller than the preset's, to fit)
+        settings = self.settings if self.plan is None else dataclasses.replace(self.settings,
+                                                                               footprint=self.plan.footprint)
         try:
-            plan = evaluate(self.model.shape, route, [by_device[s.device] for s in route.stages], self.settings, ctx,
+            plan = evaluate(self.model.shape, route, [by_device[s.device] for s in route.stages], settings, ctx,
                             host_ram=self.host_ram)
         except PlanError as e:
             self.refusal = str(e)
@@ -188,18 +191,14 @@ class PlanEditor:
 
 
 def serve_args(plan: Plan, model: ModelChoice, port: int, host: str = "127.0.0.1",
-               serve_options: Sequence[str] = ()) -> list[str]:
-    """`ds4station serve` arguments for this plan. `serve_options` are the option strings the serve command
-    accepts (a route is passed as --route when it does; a single-stage plan otherwise runs on --device)."""
-    args = ["--host", host, "--port", str(port), "--ctx", str(plan.ctx)]
-    if model.path:
-        args += ["--model", model.path]
-    route = plan.route
-    if "--route" in serve_options:
-        args += ["--route", str(route)]
-    elif len(route.stages) == 1 and (route.stages[0].device == "cpu" or route.stages[0].device.startswith("cuda:")):
-        args += ["--device", route.stages[0].device]
-    else:
-        raise PlanError(f"this ds4station serve takes no --route, so it cannot run the {len(route.stages)}-stage "
-                        f"route {route}; plan for one device or update the server")
-    return args
+               launch_dir: str | None = None) -> list[str]:
+    """`ds4station serve` arguments for this plan: its launch file (written to `launch_dir`, default the cache
+    directory) run with --plan, so the server allocates exactly what the plan counted."""
+    from pathlib import Path
+
+    from ds4station.cache import cache_dir
+    from ds4station.planner.launch import launch_from_plan, write_launch
+
+    path = Path(launch_dir) if launch_dir else cache_dir()
+    out = write_launch(path / f"launch-{port}.toml", launch_from_plan(plan, model.path or ""), plan)
+    return ["--host", host, "--port", str(port), "--plan", str(out)]
