@@ -119,3 +119,16 @@ def test_spark_and_bar_scale_values() -> None:
     assert spark([1, 2, 3, 4], width=2) == "▆█"
     assert bar(0.5, 4) == "██  " and bar(1.5, 3) == "███" and bar(0.0, 2) == "  "
     assert bar(0.5, 1) == "▌" and bar(1 / 32, 1) == " "  # half a cell; under half an eighth rounds to empty
+
+
+def test_the_live_view_shows_the_expert_cache() -> None:
+    from rich.console import Console
+
+    from ds4station.tui.widgets.live_panel import live_view
+
+    status = {"expert_cache": {"lookups": 40, "hits": 30, "misses": 10, "bytes_read": 10 * 7077888,
+                               "gb_per_s": 12.5}, "kv": {"ctx": 4096}, "sessions": {}, "queue": {}}
+    console = Console(width=120, record=True)
+    console.print(live_view(status, []))
+    text = console.export_text()
+    assert "cache hit rate 75%, 10 misses, 0.1 GiB streamed at 12.5 GB/s" in text

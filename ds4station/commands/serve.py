@@ -115,6 +115,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
           f"{per_session / 2**20:.1f} MiB per session x {sessions} session(s) = "
           f"{per_session * sessions / 2**20:.1f} MiB", file=sys.stderr)
 
+    for warning in check_host_memory(gguf, route, ctx, chunk, sessions, rollback, kv_dtype):
+        print(f"warning: {warning}", file=sys.stderr)
+
     def load() -> Any:
         return Engine.load(path, ctx, route, sessions=sessions, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
                            progress=scheduler.report_load, **opts)
@@ -134,6 +137,35 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), default_max_tokens=args.max_tokens,
                      keepalive_s=args.keepalive, trace=trace)
     return app, {"host": args.host, "port": args.port}
+
+
+def available_ram() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int, rollback: int,
+                      kv_dtype: str) -> list[str]:
+    """The host-memory guard: what the route draws on system RAM (CPU stages, pinned staging of streaming GPU
+    stages; the page cache its streamed experts want) against what is available now. Raises ValueError when it
+    cannot run; -> warnings (below the host reserve, streamed experts partly on the disk)."""
+    from ds4station.model.footprint import stage_footprint
+    from ds4station.planner import shape_from_specs
+    from ds4station.planner.launch import ENGINE_KV_DTYPES
+    from ds4station.planner.propose import host_messages, host_need
+
+    kv = {v: k for k, v in ENGINE_KV_DTYPES.items()}[kv_dtype]
+    shape = shape_from_specs(gguf.path.name, gguf.config, gguf.tensor_specs())
+    fs = FootprintSettings(prefill_chunk=chunk, kv_dtype=kv, sessions=sessions, rollback=rollback)
+    kinds = ["cpu" if s.device == "cpu" else "gpu" for s in route.stages]
+    footprints = [stage_footprint(shape, s.layers, ctx, fs, embed=s.embed, output=s.output,
+                                  expert_cache_bytes=s.expert_cache_bytes, device_kind=k)
+                  for s, k in zip(route.stages, kinds, strict=True)]
+    errors, warnings = host_messages(host_need(shape, list(route.stages), footprints, kinds), available_ram())
+    if errors:
+        raise ValueError(errors[0] + "; free memory, shorten --ctx, use fewer --sessions or move CPU layers to a GPU")
+    return warnings
 
 
 def apply_launch(args: argparse.Namespace) -> None:

@@ -5,10 +5,12 @@ routed experts stay as raw blocks in the read-only memory map, and an `ExpertCac
 *slots* on the device, in the form the MoE kernels read (the packed gate / up / down of one expert per slot:
 the q2 file, 6.75 MiB per expert). The pool is allocated once at start, so the cache never grows:
 
-- before a routed layer's experts run, `slots(layer, ids)` looks every selected expert up (hit) or copies it
-  in (miss), *pins* the layer's selection until the next layer asks (so a slot the running layer needs is
-  never evicted), and returns the selection as slot numbers; the fused MoE decode and grouped prefill
-  kernels then read the pool through them (a slot table per layer, on the device);
+- after a routed layer's router, `ensure(layer, ids)` looks every selected expert up (hit) or copies it in
+  (miss) and *pins* the layer's selection until the next layer asks (so a slot the running layer needs is
+  never evicted); `lookup(layer, ids)` turns the selection into slot numbers on the device (a slot table
+  per layer), which the fused MoE decode and grouped prefill kernels read the pool through. The lookup
+  needs no synchronisation, so a streaming stage's decode runs as captured graphs, one per segment between
+  two routers, with the host's `ensure` between replays (engine/gpu.py _SegmentedStep);
 - a layer's misses are one batch: each expert's raw blocks are copied from the memory map into a pinned
   staging buffer (host memory the GPU can read by DMA), sent to the device on a side stream and repacked into
   their slots there, two staging buffers in turn so the host fills one while the device drains the other;
@@ -162,12 +164,17 @@ class ExpertCache:
         return self.pool["gate"], self.pool["up"], self.pool["down"]
 
     def slots(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
-        """The selected experts ids [T, S] of `layer` (device) as slots of the pool: each one loaded (a miss)
-        or found (a hit), the layer's selection pinned until the next call."""
+        """`ensure` then `lookup`: the selected experts ids [T, S] of `layer` as slots of the pool."""
+        self.ensure(layer, ids)
+        return self.lookup(layer, ids)
+
+    def ensure(self, layer: int, ids: torch.Tensor) -> None:
+        """Make the selected experts ids (any shape, on the device) of `layer` resident: each one found (a
+        hit) or loaded (a miss); the layer's selection pinned until the next call. The one host
+        synchronisation of a streamed layer."""
         if self.dry:
-            return ids.long() % self.n_slots
-        wanted = sorted(set(ids.flatten().tolist()))  # the one host synchronisation of a streamed layer
-        keys = [(layer, e) for e in wanted]
+            return
+        keys = [(layer, e) for e in sorted(set(ids.flatten().tolist()))]
         self.pinned = set(keys)
         misses = []
         for key in keys:
@@ -176,6 +183,12 @@ class ExpertCache:
             else:
                 misses.append(key)
         self._read(misses, lookups=len(keys))
+
+    def lookup(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        """ids [T, S] of resident experts of `layer` -> their slots [T, S], through the slot table on the
+        device (no synchronisation: what a captured graph does). Dry: any valid slot."""
+        if self.dry:
+            return ids.long() % self.n_slots
         return self.table[layer - self.layers.start][ids]
 
     def prefetch(self, tokens: torch.Tensor | list[int]) -> None:

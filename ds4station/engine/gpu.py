@@ -168,7 +168,8 @@ class Experts:
 
 class StreamedExperts:
     """A layer's routed experts read from the stage's ExpertCache: the selection becomes slots of the cache's
-    pool (loading the misses first), and the same MoE kernels read the pool through them."""
+    pool through the slot table (on the device; the layer loop has made sure they are loaded, see
+    GpuStage._run_layers), and the same MoE kernels read the pool through them."""
 
     nbytes = 0  # the pool is the cache's, counted once for the stage
 
@@ -179,8 +180,8 @@ class StreamedExperts:
 
     def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
         gate, up, down = self.cache.parts()
-        return ops.moe(xn, gate, up, down, self.cache.slots(self.layer, ids), wts, self.clamp, int_dot=self.int_dot,
-                       last=last)
+        return ops.moe(xn, gate, up, down, self.cache.lookup(self.layer, ids), wts, self.clamp,
+                       int_dot=self.int_dot, last=last)
 
 
 # ---- one layer's weights -----------------------------------------------------------------------------------
@@ -257,6 +258,19 @@ class GpuLayer:
 
 # ---- the stage -----------------------------------------------------------------------------------------------
 @dataclass
+class _Routed:
+    """A layer's state at its router: the HC state after attention, the FFN input and its hyper-connection
+    mix, and the experts chosen with their weights."""
+
+    X: Tensor
+    xn: Tensor
+    post: Tensor
+    comb: Tensor
+    ids: Tensor
+    wts: Tensor
+
+
+@dataclass
 class Step:
     """Where a forward call sits: positions pos [T] (device) and, for chunked prefill, their host bounds.
     `bucket` > 0 marks a static-shape step (decode, or a padded short prefill) that reads context up to
@@ -301,12 +315,10 @@ class GpuStage:
                                             for k in ("fn", "scale", "base")), cfg)
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
-        self._graphs: dict[tuple, _StepGraph] = {}
+        self._graphs: dict[tuple, _StepGraph | _SegmentedStep] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
-        if experts is not None:  # a layer's misses are known only once its router has run: eager launches
-            self.graphs = False
 
     # ---- building blocks -----------------------------------------------------------------------------------
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -430,26 +442,50 @@ class GpuStage:
             out.append(o)
         return torch.cat(out)
 
-    def _moe(self, L: GpuLayer, xn: Tensor, tokens: Tensor, st: Step) -> Tensor:
-        cfg = self.cfg  # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
+    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
+        """The stage's layers over X [T, C, dim] -> [T, C, dim]: segment after segment (see _segment), a
+        streaming stage loading each routed layer's selected experts in between (and the hash-routed layers'
+        ahead, from the tokens)."""
+        n = len(self.blocks)
+        if self.experts is not None:
+            self.experts.prefetch(tokens)
+        state: Tensor | _Routed = X
+        for k in range(n + 1):
+            state = self._segment(k, state, tokens, cache, st)
+            if k < n and self.experts is not None:
+                assert isinstance(state, _Routed)
+                self.experts.ensure(self.blocks[k].layer, state.ids)
+        assert isinstance(state, Tensor)
+        return state
+
+    def _segment(self, k: int, state: Tensor | _Routed, tokens: Tensor, cache: KVCache, st: Step) -> Tensor | _Routed:
+        """Segment k of the layer loop, cut at the routers: the FFN of layer k-1 (from its routed state; k = 0
+        starts from the HC state X) and then layer k up to its router (-> its routed state; k = n ends with the
+        stage's output HC state). A streaming stage's decode captures each segment as a graph and loads the
+        experts a router chose between two replays (_SegmentedStep)."""
+        eps, cfg = self.cfg.rms_eps, self.cfg
+        if k == 0:
+            assert isinstance(state, Tensor)
+            X = state
+        else:
+            assert isinstance(state, _Routed)
+            L = self.blocks[k - 1]
+            y = L.experts(state.xn, state.ids, state.wts, st.last)
+            if L.shared is not None:
+                gate_up, down = L.shared
+                y = y + down(swiglu(gate_up(state.xn), cfg.swiglu_clamp_shared[L.layer]))
+            X = hc_k.hc_post(y, state.X, state.post, state.comb)
+        if k == len(self.blocks):
+            return X
+        L = self.blocks[k]  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
+        x, post, comb = self._hc_pre(L.hc_attn, X)
+        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
+        x, post, comb = self._hc_pre(L.hc_ffn, X)
+        xn = rms_norm(x, L.ffn_norm, eps)
+        # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
-        y = L.experts(xn, ids, wts, st.last)
-        if L.shared is not None:
-            gate_up, down = L.shared
-            y = y + down(swiglu(gate_up(xn), cfg.swiglu_clamp_shared[L.layer]))
-        return y
-
-    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
-        eps = self.cfg.rms_eps
-        if self.experts is not None:  # the hash-routed layers' experts follow from the tokens: load them ahead
-            self.experts.prefetch(tokens)
-        for L in self.blocks:  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
-            x, post, comb = self._hc_pre(L.hc_attn, X)
-            X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
-            x, post, comb = self._hc_pre(L.hc_ffn, X)
-            X = hc_k.hc_post(self._moe(L, rms_norm(x, L.ffn_norm, eps), tokens, st), X, post, comb)
-        return X
+        return _Routed(X, xn, post, comb, ids, wts)
 
     def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -499,6 +535,8 @@ class GpuStage:
         """The row class a prompt of n tokens runs in as one static-shape step at cache.length, or 0 when it
         runs chunked (a single token decodes; longer than the largest class; the padding would pass the
         chunk or the context)."""
+        if self.experts is not None:  # streaming: padded rows would route (and load experts) for nothing
+            return 0
         rows = next((r for r in SHORT_ROWS if r >= n), 0) if n > 1 else 0
         return rows if rows and rows <= cache.chunk and cache.length + rows <= cache.ctx else 0
 
@@ -511,7 +549,7 @@ class GpuStage:
         if X is not None:
             X = X.to(self.device, torch.float32)
         key = (id(cache), rows, bucket, X is None, logits)
-        g = self._graph(graph, key, lambda: _StepGraph(self, cache, rows, bucket, X is None, logits))
+        g = self._graph(graph, key, lambda: self._make_graph(cache, rows, bucket, X is None, logits))
         if g is None:
             g = _StepInputs(self, rows, X is None, p0)
             g.set(tokens, p0, X)
@@ -551,8 +589,8 @@ class GpuStage:
                 bucket = self.bucket(cache, r)
                 key = (id(cache), r, bucket, embedded, logits)
 
-                def make(r: int = r, bucket: int = bucket) -> _StepGraph:
-                    return _StepGraph(self, cache, r, bucket, embedded, logits)
+                def make(r: int = r, bucket: int = bucket) -> _StepGraph | _SegmentedStep:
+                    return self._make_graph(cache, r, bucket, embedded, logits)
 
                 if self._graph(True, key, make) is None:
                     cache.length = length
@@ -566,6 +604,14 @@ class GpuStage:
         cache.length = length
         return n
 
+    def _make_graph(self, cache: KVCache, rows: int, bucket: int, embedded: bool,
+                    logits: bool) -> _StepGraph | _SegmentedStep:
+        """A static step's captured form: one graph (resident experts), or one graph per segment between the
+        routers (streamed experts: rows == 1, the decode step)."""
+        if self.experts is not None:
+            return _SegmentedStep(self, cache, bucket, embedded, logits)
+        return _StepGraph(self, cache, rows, bucket, embedded, logits)
+
     def bucket(self, cache: KVCache, rows: int = 1) -> int:
         """A static step of `rows` positions at cache.length reads context up to this many positions: a power
         of two > the last position it writes (or ctx)."""
@@ -574,7 +620,8 @@ class GpuStage:
     def _graphs_on(self) -> bool:
         return self.device.type == "cuda" and self.graphs
 
-    def _graph(self, graph: bool | None, key: tuple, make: Callable[[], _StepGraph]) -> _StepGraph | None:
+    def _graph(self, graph: bool | None, key: tuple,
+               make: Callable[[], _StepGraph | _SegmentedStep]) -> _StepGraph | _SegmentedStep | None:
         """The captured graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
         `graph` is True), when `graph` is False, with DS4STATION_CUDA_GRAPHS=0, or after a capture failed on
         this stage (warned once; steps go on with eager launches of the same ops)."""
@@ -660,6 +707,66 @@ class _StepGraph(_StepInputs):
     def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
         self.set(tokens, position, X)
         self.graph.replay()
+        return self.out
+
+
+class _SegmentedStep(_StepInputs):
+    """The decode step of a streaming stage: one CUDA graph per segment of the layer loop (GpuStage._segment:
+    cut at the routers), captured over static inputs like _StepGraph. Between two replays the host reads the
+    experts the last router chose and has the cache load the missing ones (the one synchronisation per
+    routed layer); the next segment reads them through the slot table. The hash-routed layers' experts are
+    loaded from the token before the first replay."""
+
+    def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, embedded: bool, logits: bool) -> None:
+        super().__init__(stage, 1, embedded, cache.length)
+        self.stage, self.cache, self.logits = stage, cache, logits
+        st = Step(self.pos, None, None, bucket, None)
+        n = len(stage.blocks)
+
+        def segment(k: int, state: Tensor | _Routed | None) -> Tensor | _Routed:
+            if k == 0:
+                state = stage.embed(self.tok) if self.x is None else self.x
+            assert state is not None
+            out = stage._segment(k, state, self.tok, cache, st)
+            if k == n and logits:
+                assert isinstance(out, Tensor)
+                return stage.head(out)[0]
+            return out
+
+        side = torch.cuda.Stream()  # warm-up on a side stream (Triton compiles), as _StepGraph does
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            state: Tensor | _Routed | None = None
+            for k in range(n + 1):
+                state = segment(k, state)
+        torch.cuda.current_stream().wait_stream(side)
+        if stage.graph_pool is None:
+            stage.graph_pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.routed: list[_Routed] = []
+        state = None
+        for k in range(n + 1):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=stage.graph_pool):
+                state = segment(k, state)
+            self.graphs.append(g)
+            if k < n:
+                assert isinstance(state, _Routed)
+                self.routed.append(state)
+        assert isinstance(state, Tensor)
+        self.out = state
+        for g in self.graphs:  # uploaded now rather than by the first request (on the warm-up's inputs)
+            g.replay()
+
+    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
+        self.set(tokens, position, X)
+        experts = self.stage.experts
+        assert experts is not None
+        experts.prefetch([int(tokens) if isinstance(tokens, int) else int(tokens[0])])
+        for k, g in enumerate(self.graphs):
+            g.replay()
+            if k < len(self.routed):
+                experts.ensure(self.stage.blocks[k].layer, self.routed[k].ids)
         return self.out
 
 

@@ -6,7 +6,8 @@
 This is what `serve` allocates for the same settings (a launch file carries them: planner/launch.py):
 - weights: the sum of `kept_bytes` over the stage's tensors (from a GGUF file's table or from a named shape
   such as `flash-q2`, the layout of config.FLASH with the "q2" recipe). The kernel stage keeps every tensor in
-  its file type, on a GPU and on the CPU alike, except a few small ones it widens (WIDENED_ROLES). A streaming stage keeps everything but the
+  its file type, on a GPU and on the CPU alike, except a few small ones it widens (WIDENED_ROLES). A
+  streaming stage keeps everything but the
   routed experts resident and holds `expert_cache_bytes` of expert slots instead, plus its staging buffers
   (STAGING_EXPERTS experts, twice, on the device; as much pinned host memory).
 - kv (DS4-MODEL.md "KV cache per layer"): per session and layer the raw window ring (window + slack rows x
@@ -310,5 +311,6 @@ __all__ = [
     "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "KV_DTYPE_BYTES", "ModelShape", "SHAPES", "StageFootprint",
     "activation_bytes_per_token", "frontier_rows", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token",
     "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
-    "staging_bytes", "expert_cache_device_bytes", "kept_bytes", "WIDENED_ROLES", "INDEXER_SCRATCH_BYTES", "STAGING_EXPERTS",
+    "staging_bytes", "expert_cache_device_bytes", "kept_bytes", "WIDENED_ROLES", "INDEXER_SCRATCH_BYTES",
+    "STAGING_EXPERTS",
 ]

@@ -253,7 +253,7 @@ class _Planner:
                                 expert_cache_bytes=cache))
         route = Route(tuple(stages), self.L)
         plans = tuple(self.stage_plan(s, self.devices[j], ctx) for s, (j, _, _) in zip(stages, split, strict=True))
-        self.check_host_ram(plans)
+        notes = notes + self.check_host_ram(plans)
         return Plan(self.settings.name, self.model.name, ctx, route, plans, max_res, tuple(notes),
                     self.settings.footprint)
 
@@ -263,17 +263,68 @@ class _Planner:
         read = self.read[s.last_layer + 1] - self.read[s.first_layer] + (self.model.output_bytes if s.output else 0)
         return StagePlan(s, d, fp, d.available(self.settings.desktop_headroom, self.settings.reserve), read)
 
-    def check_host_ram(self, plans: Sequence[StagePlan]) -> None:
-        """APU (GTT) and CPU stages draw on the same system RAM."""
+    def check_host_ram(self, plans: Sequence[StagePlan]) -> list[str]:
+        """APU (GTT) and CPU stages draw on the same system RAM, as do the pinned staging buffers of streaming
+        GPU stages: refused when they do not fit with the host reserve. -> notes (the page cache the streamed
+        experts would want and cannot have)."""
         if self.host_ram is None:
-            return
-        shared = sum(p.footprint.predicted_bytes for p in plans if p.budget.kind in ("apu", "cpu"))
-        room = self.host_ram - DEFAULT_HOST_RESERVE
-        if shared > room:
-            raise PlanError(f"the APU/CPU stages need {gib(shared)} of system RAM together, but "
-                            f"{format_size(self.host_ram)} RAM leaves {gib(room)} after the "
-                            f"{format_size(DEFAULT_HOST_RESERVE)} host reserve (short by {gib(shared - room)}); "
-                            f"add RAM or move layers to a discrete GPU")
+            return []
+        need = host_need(self.model, [p.stage for p in plans], [p.footprint for p in plans],
+                         [p.budget.kind for p in plans])
+        errors, notes = host_messages(need, self.host_ram, what="RAM")
+        if errors:
+            raise PlanError(errors[0] + "; add RAM or move layers to a discrete GPU")
+        return notes
+
+
+@dataclass(frozen=True)
+class HostNeed:
+    """System RAM a route draws on besides the OS: what must be there (CPU and APU stages, pinned staging),
+    and what streamed experts want in the page cache (those no cache holds; without it, misses read the disk)."""
+
+    shared_bytes: int  # CPU / APU stages' predicted bytes
+    pinned_bytes: int  # staging buffers of GPU streaming stages (page-locked)
+    page_cache_bytes: int
+
+    @property
+    def required_bytes(self) -> int:
+        return self.shared_bytes + self.pinned_bytes
+
+
+def host_need(model: ModelShape, stages: Sequence[Stage], footprints: Sequence[StageFootprint],
+              kinds: Sequence[str]) -> HostNeed:
+    shared = sum(f.predicted_bytes for f, k in zip(footprints, kinds, strict=True) if k in ("apu", "cpu"))
+    pinned = sum(f.host_staging_bytes for f in footprints)
+    page = sum(max(sum(model.expert_bytes[i] for i in s.layers) - s.expert_cache_bytes, 0)
+               for s in stages if s.streaming)
+    return HostNeed(shared, pinned, page)
+
+
+def host_messages(need: HostNeed, ram: int, what: str = "available RAM",
+                  reserve: int = DEFAULT_HOST_RESERVE) -> tuple[list[str], list[str]]:
+    """-> (errors: the route cannot run with `ram` bytes, warnings: it runs, but below the reserve or with
+    the streamed experts partly on the disk), each naming the amounts."""
+    errors, warnings = [], []
+    room = ram - reserve
+    parts = []
+    if need.shared_bytes:
+        parts.append(f"{gib(need.shared_bytes)} for the CPU/APU stages")
+    if need.pinned_bytes:
+        parts.append(f"{gib(need.pinned_bytes)} of pinned staging for streamed experts")
+    if need.required_bytes > ram:
+        errors.append(f"the route needs {gib(need.required_bytes)} of system RAM ({', '.join(parts)}) but "
+                      f"{format_size(ram)} {what} is there (short by {gib(need.required_bytes - ram)})")
+    elif need.required_bytes > room:
+        (errors if what == "RAM" else warnings).append(
+            f"the route needs {gib(need.required_bytes)} of system RAM ({', '.join(parts)}): {format_size(ram)} "
+            f"{what} leaves {gib(ram - need.required_bytes)}, below the {format_size(reserve)} host reserve "
+            f"(short by {gib(need.required_bytes - room)})")
+    left = room - need.required_bytes
+    if need.page_cache_bytes and need.page_cache_bytes > left:
+        warnings.append(f"the streamed experts no cache holds ({gib(need.page_cache_bytes)}) fit the page cache "
+                        f"only in part ({gib(max(left, 0))} of {what} beyond the stages and the "
+                        f"{format_size(reserve)} reserve): their misses then read the disk")
+    return errors, warnings
 
 
 def _prefix(values) -> list[int]:  # type: ignore[no-untyped-def]
@@ -426,8 +477,8 @@ def evaluate(model: ModelShape, route: Route, devices: Sequence[DeviceBudget], s
         raise PlanError(f"the route has {len(route.stages)} stages but {len(devices)} device budgets were given")
     p = _Planner(model, devices, settings, host_ram)
     plans = tuple(p.stage_plan(s, d, ctx) for s, d in zip(route.stages, devices, strict=True))
-    p.check_host_ram(plans)
-    return Plan(settings.name, model.name, ctx, route, plans, 0, footprint=settings.footprint)
+    notes = p.check_host_ram(plans)
+    return Plan(settings.name, model.name, ctx, route, plans, 0, tuple(notes), footprint=settings.footprint)
 
 
 def _round_up_mib(n: int) -> int:
@@ -474,4 +525,4 @@ def _refusal(p: _Planner, ctx: int, cache: int) -> PlanError:
     return PlanError("\n".join(lines))
 
 
-__all__ = ["Plan", "PlanError", "StagePlan", "evaluate", "propose"]
+__all__ = ["HostNeed", "Plan", "PlanError", "StagePlan", "evaluate", "host_messages", "host_need", "propose"]

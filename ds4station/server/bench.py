@@ -221,7 +221,7 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
     shorts = [chat_text(tok, short_tokens, 100 + seed) for seed in range(1 + short_runs)]
     ctx = prompt_tokens + decode_tokens + 256
     cmd = [sys.executable, "-m", "ds4station.cli", "serve", "--model", model, "--port", str(port),
-           "--ctx", str(max(ctx, 4096)), *serve_args]
+           *([] if "--plan" in serve_args else ["--ctx", str(max(ctx, 4096))]), *serve_args]  # a plan sets ctx
     log(f"starting: {' '.join(cmd)}")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})

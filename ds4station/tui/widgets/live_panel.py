@@ -59,8 +59,12 @@ def live_view(status: dict[str, Any] | None, requests: Sequence[dict[str, Any]],
     cache = status.get("expert_cache")
     if isinstance(cache, dict):
         rate = _hit_rate(cache)
+        streamed = (cache.get("bytes_read") or 0) / 2**30
+        speed = cache.get("gb_per_s")
         parts.append(Text.assemble(("experts", "bold"), f" cache hit rate {rate:.0%}" if rate is not None
-                                   else " cache: no hits yet"))
+                                   else " cache: no hits yet",
+                                   f", {cache.get('misses', 0)} misses, {streamed:.1f} GiB streamed"
+                                   + (f" at {speed:.1f} GB/s" if isinstance(speed, (int, float)) and speed else "")))
     return Group(*parts)
 
 
