@@ -185,3 +185,36 @@ def test_the_host_memory_guard_refuses_or_warns_by_name_and_amount(model_path: P
     assert host_messages(need, 128 * GiB) == ([], [])
     errors, _ = host_messages(need, 64 << 20, what="RAM")
     assert "0.11 GiB of pinned staging" in errors[0] and "short by" in errors[0]
+
+
+def _mapped_rss(path: Path) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if len(head) >= 5 and "-" in head[0] and ":" in head[3]:  # a mapping's header line
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            total += int(head[1]) << 10
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc/self/smaps")
+def test_a_loaded_stage_stops_holding_the_files_pages(model_path: Path) -> None:
+    """A CPU stage repacks its weights into its own buffers; the pages of the file it read while doing so
+    are released (GGUFFile.release), so its resident memory is its share of the file once, not twice, and a
+    view read afterwards still reads the same bytes."""
+    f = GGUFFile.open(model_path)
+    name = "blk.3.ffn_gate_exps.weight"
+    first = bytes(f.raw(name))
+    assert _mapped_rss(model_path) >= len(first)  # touched: resident in this process
+    f.release()
+    assert _mapped_rss(model_path) < len(first)
+    assert bytes(f.raw(name)) == first  # faulted back in from the page cache, unchanged
+    engine = Engine.load(model_path, 512, device="cpu", chunk=64)
+    try:
+        held = engine.runner.held
+        assert _mapped_rss(model_path) < 0.25 * held  # the stage's copies count; the file's pages do not
+        assert len(engine.new_session().extend(list(range(5, 40)))) == engine.cfg.vocab_size
+    finally:
+        engine.close()

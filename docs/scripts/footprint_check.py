@@ -21,8 +21,20 @@ CASES = {
     "resident-2s": dict(route="cuda:0=embed,0-42,output", ctx=32768, sessions=2),
     "stream-8GiB": dict(route="cuda:0=embed,0-42,output,cache=8GiB", ctx=32768, sessions=2),
     "two-stages": dict(route="cuda:0=embed,0-20,output; cuda:0=21-42", ctx=32768, sessions=2),
+    "cpu-stage": dict(route="cuda:0=embed,0-40,output; cpu=41-42", ctx=32768, sessions=2, long=600, warm=False),
     "resident-1M": dict(route="cuda:0=embed,0-42,output", ctx=1048576, sessions=1, long=131072),
 }
+
+
+def host_rss(pid: int) -> dict[str, int]:
+    """The process's resident memory from /proc (bytes): VmRSS and its anonymous / file / shmem parts (a
+    CPU stage: anonymous is what it allocated, file and shmem the pages of the mapped GGUF it touched)."""
+    out = {}
+    for line in open(f"/proc/{pid}/status"):
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[key] = int(value.split()[0]) << 10
+    return out
 
 
 def used_by_pid() -> dict[int, int]:
@@ -48,7 +60,7 @@ def predict(c: dict) -> list[int]:
     st = dataclasses.replace(
         st, footprint=dataclasses.replace(st.footprint, sessions=c["sessions"], prefill_chunk=2048, rollback=1024)
     )
-    budgets = parse_gpu_spec(",".join(["139GiB"] * len(route.stages)), None)
+    budgets = parse_gpu_spec(",".join("cpu" if s.device == "cpu" else "139GiB" for s in route.stages), 120 * 2**30)
     plan = evaluate(shape, route, budgets, st, c["ctx"])
     return [s.footprint.predicted_bytes for s in plan.stages], [dataclasses.asdict(s.footprint) for s in plan.stages]
 
@@ -60,7 +72,8 @@ def run_case(name: str) -> None:
 
     c = CASES[name]
     t0 = time.monotonic()
-    e = Engine.load(path, c["ctx"], c["route"], sessions=c["sessions"], chunk=2048, rollback=1024)
+    e = Engine.load(path, c["ctx"], c["route"], sessions=c["sessions"], chunk=2048, rollback=1024,
+                    warm=c.get("warm", True))
     load_s = time.monotonic() - t0
     s = e.new_session()
     gen = torch.Generator().manual_seed(1)
@@ -84,7 +97,8 @@ def run_case(name: str) -> None:
         "prefill_tokens": n,
         "prefill_s": round(pre, 2),
         "prefill_tok_s": round(n / pre, 1),
-        "measured": [used.get(p) for p in pids],
+        "measured": [used.get(p) or host_rss(p)["VmRSS"] for p in pids],
+        "host": {p: host_rss(p) for p in pids},
         "predicted": pred,
         "device_used": total - free,
         "torch_reserved": torch.cuda.memory_reserved(),
@@ -126,6 +140,7 @@ if __name__ == "__main__":
             f"prefill {row['prefill_tokens']} tok {row['prefill_tok_s']} tok/s; load {row['load_s']} s",
             flush=True,
         )
+        print("  host " + json.dumps(row["host"]), flush=True)
         print(
             "  "
             + json.dumps(

@@ -282,6 +282,7 @@ class StageRunner:
         else:
             self.model = DS4Model(self.cfg, {name: tensors[name].dequantize().to(device) for name in tensors},
                                   stage.layers, embed=stage.embed, output=stage.output, round_trips=round_trips)
+        gguf.release()  # the weights are in the stage's own buffers now: the file's pages stop counting here
         # The forms this stage's steps take: the first stage embeds; the head runs inside the step when this
         # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`).
         self.embeds = stage.embed

@@ -10,6 +10,7 @@ one tensor's blocks; engine/weights.py turns those views into torch tensors for 
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Mapping
@@ -70,6 +71,15 @@ class GGUFFile:
     def tensor_specs(self, layers: range | None = None, *, embed: bool = True, output: bool = True) -> list[TensorSpec]:
         """The file's tensors for a layer slice plus embedding / head, in layout order."""
         return [self.specs[s.name] for s in model_tensors(self.config, "f32", layers, embed=embed, output=output)]
+
+    def release(self) -> None:
+        """Drop this process's mapping of the file's pages (madvise MADV_DONTNEED on the read-only, shared
+        map): once a stage has repacked its weights into its own buffers, the pages it read stop counting in
+        its resident memory. Nothing is lost: the data stays in the page cache (or on the disk), and a view
+        read later faults its pages back in."""
+        mm = getattr(self._reader.data, "_mmap", None)
+        if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+            mm.madvise(mmap.MADV_DONTNEED)
 
     def raw(self, name: str) -> np.ndarray:
         """A zero-copy, read-only view of one tensor's raw blocks in the memory map (uint8)."""
