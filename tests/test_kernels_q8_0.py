@@ -218,3 +218,21 @@ def test_int_dot_matvec_from_16bit_activations(n: int, k: int, m: int, groups: i
                     tiles=dispatch.MatvecTiles(block_n=4, block_k=64, num_warps=4) if groups == 1 else None)
     assert rel_err(out, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5
     assert rel_err(out, q8_0_matvec_ref(x, w, groups=groups, out_dtype=torch.float32)) < 2e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS])
+def test_cpu_linear_dequantises_in_bounded_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, qtype: Q) -> None:
+    """On the CPU a quantised matrix is dequantised a block of rows at a time (ops.CPU_DEQUANT_BYTES of fp32),
+    giving the rows of the whole matrix's product."""
+    from ds4station.kernels import ops
+
+    n, k = 300, 256
+    gen = torch.Generator().manual_seed(4)
+    w = ops.repack(random_blocks(qtype, n * k, gen, 0.05).view(n, -1), qtype.name, k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    whole = ops.linear(x, w, out_dtype=torch.float32)
+    monkeypatch.setattr(ops, "CPU_DEQUANT_BYTES", 4 * k * 64)  # 64 rows per block: 5 blocks, the last short
+    blocks = ops.linear(x, w, out_dtype=torch.float32)
+    assert blocks.shape == (3, n)
+    torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
+    assert torch.equal(blocks[:, :64], (x @ ops.dequantize(w)[:64].T))

@@ -114,7 +114,8 @@ def test_stage_footprint_parts() -> None:
 def test_planner_fast_path_equals_stage_footprint() -> None:
     m = named_shape("flash-q2")
     settings = load_preset("context")
-    p = _Planner(m, parse_gpu_spec("32GiB,16GiBx3"), settings, None)
+    devices = parse_gpu_spec("32GiB,16GiBx2,cpu", 64 * GiB)
+    p = _Planner(m, devices, settings, None)
     rng = random.Random(7)
     for _ in range(40):
         a = rng.randrange(43)
@@ -123,7 +124,7 @@ def test_planner_fast_path_equals_stage_footprint() -> None:
         cache = rng.choice([0, 2 * GiB])
         j = rng.randrange(4)
         want = stage_footprint(m, range(a, b), ctx, settings.footprint, embed=j == 0, output=j == 0,
-                               expert_cache_bytes=cache).predicted_bytes
+                               expert_cache_bytes=p.cache_for(j, cache), device_kind=devices[j].kind).predicted_bytes
         assert p.predicted(j, a, b, ctx, cache) == want
 
 

@@ -6,6 +6,8 @@ Each op runs the Triton kernel for a GPU tensor and the family's torch reference
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ds4station.kernels import dispatch
@@ -30,6 +32,7 @@ from ds4station.kernels.q8_0 import (
     repack_q8_0,
 )
 from ds4station.kernels.reference import swiglu as swiglu_pair
+from ds4station.model.footprint import CPU_DEQUANT_BYTES  # on the CPU: the fp32 copy of a block of rows
 
 Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
 __all__ = ["Packed", "dequantize", "linear", "moe", "repack", "rms_norm", "rope_"]
@@ -42,6 +45,11 @@ MAX_MATVEC_ROWS = 8
 # 64-row tiles run nearly empty. H200, one Flash layer (docs/PERFORMANCE.md): 22 tokens 6.6 ms in moe_prefill, 0.9
 # ms on the decode kernels; 256 tokens 14.7 against 10.6 ms; from 512 tokens the prefill kernel is faster.
 MOE_DECODE_ROWS = 256
+
+
+def _row_block(w: Packed, r0: int, r1: int) -> Packed:
+    """Rows [r0, r1) of a repacked weight (every packed field is [*lead, N, ...])."""
+    return type(w)(*(getattr(w, f.name)[..., r0:r1, :] for f in dataclasses.fields(w)))
 
 
 def repack(raw: torch.Tensor, qtype: str, k: int) -> Packed:
@@ -73,13 +81,14 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
     if groups != 1 and not isinstance(w, PackedQ8_0):
         raise ValueError("grouped linear is implemented for Q8_0 weights only")
     if not dispatch.use_triton(x):
-        if isinstance(w, PackedQ8_0):
+        if isinstance(w, PackedQ8_0) and groups != 1:
             return q8_0_matvec_ref(x, w, groups=groups, out_dtype=out_dtype)
-        if isinstance(w, PackedIQ2XXS):
-            return iq2_xxs_matvec_ref(x, w, out_dtype=out_dtype)
-        if isinstance(w, PackedQ4K):
-            return q4_k_matvec_ref(x, w, out_dtype=out_dtype)
-        return q2_k_matvec_ref(x, w, out_dtype=out_dtype)
+        ref = q8_0_matvec_ref if isinstance(w, PackedQ8_0) else iq2_xxs_matvec_ref \
+            if isinstance(w, PackedIQ2XXS) else q4_k_matvec_ref if isinstance(w, PackedQ4K) else q2_k_matvec_ref
+        rows = max(1, CPU_DEQUANT_BYTES // (4 * w.k))  # the fp32 copy of one block of rows at a time
+        if rows >= w.n:
+            return ref(x, w, out_dtype=out_dtype)
+        return torch.cat([ref(x, _row_block(w, r, r + rows), out_dtype=out_dtype) for r in range(0, w.n, rows)], -1)
     if m <= MAX_MATVEC_ROWS:
         if isinstance(w, PackedQ8_0):
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)

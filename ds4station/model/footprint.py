@@ -17,8 +17,8 @@ This is what `serve` allocates for the same settings (a launch file carries them
   over Flash's 43 layers. This is engine/kv.py's allocation, byte for byte (a test compares them): the one
   formula, which the engine sizes its caches with. Every session is a KV slot allocated at load.
 - scratch: the prefill chunk's activations (`activation_bytes_per_token` x chunk x the measured factor), the
-  indexer's selection scratch (the engine bounds its [chunk, k + step] int64 block by SCRATCH_BYTES), and
-  the logits row on the stage holding the output head.
+  indexer's selection scratch (the engine bounds its [chunk, k + step] int64 block by SCRATCH_BYTES), the
+  logits row on the stage holding the output head, and on a CPU stage the fp32 dequantisation blocks.
 - runtime overhead: a per-process constant for the CUDA/ROCm context, kernel images and allocator slack
   (DEFAULT_RUNTIME_OVERHEAD; presets may change it). It is not in torch's allocator statistics but it is in
   the device's used memory, which is what must fit.
@@ -46,6 +46,9 @@ DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
 # and the experts per staging buffer of a streaming stage (engine/experts.py STAGING_EXPERTS; tests check both).
 INDEXER_SCRATCH_BYTES = 256 * MiB
 STAGING_EXPERTS = 8
+# On the CPU the kernel stage dequantises a quantised matrix to fp32 in blocks of rows of at most this many
+# bytes (kernels/ops.py linear), and one routed expert's gate, up and down at a time (ops.moe).
+CPU_DEQUANT_BYTES = 64 * MiB
 
 
 # Tensors the kernel stage keeps wider than the file stores them (engine/gpu.py): the hyper-connection mixes and
@@ -280,9 +283,17 @@ def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: Footpr
     kv = settings.sessions * kv_bytes(cfg, layers, ctx, settings.kv_dtype, chunk=settings.prefill_chunk,
                                       rollback=settings.rollback)
     cache = expert_cache_device_bytes(model, layers, expert_cache_bytes, device_kind) if streaming else 0
+    scratch = scratch_bytes(cfg, layers, ctx, settings, output=output)
+    if device_kind == "cpu":
+        scratch += cpu_dequant_bytes(cfg)
     stage = staging_bytes(model.expert_slot_bytes(layers)) if streaming and device_kind != "cpu" else 0
-    return StageFootprint(weights, kv, scratch_bytes(cfg, layers, ctx, settings, output=output),
-                          settings.runtime_overhead, cache, stage)
+    return StageFootprint(weights, kv, scratch, settings.runtime_overhead, cache, stage)
+
+
+def cpu_dequant_bytes(cfg: ModelConfig) -> int:
+    """A CPU stage's dequantisation scratch: one block of rows of a matrix and one expert's three matrices,
+    in fp32."""
+    return CPU_DEQUANT_BYTES + 3 * 4 * cfg.expert_ffn * cfg.dim
 
 
 def expert_cache_device_bytes(model: ModelShape, layers: range, capacity: int, device_kind: str = "gpu") -> int:
@@ -308,9 +319,9 @@ def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: Footprint
 
 
 __all__ = [
-    "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "KV_DTYPE_BYTES", "ModelShape", "SHAPES", "StageFootprint",
-    "activation_bytes_per_token", "frontier_rows", "indexer_scratch_bytes", "kv_bytes", "kv_bytes_per_token",
-    "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes", "shape_from_specs", "stage_footprint",
-    "staging_bytes", "expert_cache_device_bytes", "kept_bytes", "WIDENED_ROLES", "INDEXER_SCRATCH_BYTES",
-    "STAGING_EXPERTS",
+    "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "INDEXER_SCRATCH_BYTES", "KV_DTYPE_BYTES",
+    "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
+    "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
+    "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
+    "shape_from_specs", "stage_footprint", "staging_bytes",
 ]

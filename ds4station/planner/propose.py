@@ -26,6 +26,7 @@ from ds4station.model.footprint import (
     FootprintSettings,
     ModelShape,
     StageFootprint,
+    cpu_dequant_bytes,
     expert_cache_device_bytes,
     kv_bytes,
     layer_kv_bytes,
@@ -161,6 +162,8 @@ class _Planner:
         n = w[b] - w[a] + kv[b] - kv[a] + fs.runtime_overhead
         if cache:  # slots, slot table and staging (CPU stages never stream: cache_for)
             n += expert_cache_device_bytes(self.model, range(a, b), cache)
+        if self.devices[j].kind == "cpu":
+            n += cpu_dequant_bytes(cfg)
         n += scratch_bytes(cfg, range(a, b) if self.n_idx[b] - self.n_idx[a] else range(0), ctx, fs, output=j == 0)
         if j == 0:
             n += self.head
