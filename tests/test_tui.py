@@ -7,7 +7,11 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import io
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -298,6 +302,8 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             await pilot.press("l")
             assert app.server is not None and app.server.running
             server = app.server
+            assert server.argv[-2:] == ["--parent-pid", str(os.getpid())]  # it dies with the panel
+            assert "--plan" in server.argv  # launched through the plan's launch file
             pids.append(server.pid)  # type: ignore[arg-type]
             await until(pilot, lambda: app.last_view is not None and app.last_view.state == "ready", timeout=90)
             shown = text_of(app.dashboard.query_one(ServerPanel))
@@ -334,3 +340,78 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
     asyncio.run(flow())
     assert pids and not any(psutil.pid_exists(p) for p in pids)
     assert not psutil.Process().children(recursive=True)
+
+
+_PANEL = """
+import os, sys, time
+from ds4station.tui.launcher import ServerProcess, serve_command
+port = int(sys.argv[2])
+argv = serve_command(["--model", sys.argv[1], "--device", "cpu", "--ctx", "1024", "--port", str(port),
+                      "--parent-pid", str(os.getpid())])
+srv = ServerProcess(argv, "127.0.0.1", port)
+srv.start()
+print(srv.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    out = []
+    for p in psutil.process_iter(["pid", "status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                out.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return out
+
+
+@pytest.mark.slow
+def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> None:
+    """A stand-in for the panel starts `ds4station serve` exactly as the panel does (ServerProcess, its own
+    pid as --parent-pid) and is killed with -9 once the server answers: no process of the launch is left
+    2 s later."""
+    from ds4station.engine.demo import make_model
+
+    model = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
+    port = free_port()
+    panel = subprocess.Popen([sys.executable, "-c", _PANEL, str(model), str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert panel.stdout is not None
+        server_pid = int(panel.stdout.readline())
+        pgid = os.getpgid(server_pid)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.1)
+        panel.kill()
+        panel.wait()
+        t0 = time.monotonic()
+        while _alive_in_group(pgid) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        gone = time.monotonic() - t0
+        assert not _alive_in_group(pgid) and gone < 2.0, gone
+    finally:
+        panel.kill()
+        for pid in _alive_in_group(pgid) if "pgid" in locals() else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_exit_reasons_and_the_error_box_lines() -> None:
+    from ds4station.tui.launcher import error_lines, exit_reason
+
+    assert exit_reason(2) == "exited with code 2" and exit_reason(-15) == "killed by SIGTERM"
+    assert exit_reason(-9) == "killed by SIGKILL" and exit_reason(-200) == "killed by signal 200"
+    poll = 'INFO:     127.0.0.1:53524 - "GET /health HTTP/1.1" 503 Service Unavailable'
+    log = ["ds4station serve: loading", "Traceback (most recent call last):", '  File "x.py", line 1, in <module>',
+           "    boom()", "RuntimeError: the model broke", poll, poll, "INFO:     Shutting down"]
+    assert error_lines(log) == log[1:5] + ["INFO:     Shutting down"]
+    long = ["Traceback (most recent call last):", *[f"  frame {i}" for i in range(30)], "ValueError: deep"]
+    got = error_lines(long, n=6)
+    assert got[0] == long[0] and got[1] == "  ..." and got[-1] == "ValueError: deep" and len(got) == 6
+    assert error_lines([poll, "plain line", poll]) == ["plain line"]

@@ -69,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
                    help="on SIGTERM / SIGINT, let open requests finish this long before ending them with an "
                         f"error event (default {DEFAULT_SHUTDOWN_GRACE:g})")
+    p.add_argument("--parent-pid", type=int, default=None, metavar="PID",
+                   help="stop at once when the process PID stops being this server's parent (the control panel "
+                        "passes its own, so the server dies with it)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="append a JSON line per request to FILE: prompt hash and length, reused / prefilled "
                         "tokens and why, output, tool calls, finish reason, timings")
@@ -208,4 +211,4 @@ def run(args: argparse.Namespace) -> int:
               "the model", file=sys.stderr)
     print(f"ds4station serve: http://{where['host']}:{where['port']}/v1 (OpenAI, Responses), "
           f"http://{where['host']}:{where['port']} (Anthropic); /health, /status, /metrics", file=sys.stderr)
-    return serve(app, where["host"], where["port"], shutdown_grace=args.shutdown_grace)
+    return serve(app, where["host"], where["port"], shutdown_grace=args.shutdown_grace, parent_pid=args.parent_pid)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import os
 import signal
 import sys
 import threading
@@ -240,10 +241,12 @@ class Server(uvicorn.Server):
     those still open then end with an error event in their API's shape (the SDKs raise; nothing looks
     complete that is not), and the server exits. A second signal ends them at once, a third quits outright."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float) -> None:
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler, grace: float,
+                 parent_pid: int | None = None) -> None:
         super().__init__(config)
         self.scheduler = scheduler
         self.grace = grace
+        self.parent_pid = parent_pid  # exit at once when this process stops being the parent (it died)
         self._now = threading.Event()
         self._drain: threading.Thread | None = None
         self.load_failed = False
@@ -255,6 +258,12 @@ class Server(uvicorn.Server):
             self.load_failed = True
             print(f"ds4station serve: {self.scheduler.load_error}", file=sys.stderr)
             self.should_exit = True
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            print(f"ds4station serve: the process that started it (pid {self.parent_pid}) is gone: stopping now",
+                  file=sys.stderr, flush=True)
+            self.parent_pid = None
+            self.handle_exit(signal.SIGTERM, None)
+            self._now.set()  # nobody is left to wait for: open requests end at once
         return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -277,16 +286,18 @@ class Server(uvicorn.Server):
             self.should_exit = True
 
 
-def serve(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info") -> int:
+def serve(app: FastAPI, host: str, port: int, shutdown_grace: float, log_level: str = "info",
+          parent_pid: int | None = None) -> int:
     """Run `app` (made by create_app) in this thread until a signal has drained it (see Server); -> the exit
-    status: 0, or 1 when the model failed to load (the reason is printed).
+    status: 0, or 1 when the model failed to load (the reason is printed). `parent_pid`: stop at once when
+    that process is no longer this one's parent (the control panel that started it was killed).
 
     The process's interpreter lock changes hands every GIL_SWITCH_S instead of Python's 5 ms: the engine's
     worker thread gives it up while the GPU runs a step, and must not then wait up to 5 ms for the event
     loop (writing the previous token's chunk) to hand it back."""
     sys.setswitchinterval(GIL_SWITCH_S)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=_CLOSE_WAIT)
-    server = Server(config, app.state.ds4.scheduler, shutdown_grace)
+    server = Server(config, app.state.ds4.scheduler, shutdown_grace, parent_pid)
     server.run()
     return 1 if server.load_failed else 0
 

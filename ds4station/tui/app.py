@@ -9,6 +9,7 @@ handled on the UI thread, which never does I/O except starting a child process.
 from __future__ import annotations
 
 import collections
+import os
 import re
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from textual.widgets import RichLog
 from ds4station.hardware import Device, detect_devices
 from ds4station.planner import DeviceBudget, Plan, budgets_from_gpus, load_preset, parse_gpu_spec
 
-from .launcher import ServerProcess, free_port, serve_command, stop_all
+from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, serve_args
 from .screens import DashboardScreen, HelpScreen, PlanScreen
@@ -159,7 +160,7 @@ class Ds4StationApp(App[None]):
         if srv is None:
             return None
         new, self._log_seen = srv.log_since(self._log_seen)
-        view = ServerView("starting", srv.base_url, srv.api_key, srv.pid, new_log=new, log_tail=srv.log_tail(12),
+        view = ServerView("starting", srv.base_url, srv.api_key, srv.pid, new_log=new, log_tail=srv.log_tail(200),
                           log_total=self._log_seen, uptime_s=self.clock() - srv.started_at)
         for line in new:
             m = _STAGE_LOADED.search(line)
@@ -168,7 +169,7 @@ class Ds4StationApp(App[None]):
         rc = srv.returncode()
         if rc is not None:
             view.state = "crashed" if srv.crashed else "stopped"
-            view.reason = f"ds4station serve exited with code {rc}"
+            view.reason = f"ds4station serve {exit_reason(rc)}"
             return view
         headers = {"Authorization": f"Bearer {srv.api_key}"} if srv.api_key else {}
         try:
@@ -277,7 +278,9 @@ class Ds4StationApp(App[None]):
             return
         if self.api_key:
             args += ["--api-key", self.api_key]
-        server = ServerProcess(serve_command(args), self.host, port, self.api_key)
+        # --parent-pid: the server (and with it its workers) dies with this panel, even killed with -9
+        server = ServerProcess(serve_command([*args, "--parent-pid", str(os.getpid())]), self.host, port,
+                               self.api_key)
         server.start()
         self.server, self._log_seen, self.requests = server, 0, {}
         self.launched, self._stages_loaded = ed.plan, set()
@@ -304,8 +307,9 @@ class Ds4StationApp(App[None]):
         self.server = None
         if server is not None:
             self._stopped_pids.add(server.pid)
+            rc = message.returncode
             view = ServerView("stopped", server.base_url, server.api_key, None,
-                              reason=f"exit code {message.returncode}")
+                              reason="stopped" if rc is None else f"the server {exit_reason(rc)}")
             self.last_view = view
             self.dashboard.query_one(ServerPanel).show(view)
             self.dashboard.query_one(LivePanel).show(None, [])

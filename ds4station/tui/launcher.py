@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -23,6 +24,34 @@ from dataclasses import dataclass, field
 
 LOG_LINES = 400
 STOP_GRACE_S = 12.0  # serve's own --shutdown-grace (5 s) to end its streams properly, and some room
+
+
+# uvicorn's access-log line ('INFO:     127.0.0.1:53524 - "GET /health HTTP/1.1" 503 Service Unavailable'): the
+# panel's own polling, never the reason a server failed.
+_ACCESS = re.compile(r'^INFO:\s+\S+ - "[A-Z]+ \S+ HTTP/[0-9.]+" \d{3}')
+
+
+def exit_reason(returncode: int) -> str:
+    """How a server process ended, in words: 'exited with code 1', 'killed by SIGKILL'."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    try:
+        return f"killed by {signal.Signals(-returncode).name}"
+    except ValueError:
+        return f"killed by signal {-returncode}"
+
+
+def error_lines(log: Sequence[str], n: int = 12) -> list[str]:
+    """What explains a failed server, from the end of its log: its last traceback (from "Traceback" to the
+    exception line, at most the last n lines of it) when there is one, else the last n lines that are not
+    access-log lines."""
+    lines = [line for line in log if not _ACCESS.match(line)]
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Traceback (most recent call")),
+                 None)
+    if start is not None:
+        block = lines[start:]
+        return block if len(block) <= n else [block[0], "  ...", *block[-(n - 2):]]
+    return lines[-n:]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -7,6 +7,7 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widgets import Static
 
+from ..launcher import error_lines
 from ..messages import ServerView, StageLoad
 from ..telemetry import bar
 
@@ -60,8 +61,10 @@ class ServerPanel(Static):
         parts: list[RenderableType] = [head]
         if view.state in ("crashed", "error"):
             parts.append(Text(view.reason or "", style="red"))
-            parts.append(Text("last log lines:", style="bold"))
-            parts += [Text("  " + line, style="dim") for line in view.log_tail[-8:]]
+            lines = error_lines(view.log_tail)
+            parts.append(Text("the server's traceback:" if lines and lines[0].startswith("Traceback")
+                              else "last log lines:", style="bold"))
+            parts += [Text("  " + line, style="dim", overflow="fold") for line in lines]
             return Group(*parts)
         if view.state in ("starting", "loading"):
             parts.append(Text(view.reason or "", style="dim"))
