@@ -20,6 +20,7 @@ ALLOC_CONF = "expandable_segments:True"
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "pull": ("ds4station.commands.pull", "download a DeepSeek-V4-Flash GGUF from the Hugging Face hub (resumable)"),
     "make-model": ("ds4station.commands.make_model", "write a DS4 GGUF with random weights (demo model or full shape)"),
     "inspect": ("ds4station.commands.inspect", "print a GGUF's config, tensor check and per-layer bytes"),
     "generate": ("ds4station.commands.generate", "generate text from a prompt (the demo model by default)"),

@@ -117,6 +117,24 @@ def test_tui_command_rejects_bad_options_before_starting() -> None:
 
     assert tui.run(argparse.Namespace(command=None, preset="nope")) == 2
     assert tui.run(argparse.Namespace(command=None, host_ram="lots")) == 2
+    assert tui.run(argparse.Namespace(command=None, model="/nowhere/missing.gguf")) == 2  # said, not the demo
+    assert tui.run(argparse.Namespace(command=None, shape="flash-q9")) == 2
+
+
+def test_a_shape_is_planned_without_its_file_and_not_launched() -> None:
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=3600,
+                            model_shape="flash-q2")
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.editor is not None and app.editor.plan is not None)
+            ed = app.editor
+            assert ed is not None and ed.model.shape_only and ed.model.shape.name == "flash-q2"
+            assert ed.fits and sum(ed.plan.layer_counts) == 43  # type: ignore[union-attr]
+            await until(pilot, lambda: "shape only" in text_of(app.dashboard.query_one(PlanSummary)))
+            await pilot.press("l")
+            assert app.server is None  # nothing to launch: the notification says how to get the file
+
+    asyncio.run(flow())
 
 
 def test_plan_screen_edits_the_route_context_and_preset() -> None:

@@ -12,7 +12,10 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="PATH", help="a DS4 GGUF to plan and serve (default: the built-in demo model)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", metavar="PATH", help="a DS4 GGUF to plan and serve (default: the built-in demo model)")
+    src.add_argument("--shape", metavar="NAME", help="plan a named shape without its file (flash-q2, flash-f16, ...): "
+                     "the plan is shown, nothing can be launched")
     p.add_argument("--preset", default="speed", metavar="speed|context", help="planner preset (default speed)")
     p.add_argument("--sysfs-root", default="/", metavar="PATH",
                    help="read AMD sysfs under PATH (e.g. tests/fixtures/sysfs/gfx906-workstation for fake cards)")
@@ -40,9 +43,17 @@ def run(args: argparse.Namespace) -> int:
 
     try:  # fail here with a message, not inside the running app
         load_preset(getattr(args, "preset", "speed"))
+        if getattr(args, "shape", None):
+            from ds4station.planner import named_shape
+
+            named_shape(args.shape)
+        if getattr(args, "model", None):  # a file that cannot be served is said now, not planned as the demo
+            from ds4station.model.gguf import GGUFFile
+
+            GGUFFile.open(args.model)
         host_ram = getattr(args, "host_ram", None)
         host_ram_bytes = parse_size(host_ram) if host_ram else None
-    except (PresetError, ValueError) as e:
+    except (PresetError, ValueError, OSError) as e:
         print(f"ds4station: {e}", file=sys.stderr)
         return 2
 
@@ -51,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     app = Ds4StationApp(
         sysfs_root=getattr(args, "sysfs_root", "/"), use_nvml=not getattr(args, "no_nvml", False),
-        host_ram=host_ram_bytes, model_path=getattr(args, "model", None),
+        host_ram=host_ram_bytes, model_path=getattr(args, "model", None), model_shape=getattr(args, "shape", None),
         preset=getattr(args, "preset", "speed"), poll_interval=getattr(args, "refresh", 1.0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", None),
         api_key=getattr(args, "api_key", None) or os.environ.get("DS4_API_KEY"),

@@ -22,11 +22,11 @@ from textual.timer import Timer
 from textual.widgets import RichLog
 
 from ds4station.hardware import Device, detect_devices
-from ds4station.planner import DeviceBudget, Plan, budgets_from_gpus, load_preset, parse_gpu_spec
+from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
 
 from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
-from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, serve_args
+from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, model_from_shape, serve_args
 from .screens import DashboardScreen, HelpScreen, PlanScreen
 from .telemetry import GpuHistory, GpuReading, collect_gpus
 from .widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
@@ -70,11 +70,13 @@ class Ds4StationApp(App[None]):
 
     def __init__(self, *, sysfs_root: str = "/", use_nvml: bool = True, nvml: Any = None, host_ram: int | None = None,
                  model_path: str | None = None, preset: str = "speed", poll_interval: float = 1.0,
+                 model_shape: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         super().__init__()
         self.sysfs_root, self.use_nvml, self.nvml = sysfs_root, use_nvml, nvml
         self.host_ram, self.model_path, self.preset = host_ram, model_path, preset
+        self.model_shape = model_shape  # a named shape planned without its file (--shape)
         self.poll_interval, self.host, self.port, self.api_key, self.clock = poll_interval, host, port, api_key, clock
         self.devices: list[Device] = []
         self.editor: PlanEditor | None = None
@@ -108,7 +110,7 @@ class Ds4StationApp(App[None]):
             host_ram = int(psutil.virtual_memory().total)
         budgets = plan_budgets([d.info() for d in devices], host_ram, self.preset)
         warning = None
-        model: ModelChoice = demo_model()
+        model: ModelChoice = demo_model() if not self.model_shape else model_from_shape(self.model_shape)
         if self.model_path:
             try:
                 model = model_from_file(self.model_path)
@@ -273,6 +275,9 @@ class Ds4StationApp(App[None]):
         port = self.port or free_port(self.host)
         try:
             args = serve_args(ed.plan, ed.model, port, self.host)
+        except PlanError as e:  # a shape planned without its file
+            self.notify(f"cannot launch: {e}", severity="error", timeout=10)
+            return
         except OSError as e:  # the launch file could not be written
             self.notify(f"cannot write the launch file: {e}", severity="error", timeout=8)
             return

@@ -33,15 +33,22 @@ PRESETS = ("speed", "context")
 
 @dataclass(frozen=True)
 class ModelChoice:
-    """What to serve: the built-in demo model (path None) or a GGUF file, with its planner shape."""
+    """What to serve: the built-in demo model (path None) or a GGUF file, with its planner shape; or a named
+    shape alone (`shape_only`: planned without its file, not launchable)."""
 
     label: str
     shape: ModelShape
     path: str | None = None
+    shape_only: bool = False
 
 
 def demo_model() -> ModelChoice:
     return ModelChoice("demo model (tiny, q2)", named_shape(DEMO_SHAPE))
+
+
+def model_from_shape(name: str) -> ModelChoice:
+    """A named shape (`flash-q2`, ...) planned without its file: the plan is real, there is nothing to launch."""
+    return ModelChoice(f"{name} (shape only, no file: plan, not launch)", named_shape(name), shape_only=True)
 
 
 def model_from_file(path: str) -> ModelChoice:
@@ -199,6 +206,9 @@ def serve_args(plan: Plan, model: ModelChoice, port: int, host: str = "127.0.0.1
     from ds4station.cache import cache_dir
     from ds4station.planner.launch import launch_from_plan, write_launch
 
+    if model.shape_only:
+        raise PlanError(f"this plan is for the shape {model.shape.name} without its file: get the file "
+                        "(`ds4station pull q2`) and open it (`ds4station --model FILE`) to launch")
     path = Path(launch_dir) if launch_dir else cache_dir()
     out = write_launch(path / f"launch-{port}.toml", launch_from_plan(plan, model.path or ""), plan)
     return ["--host", host, "--port", str(port), "--plan", str(out)]
