@@ -310,7 +310,9 @@ def test_loading_progress_per_stage_from_the_workers() -> None:
 
 
 @pytest.mark.slow
-def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_path: Path) -> None:
+def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the launch file, the demo, copied settings
     pids: list[int] = []
 
     async def flow() -> None:
@@ -326,7 +328,12 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             await until(pilot, lambda: app.last_view is not None and app.last_view.state == "ready", timeout=90)
             shown = text_of(app.dashboard.query_one(ServerPanel))
             assert f"{server.base_url}/v1" in shown and "ANTHROPIC_BASE_URL=" + server.base_url in shown
-            assert 'wire_api = "responses"' in shown
+            assert 'wire_api = "responses"' in shown and "(press 3 to copy)" in shown
+            await pilot.press("3")  # Codex's settings: to the clipboard and, always, to a file
+            copied = tmp_path / "cache" / "ds4station" / "clients" / "codex-config.toml"
+            import tomllib
+
+            assert tomllib.loads(copied.read_text())["model_providers"]["ds4"]["base_url"] == f"{server.base_url}/v1"
             assert [s.label for s in app.last_view.stages] == ["0 cpu layers 0-5"]  # type: ignore[union-attr]
             assert all(s.done for s in app.last_view.stages)  # type: ignore[union-attr]
             assert "0.00 tok/s" not in text_of(app.dashboard.query_one(LivePanel))

@@ -132,3 +132,30 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     console.print(live_view(status, []))
     text = console.export_text()
     assert "cache hit rate 75%, 10 misses, 0.1 GiB streamed at 12.5 GB/s" in text
+
+
+def test_client_snippets_are_valid_as_printed() -> None:
+    import json
+    import shlex
+
+    import tomllib
+
+    from ds4station.tui.widgets.server_panel import client_snippets
+
+    key = "k3y with 'quotes' & $dollars"
+    s = client_snippets("http://127.0.0.1:8123", "DeepSeek-V4-Flash q2", key)
+    oc = json.loads(s["opencode"])
+    provider = oc["provider"]["ds4"]
+    assert provider["options"] == {"baseURL": "http://127.0.0.1:8123/v1", "apiKey": key}
+    assert oc["model"] == "ds4/DeepSeek-V4-Flash q2" and "DeepSeek-V4-Flash q2" in provider["models"]
+    words = shlex.split(s["Claude Code"])
+    assert words[-1] == "claude" and dict(w.split("=", 1) for w in words[:-1]) == {
+        "ANTHROPIC_BASE_URL": "http://127.0.0.1:8123", "ANTHROPIC_AUTH_TOKEN": key,
+        "ANTHROPIC_MODEL": "DeepSeek-V4-Flash q2"}
+    codex = tomllib.loads(s["Codex"])
+    assert codex["model"] == "DeepSeek-V4-Flash q2" and codex["model_provider"] == "ds4"
+    assert codex["model_providers"]["ds4"] == {"name": "ds4station", "base_url": "http://127.0.0.1:8123/v1",
+                                               "wire_api": "responses", "env_key": "DS4_API_KEY"}
+    bare = client_snippets("http://h:1", "m", None)
+    assert "apiKey" not in json.loads(bare["opencode"])["provider"]["ds4"]["options"]
+    assert "env_key" not in tomllib.loads(bare["Codex"])["model_providers"]["ds4"]

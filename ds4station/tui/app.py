@@ -21,6 +21,7 @@ from textual.binding import Binding
 from textual.timer import Timer
 from textual.widgets import RichLog
 
+from ds4station.cache import cache_dir
 from ds4station.hardware import Device, detect_devices
 from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
 
@@ -30,6 +31,7 @@ from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, mode
 from .screens import DashboardScreen, HelpScreen, PlanScreen
 from .telemetry import GpuHistory, GpuReading, collect_gpus
 from .widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
+from .widgets.server_panel import CLIENTS, client_snippets
 
 THEMES = ("textual-dark", "nord", "gruvbox", "tokyo-night", "textual-light")
 
@@ -66,6 +68,7 @@ class Ds4StationApp(App[None]):
         Binding("t", "theme", "theme"),
         Binding("q", "quit", "quit"),
         Binding("question_mark", "help", "help", key_display="?"),
+        *(Binding(key, f"copy('{key}')", f"copy {name}", show=False) for key, (name, _, _) in CLIENTS.items()),
     ]
 
     def __init__(self, *, sysfs_root: str = "/", use_nvml: bool = True, nvml: Any = None, host_ram: int | None = None,
@@ -319,6 +322,26 @@ class Ds4StationApp(App[None]):
             self.dashboard.query_one(ServerPanel).show(view)
             self.dashboard.query_one(LivePanel).show(None, [])
         self.notify("server stopped")
+
+    def action_copy(self, key: str) -> None:
+        """Copy a client's settings for the running server: to the terminal's clipboard (OSC 52, which not
+        every terminal honours) and, always, to a file whose path the notification shows."""
+        view = self.last_view
+        if self.server is None or view is None or view.state != "ready":
+            self.notify("launch a server first (l): the settings name its address", severity="warning")
+            return
+        name, filename, _ = CLIENTS[key]
+        model = ((view.status or {}).get("model") or {}).get("name") or "ds4"
+        text = client_snippets(view.base_url, model, view.api_key)[name]
+        self.copy_to_clipboard(text)
+        path = cache_dir() / "clients" / filename
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text + "\n")
+            where = f"; also in {path}"
+        except OSError as e:
+            where = f" (could not write {path}: {e})"
+        self.notify(f"{name} settings copied to the clipboard{where}")
 
     # ---- the rest ----------------------------------------------------------------------------------------
     def action_theme(self) -> None:

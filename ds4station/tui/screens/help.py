@@ -14,6 +14,7 @@ KEYS = (
     ("l", "launch `ds4station serve` with the current plan"),
     ("s", "stop the server and every process it started"),
     ("t", "next colour theme"),
+    ("1 2 3", "copy the opencode / Claude Code / Codex settings of the running server (clipboard and a file)"),
     ("q", "quit (stops the server first: nothing is left running)"),
     ("?", "this help"),
     ("[ ]", "plan screen: move the selected layer boundary up / down one layer"),

@@ -17,16 +17,31 @@ _STATE_STYLE = {"ready": "bold green", "loading": "bold yellow", "starting": "ye
                 "error": "bold red", "stopped": "dim"}
 
 
-def client_settings(base_url: str, model: str, api_key: str | None) -> list[str]:
-    """Lines to paste: opencode (OpenAI-compatible provider), Claude Code (Anthropic), Codex (Responses)."""
-    key = api_key or "none"
-    return [
-        f'opencode: "provider": {{"ds4": {{"npm": "@ai-sdk/openai-compatible", "options": {{"baseURL": '
-        f'"{base_url}/v1"}}, "models": {{"{model}": {{}}}}}}}}',
-        f"Claude Code: ANTHROPIC_BASE_URL={base_url} ANTHROPIC_AUTH_TOKEN={key} ANTHROPIC_MODEL={model} claude",
-        f'Codex: [model_providers.ds4] base_url = "{base_url}/v1"  wire_api = "responses"  '
-        f'(model = "{model}", model_provider = "ds4")',
-    ]
+# The clients the panel gives settings for: key -> (name, the file it goes in, the snippet's format)
+CLIENTS = {"1": ("opencode", "opencode.json", "json"), "2": ("Claude Code", "claude-code.sh", "shell"),
+           "3": ("Codex", "codex-config.toml", "toml")}
+
+
+def client_snippets(base_url: str, model: str, api_key: str | None) -> dict[str, str]:
+    """Copy-paste settings, each valid as printed (tests parse them): opencode's config (JSON, an
+    OpenAI-compatible provider), the shell line that starts Claude Code on the Anthropic API, and Codex's
+    ~/.codex/config.toml (the Responses API; the key read from DS4_API_KEY)."""
+    import json
+    import shlex
+
+    options: dict[str, str] = {"baseURL": f"{base_url}/v1"}
+    if api_key:
+        options["apiKey"] = api_key
+    opencode = {"$schema": "https://opencode.ai/config.json", "model": f"ds4/{model}",
+                "provider": {"ds4": {"npm": "@ai-sdk/openai-compatible", "name": "ds4station", "options": options,
+                                     "models": {model: {"name": model}}}}}
+    env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": api_key or "none", "ANTHROPIC_MODEL": model}
+    claude = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " claude"
+    codex = [f"model = {json.dumps(model)}", 'model_provider = "ds4"', "", "[model_providers.ds4]",
+             'name = "ds4station"', f"base_url = {json.dumps(base_url + '/v1')}", 'wire_api = "responses"']
+    if api_key:
+        codex.append('env_key = "DS4_API_KEY"  # export DS4_API_KEY=<the key> before `codex`')
+    return {"opencode": json.dumps(opencode, indent=2), "Claude Code": claude, "Codex": "\n".join(codex)}
 
 
 def _loading(stages: list[StageLoad]) -> list[Text]:
@@ -77,5 +92,8 @@ class ServerPanel(Static):
         parts.append(Text.assemble(("API ", "bold"), f"{view.base_url}/v1", ("  (OpenAI, Responses)  ", "dim"),
                                    view.base_url, ("  (Anthropic)", "dim")))
         parts.append(Text.assemble(("key ", "bold"), view.api_key or "none (listening on this machine only)"))
-        parts += [Text(line, overflow="fold") for line in client_settings(view.base_url, model, view.api_key)]
+        snippets = client_snippets(view.base_url, model, view.api_key)
+        for key, (name, _, _) in CLIENTS.items():
+            parts.append(Text.assemble((f"{name}", "bold"), (f"  (press {key} to copy)", "dim")))
+            parts += [Text("  " + line, overflow="fold") for line in snippets[name].splitlines()]
         return Group(*parts)
