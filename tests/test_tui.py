@@ -287,22 +287,27 @@ def test_loading_progress_per_stage_from_the_workers() -> None:
         app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=0.05)
         async with app.run_test(size=(160, 48)) as pilot:
             await until(pilot, lambda: app.polls >= 1)
-            assert app.editor is not None and app.editor.plan is not None and len(app.editor.plan.stages) == 5
+            assert app.editor is not None
+            app.editor.set_model(ModelChoice("flash", named_shape("flash-q2"), "/models/flash.gguf"))
+            plan = app.editor.plan
+            assert plan is not None and len(plan.stages) == 5
+            s0, s1 = plan.stages[0].stage, plan.stages[1].stage
             import sys
             # a server still loading: no HTTP yet, one worker reports its stage in memory
-            script = ("import time; print('stage 1 (0000:0c:00.0, layers 2-2) loaded on cuda:0, joining the "
-                      "pipeline', flush=True); time.sleep(30)")
+            script = (f"import time; print('stage 1 ({s1.device}, layers {s1.first_layer}-{s1.last_layer}) loaded "
+                      "on cuda:0, joining the pipeline', flush=True); time.sleep(30)")
             server = ServerProcess([sys.executable, "-c", script], "127.0.0.1", free_port())
             server.start()
-            app.server, app.launched = server, app.editor.plan
+            app.server, app.launched = server, plan
             try:
                 await until(pilot, lambda: app.last_view is not None and any(s.done for s in app.last_view.stages))
                 view = app.last_view
                 assert view is not None and view.state == "starting"
                 assert [s.done for s in view.stages] == [False, True, False, False, False]
                 shown = text_of(app.dashboard.query_one(ServerPanel))
-                assert "stage 1 0000:0c:00.0 layers 2-2: loaded" in shown
-                assert "stage 0 0000:03:00.0 layers 0-1: loading" in shown and "GiB of weights" in shown
+                assert f"stage 1 {s1.device} layers {s1.first_layer}-{s1.last_layer}: loaded" in shown
+                assert f"stage 0 {s0.device} layers {s0.first_layer}-{s0.last_layer}: loading" in shown
+                assert "GiB of weights" in shown
             finally:
                 server.stop()
 

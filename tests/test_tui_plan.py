@@ -76,8 +76,19 @@ def test_moving_a_boundary_recomputes_the_fit_and_refuses_an_overfull_stage(flas
     assert ed.fits and not ed.edited and str(ed.plan.route) == str(before.route)
 
 
-def test_a_boundary_that_would_empty_a_stage_is_refused(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+def test_a_small_model_is_not_spread_over_idle_cards(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
     ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)
+    assert ed.plan is not None and ed.plan.layer_counts == [6]  # one card holds it: one stage
+    assert any("the whole model fits on" in n for n in ed.plan.notes)
+    # every card is accounted for: left out because it is not needed, or because it has no room
+    reasons = {d.device: why for d, why in ed.plan.excluded}
+    assert len(reasons) == len(flash_editor_budgets) - 1
+    assert reasons["0000:09:00.0"].startswith("only 0.73 GiB available: 15.00 GiB in use by other processes")
+    assert sum(why.startswith("not needed") for why in reasons.values()) == 4
+
+
+def test_a_boundary_that_would_empty_a_stage_is_refused() -> None:
+    ed = PlanEditor(demo_model(), parse_gpu_spec("1100MiBx6"), 64 * GiB)  # one layer per card: forced
     assert ed.plan is not None and ed.plan.layer_counts[1] == 1
     route = str(ed.plan.route)
     ed.move_boundary(0, +1)  # stage 0 would take stage 1's only layer
@@ -107,7 +118,8 @@ def test_context_changes_recheck_the_route_and_refusals_say_what_would_help(flas
 
 
 def test_multi_stage_routes_launch_through_the_launch_file(flash_editor_budgets, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)
+    ed = PlanEditor(ModelChoice("flash", named_shape("flash-q2"), "/models/flash.gguf"), flash_editor_budgets,
+                    64 * GiB)
     assert ed.plan is not None and len(ed.plan.stages) > 1
     launch = read_launch(serve_args(ed.plan, ed.model, 1, launch_dir=str(tmp_path))[-1])
     assert launch.route == str(ed.plan.route) and launch.ctx == ed.plan.ctx

@@ -96,6 +96,7 @@ class Plan:
     max_resident_ctx: int  # 0 when resident weights do not fit at the minimum context
     notes: tuple[str, ...] = ()
     footprint: FootprintSettings = dataclasses.field(default_factory=FootprintSettings)  # sessions, chunk, ...
+    excluded: tuple[tuple[DeviceBudget, str], ...] = ()  # the devices the route leaves out, and why
 
     @property
     def streaming(self) -> bool:
@@ -110,6 +111,7 @@ class Plan:
             "preset": self.preset, "model": self.model, "ctx": self.ctx, "route": str(self.route),
             "streaming": self.streaming, "max_resident_ctx": self.max_resident_ctx,
             "stages": [s.to_dict() for s in self.stages], "notes": list(self.notes),
+            "excluded": [{"device": d.device, "label": d.label, "reason": why} for d, why in self.excluded],
             "sessions": self.footprint.sessions, "prefill_chunk": self.footprint.prefill_chunk,
             "rollback": self.footprint.rollback, "kv_dtype": self.footprint.kv_dtype,
         }
@@ -258,7 +260,24 @@ class _Planner:
         plans = tuple(self.stage_plan(s, self.devices[j], ctx) for s, (j, _, _) in zip(stages, split, strict=True))
         notes = notes + self.check_host_ram(plans)
         return Plan(self.settings.name, self.model.name, ctx, route, plans, max_res, tuple(notes),
-                    self.settings.footprint)
+                    self.settings.footprint, self.excluded(split, ctx, caches))
+
+    def excluded(self, split: Split, ctx: int, caches: list[int]) -> tuple[tuple[DeviceBudget, str], ...]:
+        """The devices `split` leaves out, each with the reason: too little room for even one layer (and what
+        takes the rest), or not needed."""
+        used = {j for j, _, _ in split}
+        cache = max(caches, default=0)
+        out = []
+        for j, d in enumerate(self.devices):
+            if j in used:
+                continue
+            one = min(self.predicted(j, i, i + 1, ctx, cache) for i in range(self.L))
+            if self.avail[j] < one:
+                taken = f": {gib(d.used_bytes)} in use by other processes" if d.used_bytes else ""
+                out.append((d, f"only {gib(self.avail[j])} available{taken}; one layer needs {gib(one)}"))
+            else:
+                out.append((d, "not needed: the route fits on the other devices"))
+        return tuple(out)
 
     def stage_plan(self, s: Stage, d: DeviceBudget, ctx: int) -> StagePlan:
         fp = stage_footprint(self.model, s.layers, ctx, self.settings.footprint, embed=s.embed, output=s.output,
@@ -418,7 +437,13 @@ def _propose(model: ModelShape, devices: Sequence[DeviceBudget], settings: PlanS
         if p.solve(p.fits(ctx_final, cache), minimise=False) is None:
             raise _refusal(p, ctx_final, cache)
 
-    split = _choose_split(p, ctx_final, cache)
+    one = p.fits(ctx_final, cache, settings.spare_target)(0, 0, p.L) if settings.objective == "speed" else None
+    if one is not None:  # one card holds it all: nothing to gain from spreading layers over idle cards
+        split = [(0, 0, p.L)]
+        if len(devices) > 1:
+            notes.append(f"the whole model fits on {devices[0].label}: one stage, the other devices left idle")
+    else:
+        split = _choose_split(p, ctx_final, cache)
     if max_res and cache == 0 and settings.objective == "speed" and max_res > ctx_final:
         notes.append(f"resident weights leave room for up to {max_res} tokens of context (the context preset)")
     caches = [p.cache_for(j, cache) for j, _, _ in split]

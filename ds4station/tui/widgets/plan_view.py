@@ -69,6 +69,9 @@ def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bo
     parts: list[RenderableType] = [plan_header(editor)]
     if editor.plan is not None:
         parts.append(route_table(editor.plan, selected_boundary, wide))
+        for d, why in editor.plan.excluded:  # every card is in the plan: those left out say why
+            name = d.label if d.device in ("cpu", d.label) else f"{d.label} {d.device[-7:]}"
+            parts.append(Text.assemble(("  – ", "dim"), name, (f": {why}", "dim")))
     if editor.refusal:
         parts.append(Text("✗ " + editor.refusal, style="bold red"))
     elif editor.plan is not None:
