@@ -171,3 +171,17 @@ def test_client_snippets_are_valid_as_printed() -> None:
     bare = client_snippets("http://h:1", "m", None)
     assert "apiKey" not in json.loads(bare["opencode"])["provider"]["ds4"]["options"]
     assert "env_key" not in tomllib.loads(bare["Codex"])["model_providers"]["ds4"]
+
+
+def test_the_plan_names_cards_as_the_gpu_panel_numbers_them(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    from rich.console import Console
+
+    from ds4station.tui.widgets.plan_view import plan_body
+
+    ed = PlanEditor(ModelChoice("flash", named_shape("flash-q2"), "/f.gguf"), flash_editor_budgets, 64 * GiB)
+    console = Console(width=200, record=True)
+    console.print(plan_body(ed))
+    text = console.export_text()
+    # number (the GPU panel's #), name, short bus id, and the display mark on the desktop card
+    assert "0 AMD Instinct MI50/MI60 (Vega 20) 03:00.0" in text and "1 AMD Radeon VII 06:00.0 ◆" in text
+    assert "2 AMD Radeon VII 09:00.0: only 0.73 GiB available" in text  # left out, and why

@@ -36,6 +36,7 @@ class DeviceBudget:
     used_bytes: int = 0  # in use by others right now (detected devices); 0 for hypothetical ones
     desktop: bool = False
     bandwidth_gbs: float = 0.0  # memory bandwidth (nominal GB/s) for balancing decode time; 0 = unknown
+    index: int | None = None  # the detected card's number (what the GPU panel shows), None for a SPEC card
 
     def available(self, desktop_headroom: int = DEFAULT_DESKTOP_HEADROOM, reserve: int = 0) -> int:
         taken = max(self.used_bytes, desktop_headroom if self.desktop else 0)
@@ -109,8 +110,9 @@ def budgets_from_gpus(gpus: Sequence[Gpu], host_ram: int | None = None) -> list[
                 total = min(total, max(host_ram - DEFAULT_HOST_RESERVE, 0))
             used = _int(getattr(g, "gtt_used", 0))
         device = g.pci_bus_id if isinstance(g.pci_bus_id, str) and g.pci_bus_id else f"cuda:{len(out)}"
+        index = g.index if isinstance(getattr(g, "index", None), int) else None
         out.append(DeviceBudget(device, str(g.name), kind, total, used, bool(g.drives_display),
-                                nominal_bandwidth(str(g.name), g.arch if isinstance(g.arch, str) else "")))
+                                nominal_bandwidth(str(g.name), g.arch if isinstance(g.arch, str) else ""), index))
     return out
 
 

@@ -99,3 +99,12 @@ class GpuHistory:
 def collect_gpus(devices: Sequence[Device]) -> tuple[list[Gpu], list[Sample]]:
     """One telemetry sample per card (blocking sysfs/NVML reads)."""
     return [d.info() for d in devices], [d.sample() for d in devices]
+
+
+def card_name(name: str, bus: str | None = None, desktop: bool = False, index: int | None = None) -> str:
+    """One identity for a card wherever the panel names it: its number, name, short PCI bus id and the
+    display mark, e.g. `2 AMD Radeon VII 0c:00.0 ◆`."""
+    short = bus[-7:] if isinstance(bus, str) and bus.count(":") >= 1 and bus != name else ""
+    parts = [str(index)] if index is not None else []
+    parts += [name] + ([short] if short else []) + (["◆"] if desktop else [])
+    return " ".join(parts)

@@ -11,7 +11,7 @@ from textual.widgets import Static
 from ds4station.planner import Plan
 
 from ..planning import PlanEditor
-from ..telemetry import bar
+from ..telemetry import bar, card_name
 
 GiB = 1 << 30
 
@@ -42,8 +42,8 @@ def route_table(plan: Plan, selected_boundary: int | None = None, wide: bool = T
         frac = f.predicted_bytes / s.available_bytes if s.available_bytes else 1.0
         fit_style = "red" if not s.fits else "yellow" if frac > 0.95 else "green"
         fit = Text(bar(frac, 12 if wide else 8), style=fit_style)
-        # a PCI bus id says little to a person: the card's name first, the short bus id after it
-        device = s.budget.label if st.device in ("cpu", s.budget.label) else f"{s.budget.label} {st.device[-7:]}"
+        b = s.budget  # the card as the GPU panel names it: number, name, short bus id, display mark
+        device = b.label if st.device in ("cpu", b.label) else card_name(b.label, st.device, b.desktop, b.index)
         stage = Text.assemble((mark, "bold cyan"), f" {i}")
         row: list[str | Text] = [stage, device, span]
         if wide:
@@ -70,7 +70,7 @@ def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bo
     if editor.plan is not None:
         parts.append(route_table(editor.plan, selected_boundary, wide))
         for d, why in editor.plan.excluded:  # every card is in the plan: those left out say why
-            name = d.label if d.device in ("cpu", d.label) else f"{d.label} {d.device[-7:]}"
+            name = d.label if d.device in ("cpu", d.label) else card_name(d.label, d.device, d.desktop, d.index)
             parts.append(Text.assemble(("  – ", "dim"), name, (f": {why}", "dim")))
     if editor.refusal:
         parts.append(Text("✗ " + editor.refusal, style="bold red"))
