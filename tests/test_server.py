@@ -349,6 +349,25 @@ def long_body(engine, **kw) -> dict:
             "seed": 7, "logit_bias": {str(engine.tokenizer.eos_id): -100}, **kw}
 
 
+def test_status_shows_the_running_requests_rate_while_it_runs(engine, fresh) -> None:
+    """/status reports the running request's phase, tokens so far and its rate in that phase (what the panel
+    shows at its refresh rate), consistent with the tokens the client has received."""
+    srv = fresh()
+    received = 0
+    seen = None
+    with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/chat/completions",
+                                                       json=long_body(engine)) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and '"content"' in line:
+                received += 1
+                if received == 20:
+                    seen = _status(srv)["running"]
+                    break
+    assert seen is not None and seen["phase"] == "decode" and seen["generated"] >= 20
+    assert seen["tokens_per_second"] > 0 and seen["phase_s"] > 0
+    assert abs(seen["tokens_per_second"] - seen["generated"] / seen["phase_s"]) < 0.2 * seen["tokens_per_second"]
+
+
 def test_disconnect_cancels_generation(engine, fresh) -> None:
     srv = fresh()
     body = long_body(engine)

@@ -144,6 +144,10 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     console.print(live_view(status, []))
     text = console.export_text()
     assert "cache hit rate 75%, 10 misses, 0.1 GiB streamed at 12.5 GB/s" in text
+    running = {"id": 4, "phase": "decode", "prefilled": 900, "generated": 120, "tokens_per_second": 21.5}
+    console = Console(width=120, record=True)
+    console.print(live_view({**status, "running": running}, []))
+    assert "running: decode #4, 120 tokens at 21.5 tok/s" in console.export_text()  # while it runs
 
 
 def test_client_snippets_are_valid_as_printed() -> None:

@@ -786,7 +786,7 @@ class Scheduler:
         todo = job.prompt[cached:]
         timings = Timings(cache_n=cached, prompt_n=len(todo))
         self._running = {"job": job, "phase": "prefill", "prompt_tokens": len(job.prompt), "cached": cached,
-                         "done": 0, "generated": 0}
+                         "done": 0, "generated": 0, "t0": started, "t_decode": None}
         outputs: list[int] = []  # every generated token, in order
 
         def finish(reason: str, completion: int, ttft_ms: float, stop_string: str | None = None) -> Finished:
@@ -811,7 +811,7 @@ class Scheduler:
             torch.cuda.current_stream(logits.device).synchronize()
         t_prompt = time.monotonic()
         timings.prompt_ms = (t_prompt - started) * 1000
-        self._running["phase"] = "decode"
+        self._running["phase"], self._running["t_decode"] = "decode", t_prompt
 
         # ---- decode
         detok = self._make_detok(self.engine)
@@ -959,9 +959,14 @@ class Scheduler:
         running = None
         if self._running is not None:
             r = self._running
+            # the running phase's rate so far: what a panel shows while the request is still going
+            decoding = r["phase"] == "decode" and r["t_decode"] is not None
+            since = r["t_decode"] if decoding else r["t0"]
+            elapsed = max(time.monotonic() - since, 1e-6)
             running = {"id": r["job"].id, "kind": r["job"].kind, "phase": r["phase"],
                        "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached"],
-                       "prefilled": r["done"], "generated": r["generated"]}
+                       "prefilled": r["done"], "generated": r["generated"], "phase_s": round(elapsed, 3),
+                       "tokens_per_second": round((r["generated"] if decoding else r["done"]) / elapsed, 2)}
         sessions = self.pool.describe() if self.pool is not None else []
         return {
             "state": self.state,

@@ -54,8 +54,15 @@ def live_view(status: dict[str, Any] | None, requests: Sequence[dict[str, Any]],
                           style="dim"))
     queue = status.get("queue") or {}
     running = status.get("running")
+    now = ""
+    if running:  # the request under way, at the refresh rate (the sparklines move only when one finishes)
+        done = running.get("generated") if running.get("phase") == "decode" else running.get("prefilled")
+        rate = running.get("tokens_per_second")
+        now = f"  running: {running['phase']} #{running['id']}"
+        if isinstance(done, int) and isinstance(rate, (int, float)):
+            now += f", {done} tokens at {rate:.1f} tok/s"
     parts.append(Text.assemble(("queue  ", "bold"), f"{queue.get('length', 0)}/{queue.get('capacity', '?')}",
-                               f"  running: {running['phase']} #{running['id']}" if running else "  idle"))
+                               now or "  idle"))
     cache = status.get("expert_cache")
     if isinstance(cache, dict):
         rate = _hit_rate(cache)
