@@ -208,8 +208,8 @@ def test_plan_screen_reads_a_gguf_file_and_explains_a_bad_one(tmp_path: Path) ->
             field.focus()
             field.value = str(bad)  # type: ignore[attr-defined]
             await pilot.press("enter")
-            await until(pilot, lambda: ed.refusal is not None)
-            assert "cannot use" in ed.refusal and ed.model.path is None  # type: ignore[operator]
+            await until(pilot, lambda: ed.notice is not None)
+            assert "cannot use" in ed.notice and ed.model.path is None and ed.fits  # type: ignore[operator]
             field.value = gguf  # type: ignore[attr-defined]
             await pilot.press("enter")
             await until(pilot, lambda: ed.model.path == gguf)

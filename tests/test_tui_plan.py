@@ -52,7 +52,10 @@ def test_moving_a_boundary_recomputes_the_fit_and_refuses_an_overfull_stage(flas
     assert ed.fits and ed.plan is not None
     before = ed.plan
     s0, s1 = before.stages[0], before.stages[1]
-    ed.move_boundary(0, -1)  # stage 0 gives its last layer to stage 1
+    ed.set_ctx(10**9)  # refused, and not made: a notice, the plan as it was, still launchable
+    assert ed.notice is not None and ed.fits and ed.plan is before
+    ed.move_boundary(0, -1)  # stage 0 gives its last layer to stage 1 (made: the notice goes)
+    assert ed.notice is None
     assert ed.edited and ed.plan is not None
     a0, a1 = ed.plan.stages[0], ed.plan.stages[1]
     assert (a0.stage.last_layer, a1.stage.first_layer) == (s0.stage.last_layer - 1, s1.stage.first_layer - 1)
@@ -92,11 +95,12 @@ def test_a_boundary_that_would_empty_a_stage_is_refused() -> None:
     assert ed.plan is not None and ed.plan.layer_counts[1] == 1
     route = str(ed.plan.route)
     ed.move_boundary(0, +1)  # stage 0 would take stage 1's only layer
-    assert ed.refusal is not None and "stage 1" in ed.refusal and "no layers" in ed.refusal
+    assert ed.notice is not None and "stage 1" in ed.notice and "no layers" in ed.notice
     assert str(ed.plan.route) == route  # the plan is unchanged
+    assert ed.fits and ed.refusal is None  # and still launchable: a refused edit blocks nothing
     cpu = PlanEditor(demo_model(), parse_gpu_spec("cpu", 32 * GiB), 32 * GiB)
     cpu.move_boundary(0, 1)
-    assert cpu.refusal is not None and "single stage" in cpu.refusal
+    assert cpu.notice is not None and "single stage" in cpu.notice and cpu.fits
 
 
 def test_context_changes_recheck_the_route_and_refusals_say_what_would_help(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
@@ -110,9 +114,9 @@ def test_context_changes_recheck_the_route_and_refusals_say_what_would_help(flas
     ed.set_expert_cache(2 * GiB)  # streaming the routed experts makes room
     assert ed.fits and ed.plan is not None and ed.plan.streaming and ed.plan.ctx == 65536
     ed.set_expert_cache(1 << 20)
-    assert "minimum" in ed.refusal  # type: ignore[operator]
+    assert "minimum" in ed.notice  # type: ignore[operator]
     ed.set_ctx(10**9)
-    assert "outside" in ed.refusal  # type: ignore[operator]
+    assert "outside" in ed.notice  # type: ignore[operator]
     ed.set_preset("context")
     assert ed.fits and ed.preset == "context" and ed.plan.ctx > 32768
 

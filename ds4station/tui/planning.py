@@ -63,7 +63,9 @@ def model_from_file(path: str) -> ModelChoice:
 class PlanEditor:
     """A proposed plan and the user's edits to it. After every change `plan` holds the per-stage accounting
     of the current route (None only if nothing could be proposed) and `refusal` says why it cannot run
-    (None when every stage fits)."""
+    (None when every stage fits). An edit that cannot be made (a boundary that would empty a stage, a context
+    outside the model's, a file that is not a model, ...) changes nothing: `notice` says why, and the route
+    as it was stays launchable."""
 
     def __init__(self, model: ModelChoice, budgets: Sequence[DeviceBudget], host_ram: int | None = None,
                  preset: str = "speed") -> None:
@@ -75,6 +77,7 @@ class PlanEditor:
         self.expert_cache: int | None = None  # None: the preset decides
         self.plan: Plan | None = None
         self.refusal: str | None = None
+        self.notice: str | None = None  # the last edit that was refused (and not made)
         self.edited = False  # the route was changed by hand since the last proposal
         self.propose()
 
@@ -89,7 +92,7 @@ class PlanEditor:
     # ---- whole proposals ---------------------------------------------------------------------------------
     def propose(self) -> None:
         """A fresh proposal for the current model, preset, context and cache (drops hand edits)."""
-        self.edited = False
+        self.edited, self.notice = False, None
         try:
             self.plan = propose(self.model.shape, self.budgets, self.settings, ctx=self.ctx,
                                 expert_cache=self.expert_cache, host_ram=self.host_ram)
@@ -106,7 +109,7 @@ class PlanEditor:
         try:
             self.settings = load_preset(name)
         except PresetError as e:
-            self.refusal = str(e)
+            self.notice = str(e)
             return
         self.ctx = self.expert_cache = None
         self.propose()
@@ -117,7 +120,7 @@ class PlanEditor:
         limit = self.model.shape.cfg.context_length
         low = min(self.settings.min_ctx, limit)
         if not low <= ctx <= limit:
-            self.refusal = f"context {ctx} is outside {low}-{limit} tokens (the model's limit is {limit})"
+            self.notice = f"context {ctx} is outside {low}-{limit} tokens (the model's limit is {limit})"
             return
         self.ctx = ctx
         self._recheck()
@@ -127,8 +130,8 @@ class PlanEditor:
         if size:
             need = self.model.shape.min_expert_cache(range(self.model.shape.cfg.n_layers))
             if size < need:
-                self.refusal = (f"an expert cache of {format_size(size)} cannot hold one layer's routed experts: "
-                                f"the minimum is {format_size(need)}")
+                self.notice = (f"an expert cache of {format_size(size)} cannot hold one layer's routed experts: "
+                               f"the minimum is {format_size(need)}")
                 return
         self.expert_cache = size
         self._recheck()
@@ -137,31 +140,30 @@ class PlanEditor:
         """Move the boundary after stage `boundary` by `delta` layers (+1: that stage takes the next stage's
         first layer; -1: it gives its last layer away)."""
         if self.plan is None:
-            self.refusal = self.refusal or "there is no route to edit: change the context or the preset first"
+            self.notice = "there is no route to edit: change the context or the preset first"
             return
         stages = list(self.plan.route.stages)
         if len(stages) < 2:
-            self.refusal = (f"the route has a single stage on {stages[0].device}: there is no layer boundary to "
-                            f"move")
+            self.notice = f"the route has a single stage on {stages[0].device}: there is no layer boundary to move"
             return
         if not 0 <= boundary < len(stages) - 1:
-            self.refusal = f"there is no boundary {boundary}: the route has {len(stages) - 1}"
+            self.notice = f"there is no boundary {boundary}: the route has {len(stages) - 1}"
             return
         left, right = stages[boundary], stages[boundary + 1]
         cut = left.last_layer + delta
         if cut < left.first_layer or cut >= right.last_layer:
             empty = boundary if cut < left.first_layer else boundary + 1
-            self.refusal = (f"stage {empty} ({stages[empty].device}) would hold no layers; every stage keeps at "
-                            f"least one (drop a device by re-proposing with fewer cards)")
+            self.notice = (f"stage {empty} ({stages[empty].device}) would hold no layers; every stage keeps at "
+                           f"least one (drop a device by re-proposing with fewer cards)")
             return
         stages[boundary] = dataclasses.replace(left, last_layer=cut)
         stages[boundary + 1] = dataclasses.replace(right, first_layer=cut + 1)
         try:
             route = Route(tuple(stages), self.plan.route.n_layers)
         except RouteError as e:
-            self.refusal = str(e)
+            self.notice = str(e)
             return
-        self.edited = True
+        self.edited, self.notice = True, None
         self._evaluate(route, self.plan.ctx)
 
     # ---- accounting --------------------------------------------------------------------------------------
@@ -187,6 +189,7 @@ class PlanEditor:
             self.refusal = str(e)
             return
         self.plan = dataclasses.replace(plan, preset=self.settings.name, notes=("route edited by hand",))
+        self.notice = None
         short = [(i, s) for i, s in enumerate(plan.stages) if not s.fits]
         if not short:
             self.refusal = None

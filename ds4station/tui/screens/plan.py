@@ -105,7 +105,7 @@ class PlanScreen(Screen[None]):
         try:
             ed.set_ctx(parse_tokens(event.value))
         except ValueError as e:
-            ed.refusal = f"context: {e}"
+            ed.notice = f"context: {e}"
         self.app.plan_changed()  # type: ignore[attr-defined]
 
     @on(Input.Submitted, "#cache")
@@ -116,7 +116,7 @@ class PlanScreen(Screen[None]):
         try:
             ed.set_expert_cache(parse_size(event.value or "0"))
         except ValueError as e:
-            ed.refusal = str(e)
+            ed.notice = str(e)
         self.app.plan_changed()  # type: ignore[attr-defined]
 
     @on(Input.Submitted, "#model-path")
@@ -140,7 +140,7 @@ class PlanScreen(Screen[None]):
         if ed is None:
             return
         if message.model is None:
-            ed.refusal = message.error
+            ed.notice = message.error
         else:
             ed.set_model(message.model)
         self.app.plan_changed()  # type: ignore[attr-defined]

@@ -72,6 +72,8 @@ def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bo
         for d, why in editor.plan.excluded:  # every card is in the plan: those left out say why
             name = d.label if d.device in ("cpu", d.label) else card_name(d.label, d.device, d.desktop, d.index)
             parts.append(Text.assemble(("  – ", "dim"), name, (f": {why}", "dim")))
+    if editor.notice:  # an edit that was not made: the route shown is the one before it
+        parts.append(Text("✗ not changed: " + editor.notice, style="bold yellow"))
     if editor.refusal:
         parts.append(Text("✗ " + editor.refusal, style="bold red"))
     elif editor.plan is not None:
