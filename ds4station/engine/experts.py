@@ -107,15 +107,14 @@ class ExpertCache:
 
     def __init__(self, cfg: ModelConfig, tensors: Mapping[str, QTensor], layers: range, capacity_bytes: int,
                  device: torch.device | str = "cpu", *, prefetch: bool = True, where: str = "") -> None:
-        self.cfg, self.layers, self.device = cfg, layers, torch.device(device)
+        self.layers, self.device = layers, torch.device(device)
         self.capacity_bytes = int(capacity_bytes)
         self.src: dict[tuple[int, str], QTensor] = {(i, p): tensors[expert_name(i, p)] for i in layers for p in PARTS}
         form = {p: {(q.qtype, q.shape[1:]) for (_, part), q in self.src.items() if part == p} for p in PARTS}
         if any(len(f) > 1 for f in form.values()):
             raise ValueError(f"{where}streamed experts need one quant type and shape per part across the stage's "
                              f"layers; got {form}")
-        self.part_bytes = {p: q.nbytes // q.shape[0] for (i, p), q in self.src.items() if i == layers[0]} \
-            if len(layers) else {}
+        self.part_bytes = {p: q.nbytes // q.shape[0] for (i, p), q in self.src.items() if i == layers[0]}
         self.slot_bytes = sum(self.part_bytes.values())
         self.n_experts = cfg.n_experts
         self.min_bytes = self.n_experts * self.slot_bytes

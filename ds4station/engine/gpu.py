@@ -719,7 +719,7 @@ class _SegmentedStep(_StepInputs):
 
     def __init__(self, stage: GpuStage, cache: KVCache, bucket: int, embedded: bool, logits: bool) -> None:
         super().__init__(stage, 1, embedded, cache.length)
-        self.stage, self.cache, self.logits = stage, cache, logits
+        self.stage, self.cache = stage, cache
         st = Step(self.pos, None, None, bucket, None)
         n = len(stage.blocks)
 

@@ -319,7 +319,7 @@ class StageRunner:
             self.model.prefill(tokens, cache, X, logits=self.logits, graph=False)  # the chunked path's kernels
             cache.reset()
         assert isinstance(self.model, GpuStage)
-        if not self.model.graphs:  # eager decode (a streaming stage): the static step's kernels per bucket
+        if not self.model.graphs:  # graphs off (DS4STATION_CUDA_GRAPHS=0): the eager decode step's kernels
             for position in [0, *(p for p in warm_positions(ctx) if p >= MIN_BUCKET)]:
                 cache.length = position
                 X = None if self.embeds else torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
@@ -416,7 +416,7 @@ def held_bytes(root: Any, skip: tuple[type, ...] = ()) -> int:
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):
             stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module.__class__)):
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):
             stack.extend(vars(obj).values())
     return sum(storages.values())
 
