@@ -4,6 +4,8 @@ the device -> backend mapping, and the ops' CPU path against gguf-py's dequantis
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,30 @@ def test_ops_linear_cpu_matches_gguf(qtype: Q, k: int) -> None:
     got = ops.linear(x, w)
     assert got.shape == (m, n) and torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(ops.dequantize(w), ops.dequantize(ops.repack(raw.reshape(-1), qtype.name, k)))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS, Q.Q2_K, Q.Q4_K])
+def test_a_large_tensor_is_repacked_in_blocks_of_rows_exactly(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above REPACK_BLOCK_BYTES a tensor goes through the repack a block of rows at a time (bounding the
+    repack's temporaries): every field equals the one-shot repack, for experts [E, N, row bytes] and for a
+    flat matrix, with a last block shorter than the others."""
+    k, e, n = 512, 3, 20
+    gen = torch.Generator().manual_seed(7)
+    raw = random_blocks(qtype, e * n * k, gen, 0.1).view(e, n, row_bytes(qtype, k))
+    whole = ops.repack(raw, qtype.name, k)
+    monkeypatch.setattr(ops, "REPACK_BLOCK_BYTES", 7 * row_bytes(qtype, k))  # 60 rows: blocks of 7, 7, ..., 4
+    calls: list[int] = []
+    one = ops._REPACK[qtype.name.lower()]
+    monkeypatch.setitem(ops._REPACK, qtype.name.lower(), lambda r, kk: calls.append(r.shape[0]) or one(r, kk))
+    for src in (raw, raw.reshape(-1)):
+        calls.clear()
+        blocked = ops.repack(src, qtype.name, k, device="cpu")
+        assert calls == [7] * 8 + [4]
+        lead = (e, n) if src.dim() == 3 else (e * n,)
+        for f in dataclasses.fields(whole):
+            want = getattr(whole, f.name)
+            got = getattr(blocked, f.name)
+            assert got.shape == (*lead, want.shape[-1]) and torch.equal(got.reshape(want.shape), want), f.name
+    calls.clear()
+    small = ops.repack(raw[:1, :7], qtype.name, k)  # within one block: the repack as it is, in one call
+    assert calls == [1] and torch.equal(ops.dequantize(small), ops.dequantize(whole)[:1, :7])

@@ -110,7 +110,7 @@ class Linear:
         self.packed: PackedQ8_0 | None = None
         self.dense: Tensor | None = None
         if q.qtype == Q.Q8_0 or (q.qtype == Q.Q4_K and groups == 1):  # kernel forms (grouped: Q8_0 only)
-            self.packed = ops.repack(q.data.to(device), q.qtype.name, self.k)
+            self.packed = ops.repack(q.data, q.qtype.name, self.k, device)
         else:
             self.dense = _kept(q, device)
 
@@ -138,7 +138,7 @@ def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K |
     q = _q(w)
     k = q.shape[-1]
     if q.qtype in (Q.IQ2_XXS, Q.Q2_K):
-        return ops.repack(q.data.to(device).view(*q.shape[:-1], -1), q.qtype.name, k)  # raw [E, N, row bytes]
+        return ops.repack(q.data.view(*q.shape[:-1], -1), q.qtype.name, k, device)  # raw [E, N, row bytes]
     if q.qtype in (Q.F32, Q.F16, Q.BF16):
         return _kept(q, device)
     raise NotImplementedError(f"the kernel stage has routed-expert kernels for IQ2_XXS and Q2_K (and float "

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import (
@@ -31,6 +33,7 @@ from ds4station.kernels.q8_0 import (
     q8_0_matvec_ref,
     repack_q8_0,
 )
+from ds4station.kernels.quants import row_bytes
 from ds4station.kernels.reference import swiglu as swiglu_pair
 from ds4station.model.footprint import CPU_DEQUANT_BYTES  # on the CPU: the fp32 copy of a block of rows
 
@@ -38,6 +41,8 @@ Packed = PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
 __all__ = ["Packed", "dequantize", "linear", "moe", "repack", "rms_norm", "rope_"]
 
 _REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k, "q4_k": repack_q4_k}
+# A tensor larger than this is repacked in blocks of rows of at most this many raw bytes (see `repack`).
+REPACK_BLOCK_BYTES = 64 << 20
 # Largest activation row count the decode matvecs take; more rows go to the prefill path.
 MAX_MATVEC_ROWS = 8
 # Up to this many tokens the routed experts run on the decode kernels (one program per token and slot, each
@@ -52,12 +57,35 @@ def _row_block(w: Packed, r0: int, r1: int) -> Packed:
     return type(w)(*(getattr(w, f.name)[..., r0:r1, :] for f in dataclasses.fields(w)))
 
 
-def repack(raw: torch.Tensor, qtype: str, k: int) -> Packed:
-    """Repack raw GGUF bytes of `qtype` ("q8_0", "iq2_xxs", "q2_k", "q4_k") with rows of `k` values."""
+def repack(raw: torch.Tensor, qtype: str, k: int, device: torch.device | str | None = None) -> Packed:
+    """Repack raw GGUF bytes of `qtype` ("q8_0", "iq2_xxs", "q2_k", "q4_k") with rows of `k` values (raw
+    [*lead, row bytes] or flat), on `device` (default: raw's). A large tensor goes through in blocks of rows
+    of at most REPACK_BLOCK_BYTES, each moved to the device and repacked into the result's preallocated
+    fields: the repack's elementwise temporaries (several times the raw size) and the raw copy on the device
+    are bounded by the block, not by the tensor (a Flash layer's Q2_K experts are 672 MiB)."""
     try:
-        return _REPACK[qtype.lower()](raw, k)
+        fn = _REPACK[qtype.lower()]
     except KeyError:
         raise ValueError(f"no repack for quant type {qtype!r}; have {sorted(_REPACK)}") from None
+    device = raw.device if device is None else torch.device(device)
+    qt = Q[qtype.upper()]
+    row = row_bytes(qt, k) if k % GGML_QUANT_SIZES[qt][0] == 0 else 0
+    if raw.numel() <= REPACK_BLOCK_BYTES or not row or raw.numel() % row or (raw.dim() > 1 and raw.shape[-1] != row):
+        return fn(raw.to(device), k)  # small, or not whole rows: the repack itself says what is wrong
+    lead = raw.shape[:-1] if raw.dim() > 1 else (raw.numel() // row,)
+    rows = raw.reshape(-1, row)
+    step = max(1, REPACK_BLOCK_BYTES // row)
+    out: Packed | None = None
+    for r in range(0, rows.shape[0], step):
+        part = fn(rows[r:r + step].to(device), k)
+        if out is None:
+            out = type(part)(*(torch.empty((rows.shape[0], *getattr(part, f.name).shape[1:]), device=device,
+                                           dtype=getattr(part, f.name).dtype) for f in dataclasses.fields(part)))
+        for f in dataclasses.fields(part):
+            getattr(out, f.name)[r:r + step].copy_(getattr(part, f.name))
+    assert out is not None
+    return type(out)(*(getattr(out, f.name).view(*lead, *getattr(out, f.name).shape[1:])
+                       for f in dataclasses.fields(out)))
 
 
 def dequantize(w: Packed) -> torch.Tensor:
