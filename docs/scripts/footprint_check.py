@@ -4,9 +4,10 @@
 
 Each case loads the engine as `serve --plan` would (chunk 2048, rollback 1024, its sessions and route), runs a
 prompt of 2 x 2048 + 17 tokens (131,072 for resident-1M, timed) and 8 decode steps, then compares what
-nvidia-smi reports per process with the planner's prediction (`evaluate` with the speed preset's footprint
-and the case's sessions). EXPANDABLE=1 sets PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the
-`ds4station` command does.
+nvidia-smi reports per process (a CPU worker: its peak resident memory while the prompt and the decode steps
+run, sampled every 5 ms; the load's peak is printed beside it) with the planner's prediction (`evaluate` with
+the speed preset's footprint and the case's sessions). EXPANDABLE=1 sets
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as the `ds4station` command does.
 """
 
 import json
@@ -21,7 +22,7 @@ CASES = {
     "resident-2s": dict(route="cuda:0=embed,0-42,output", ctx=32768, sessions=2),
     "stream-8GiB": dict(route="cuda:0=embed,0-42,output,cache=8GiB", ctx=32768, sessions=2),
     "two-stages": dict(route="cuda:0=embed,0-20,output; cuda:0=21-42", ctx=32768, sessions=2),
-    "cpu-stage": dict(route="cuda:0=embed,0-40,output; cpu=41-42", ctx=32768, sessions=2, long=600, warm=False),
+    "cpu-stage": dict(route="cuda:0=embed,0-40,output; cpu=41-42", ctx=32768, sessions=2, warm=False),
     "resident-1M": dict(route="cuda:0=embed,0-42,output", ctx=1048576, sessions=1, long=131072),
 }
 
@@ -32,9 +33,46 @@ def host_rss(pid: int) -> dict[str, int]:
     out = {}
     for line in open(f"/proc/{pid}/status"):
         key, _, value = line.partition(":")
-        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+        if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
             out[key] = int(value.split()[0]) << 10
     return out
+
+
+class Sampler:
+    """Peak VmRSS / RssAnon / RssShmem / RssFile of this process's children (the stage workers), sampled
+    every 5 ms, per phase: "load" (Engine.load) and "run" (the prompt and decode steps). A CPU stage's
+    measured memory is its peak VmRSS of the run phase."""
+
+    def __init__(self):
+        import threading
+
+        self.phase, self.peaks, self.stop = "load", {}, False
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def kids(self):
+        import glob
+
+        out = []
+        for f in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
+            try:
+                out += [int(x) for x in open(f).read().split()]
+            except OSError:
+                pass
+        return out
+
+    def run(self):
+        while not self.stop:
+            for pid in self.kids():
+                try:
+                    r = host_rss(pid)
+                except OSError:
+                    continue
+                pk = self.peaks.setdefault(self.phase, {}).setdefault(pid, {})
+                r["AnonShmem"] = r.get("RssAnon", 0) + r.get("RssShmem", 0)
+                for k, v in r.items():
+                    pk[k] = max(pk.get(k, 0), v)
+            time.sleep(0.005)
 
 
 def used_by_pid() -> dict[int, int]:
@@ -71,10 +109,12 @@ def run_case(name: str) -> None:
     from ds4station.engine.engine import Engine
 
     c = CASES[name]
+    sampler = Sampler()
     t0 = time.monotonic()
     e = Engine.load(path, c["ctx"], c["route"], sessions=c["sessions"], chunk=2048, rollback=1024,
                     warm=c.get("warm", True))
     load_s = time.monotonic() - t0
+    sampler.phase = "run"
     s = e.new_session()
     gen = torch.Generator().manual_seed(1)
     n = c.get("long", 2 * 2048 + 17)
@@ -97,9 +137,10 @@ def run_case(name: str) -> None:
         "prefill_tokens": n,
         "prefill_s": round(pre, 2),
         "prefill_tok_s": round(n / pre, 1),
-        "measured": [used.get(p) or host_rss(p)["VmRSS"] for p in pids],
+        "measured": [used.get(p) or sampler.peaks.get("run", {}).get(p, {}).get("VmRSS") for p in pids],
         "host": {p: host_rss(p) for p in pids},
         "predicted": pred,
+        "peaks": sampler.peaks,
         "device_used": total - free,
         "torch_reserved": torch.cuda.memory_reserved(),
         "torch_peak_alloc": torch.cuda.max_memory_allocated(),
@@ -141,6 +182,10 @@ if __name__ == "__main__":
             flush=True,
         )
         print("  host " + json.dumps(row["host"]), flush=True)
+        for ph, per in row["peaks"].items():
+            for pid, pk in per.items():
+                values = ", ".join(f"{k} {v / G:.2f}" for k, v in pk.items())
+                print(f"  peak {ph} pid {pid}: {values} GiB", flush=True)
         print(
             "  "
             + json.dumps(
