@@ -8,6 +8,7 @@ import asyncio
 import importlib.util
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,9 +30,10 @@ from ds4station.hardware import detect_devices
 from ds4station.planner import named_shape
 from ds4station.tui.app import Ds4StationApp
 from ds4station.tui.launcher import ServerProcess, free_port
+from ds4station.tui.messages import Collected, ServerView
 from ds4station.tui.planning import ModelChoice
 from ds4station.tui.screens import HelpScreen, PlanScreen
-from ds4station.tui.widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
+from ds4station.tui.widgets import ClientsPanel, GpuPanel, LivePanel, PlanSummary, ServerPanel
 
 FIXTURES = Path(__file__).parent / "fixtures" / "sysfs"
 HOST1 = FIXTURES / "gfx906-workstation"
@@ -71,9 +73,11 @@ def test_detect_fake_hardware_and_keep_throttle_history(tmp_path: Path) -> None:
             await until(pilot, lambda: app.polls >= 3)
             shown = text_of(app.dashboard.query_one(GpuPanel))
             assert "AMD Instinct MI50/MI60" in shown and "◆ AMD Radeon VII" in shown
-            assert "THROTTLING" in shown and "temp_hotspot" in shown
-            assert "gfx906" in shown and "15.0/16G" in shown and "88/107/86" in shown and "249/250" in shown
-            assert "1801/1801" in shown and "1000/1000" in shown  # graphics and memory clocks vs their maxima
+            assert "⚠ temp_hotspot" in shown  # the throttling card's first reasons, on its one row
+            assert "09:00.0" in shown and "40%" in shown  # its short bus id (as the plan names it) and fan
+            assert "gfx906" in shown and "15.0/16.0 GiB" in shown and "88/107/86" in shown and "249/250" in shown
+            assert "1801/1801" in shown  # the graphics clock vs its maximum
+            assert len(shown.strip().splitlines()) == 1 + 6 + 1  # header, one row per card, the ◆ caption
             assert app.history.cards[2].ever_throttled and not app.history.cards[0].ever_throttled
             # the card cools down: no throttling now, but the panel keeps that it throttled
             mk = _make_trees()
@@ -84,7 +88,7 @@ def test_detect_fake_hardware_and_keep_throttle_history(tmp_path: Path) -> None:
             polls = app.polls
             await until(pilot, lambda: app.polls >= polls + 2)
             shown = text_of(app.dashboard.query_one(GpuPanel))
-            assert "THROTTLING" not in shown
+            assert "⚠" not in shown
             assert "was: " in shown and app.history.cards[2].reasons_seen.get("ppt", 0) >= 3
             # the history sparkline has one sample per poll
             assert len(app.history.cards[2].clock_ratio) == app.polls
@@ -332,8 +336,10 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             pids.append(server.pid)  # type: ignore[arg-type]
             await until(pilot, lambda: app.last_view is not None and app.last_view.state == "ready", timeout=90)
             shown = text_of(app.dashboard.query_one(ServerPanel))
-            assert f"{server.base_url}/v1" in shown and "ANTHROPIC_BASE_URL=" + server.base_url in shown
-            assert 'wire_api = "responses"' in shown and "(press 3 to copy)" in shown
+            assert f"{server.base_url}/v1" in shown and "3 Codex" in shown
+            clients = text_of(app.dashboard.query_one(ClientsPanel))  # the Clients tab: each client's settings
+            assert "ANTHROPIC_BASE_URL=" + server.base_url in clients
+            assert 'wire_api = "responses"' in clients and "(press 3 to copy)" in clients
             await pilot.press("3")  # Codex's settings: to the clipboard and, always, to a file
             copied = tmp_path / "cache" / "ds4station" / "clients" / "codex-config.toml"
             import tomllib
@@ -350,8 +356,10 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             await until(pilot, lambda: len(app.requests) == 1, timeout=10)
             live = text_of(app.dashboard.query_one(LivePanel))
             decode = app.last_view.status["throughput"]["decode_tokens_per_second"]  # type: ignore[union-attr, index]
-            assert decode and f"{decode:8.2f} tok/s" in live and "TTFT" in live
-            assert "#1 chat" in "\n".join(s.text for s in app.dashboard.query_one("#request-log").lines)
+            assert decode and f"{decode:.2f} tok/s mean of the recent requests" in live and "TTFT" in live
+            assert "▕" in live and "now" in live  # the charts, over their time axis
+            logged = "\n".join(s.text for s in app.dashboard.query_one("#request-log").lines)
+            assert re.search(r"\d\d:\d\d:\d\d #1 chat \(length\): \d+ in, 0 cached, 2 out; prefill", logged), logged
             await until(pilot, lambda: any("POST /v1/chat/completions" in line for line in app.server_log))
             assert not any('"GET /status' in line for line in app.server_log)  # the panel's own polls are hidden
             family = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
@@ -445,3 +453,45 @@ def test_exit_reasons_and_the_error_box_lines() -> None:
     got = error_lines(long, n=6)
     assert got[0] == long[0] and got[1] == "  ..." and got[-1] == "ValueError: deep" and len(got) == 6
     assert error_lines([poll, "plain line", poll]) == ["plain line"]
+
+
+def test_the_layout_follows_the_width_and_keeps_what_it_showed() -> None:
+    """160 columns: panels side by side, Live beside the log tabs; 80: tabs, with the server and Live together
+    on the first. Crossing the width recomposes the dashboard, and the logs it had are all still there."""
+    from test_tui_snapshots import LOG, STATUS
+    from textual.widgets import TabbedContent
+
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=3600)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            view = ServerView("ready", "http://127.0.0.1:8000", None, 4242, status=STATUS, new_log=LOG,
+                              log_tail=LOG, log_total=len(LOG), uptime_s=42.0)
+            app.post_message(Collected([], view))
+            await pilot.pause()
+            dash = app.dashboard
+            assert not dash.narrow and dash.query_one("#side", TabbedContent) and not dash.query("#tabs")
+            assert dash.query_one(LivePanel).region.width > 70  # Live has half the screen, not a third
+            def logged(widget_id: str) -> str:  # the log's text, whatever its width wrapped it to
+                return " ".join(" ".join(line.text for line in dash.query_one(widget_id).lines).split())
+
+            before = logged("#request-log")
+            assert "#1 chat (length)" in before and "#2 responses (stop)" in before
+            await pilot.resize_terminal(80, 24)
+            await until(pilot, lambda: bool(dash.query("#tabs")))
+            await pilot.pause()
+            assert dash.narrow
+            now = dash.query_one("#tab-now")
+            assert now.query_one(ServerPanel) and now.query_one(LivePanel)  # the state and throughput together
+            assert "ready" in text_of(dash.query_one(ServerPanel), 80)
+            assert "12.65 tok/s mean" in text_of(dash.query_one(LivePanel), 80)
+            tabs = dash.query_one("#tabs", TabbedContent)
+            tabs.active = "tab-request-log"  # a log writes its lines once its tab shows
+            await until(pilot, lambda: logged("#request-log") == before)
+            tabs.active = "tab-server-log"
+            await until(pilot, lambda: "POST /v1/responses" in logged("#server-log"))
+            await pilot.resize_terminal(160, 48)
+            await until(pilot, lambda: bool(dash.query("#side")))
+            await until(pilot, lambda: logged("#request-log") == before)
+
+    asyncio.run(flow())

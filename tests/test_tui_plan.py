@@ -13,7 +13,7 @@ from ds4station.planner import evaluate, named_shape, parse_gpu_spec
 from ds4station.planner.launch import read_launch
 from ds4station.tui.app import plan_budgets
 from ds4station.tui.planning import ModelChoice, PlanEditor, demo_model, serve_args
-from ds4station.tui.telemetry import bar, spark
+from ds4station.tui.telemetry import Throughput, bar, chart, spark, time_axis
 
 HOST1 = Path(__file__).parent / "fixtures" / "sysfs" / "gfx906-workstation"
 GiB = 1 << 30
@@ -145,13 +145,60 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     status = {"expert_cache": {"lookups": 40, "hits": 30, "misses": 10, "bytes_read": 10 * 7077888,
                                "gb_per_s": 12.5}, "kv": {"ctx": 4096}, "sessions": {}, "queue": {}}
     console = Console(width=120, record=True)
-    console.print(live_view(status, []))
+    console.print(live_view(status, Throughput(), []))
     text = console.export_text()
-    assert "cache hit rate 75%, 10 misses, 0.1 GiB streamed at 12.5 GB/s" in text
+    assert "cache hit rate 75%, 10 misses, 0.07 GiB streamed at 12.5 GB/s" in text
     running = {"id": 4, "phase": "decode", "prefilled": 900, "generated": 120, "tokens_per_second": 21.5}
     console = Console(width=120, record=True)
-    console.print(live_view({**status, "running": running}, []))
+    console.print(live_view({**status, "running": running}, Throughput(), []))
     assert "running: decode #4, 120 tokens at 21.5 tok/s" in console.export_text()  # while it runs
+
+
+def test_charts_over_a_time_axis() -> None:
+    now = 10_000.0
+    # one point every 2 s over the last two minutes, rising 0..60: 30 columns of 4 s each
+    points = [(now - 120 + 2 * i, float(i)) for i in range(61)]
+    rows = chart(points, now, 30, height=2)
+    assert len(rows) == 2 and all(len(r) == 30 for r in rows)
+    assert rows[0][-1] == "█" and rows[1][-1] == "█"  # the latest, the top of the scale, is the last column
+    assert rows[0][0] == " " and rows[1][1] in "▁▂"  # the oldest are low; the first column has no point
+    assert rows[1].index("█") == 14  # column 14's point (29 of 60) rounds to half the height: the bottom row full
+    gap = chart([(now - 60, 5.0), (now - 59, None), (now, 5.0)], now, 12, height=1)[0]
+    assert gap == "      █    █"  # 10 s a column: a column without a point is blank; equal values fill the scale
+    assert chart([(now - 500, 9.0)], now, 8, 1) == ["        "]  # older than the span: not shown
+    axis = time_axis(40)
+    assert axis.startswith("-2m") and axis.endswith("now") and axis[19:23].strip() == "-1m" and len(axis) == 40
+    assert time_axis(30, 90).split() == ["-90s", "-45s", "now"]
+
+
+def test_throughput_over_time_follows_the_running_request() -> None:
+    tp = Throughput()
+    tp.add(100.0, None)  # no server: nothing
+    tp.add(101.0, {"running": {"phase": "prefill", "tokens_per_second": 900.0}})
+    tp.add(102.0, {"running": {"phase": "decode", "tokens_per_second": 30.0}})
+    done = {"id": 1, "finished_at": 102.5, "prompt_per_second": 850.0, "predicted_per_second": 29.0}
+    tp.add(103.0, {"running": None}, [done])  # finished between two refreshes: at its own time
+    tp.add(104.0, {"running": None})  # idle
+    assert list(tp.prefill) == [(101.0, 900.0), (102.0, 0.0), (102.5, 850.0), (104.0, 0.0)]
+    assert list(tp.decode) == [(101.0, 0.0), (102.0, 30.0), (102.5, 29.0), (104.0, 0.0)]
+
+
+def test_dropping_a_card_re_proposes_without_it_and_adding_it_back(flash_editor_budgets) -> None:  # type: ignore[no-untyped-def]
+    ed = PlanEditor(demo_model(), flash_editor_budgets, 64 * GiB)  # the demo: one card of the six
+    assert ed.plan is not None
+    used = [s.budget.device for s in ed.plan.stages]
+    drop = used[-1]
+    ed.set_dropped({drop})
+    assert ed.plan is not None and drop not in [s.budget.device for s in ed.plan.stages]
+    assert (drop, "dropped here (the plan's Cards list adds it back)") in [(d.device, why) for d, why in
+                                                                          ed.plan.excluded]
+    ed.set_dropped(set())
+    assert [s.budget.device for s in ed.plan.stages] == used
+    before = ed.plan
+    ed.set_dropped({b.device for b in flash_editor_budgets})  # every card: refused, nothing changes
+    assert ed.plan is before and ed.notice == "at least one device must stay in the route"
+    ed.set_dropped({"0000:ff:00.0"})
+    assert ed.plan is before and ed.notice is not None and "no such device" in ed.notice
 
 
 def test_client_snippets_are_valid_as_printed() -> None:
@@ -192,4 +239,4 @@ def test_the_plan_names_cards_as_the_gpu_panel_numbers_them(flash_editor_budgets
     text = console.export_text()
     # number (the GPU panel's #), name, short bus id, and the display mark on the desktop card
     assert "0 AMD Instinct MI50/MI60 (Vega 20) 03:00.0" in text and "1 AMD Radeon VII 06:00.0 ◆" in text
-    assert "2 AMD Radeon VII 09:00.0: only 0.73 GiB available" in text  # left out, and why
+    assert "2 09:00.0: only 0.73 GiB available" in text  # left out, and why (by number and bus id)

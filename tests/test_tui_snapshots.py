@@ -8,6 +8,7 @@ Regenerate after an intended change with `pytest tests/test_tui_snapshots.py --s
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,10 @@ from ds4station.tui.app import Ds4StationApp
 from ds4station.tui.messages import Collected, ServerView
 from ds4station.tui.planning import ModelChoice
 
-HOST1 = Path(__file__).parent / "fixtures" / "sysfs" / "gfx906-workstation"
+HOST1 = Path(__file__).parent / "fixtures" / "sysfs" / "gfx906-workstation"  # six cards, one driving the display
+STRIX = Path(__file__).parent / "fixtures" / "sysfs" / "rdna3-strix-halo"  # an RX 7900 XT beside a Strix Halo APU
+HOSTS = {"demo-cpu": Path("/nonexistent-sysfs"), "gfx906-6-cards": HOST1, "strix-halo": STRIX}
+NOW = 1795950031.0  # the panel's clock in these snapshots: just after STATUS's two requests finished
 GiB = 1 << 30
 SIZES = [(80, 24), (160, 48)]
 
@@ -52,9 +56,20 @@ LOG = ["ds4station serve: http://127.0.0.1:8000/v1 (OpenAI, Responses), http://1
        'INFO:     127.0.0.1:50320 - "POST /v1/responses HTTP/1.1" 200 OK']
 
 
+@pytest.fixture(autouse=True)
+def _utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Request lines carry local times: the snapshots are taken in UTC wherever they run."""
+    monkeypatch.setenv("TZ", "UTC")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
 def _app(sysfs_root: str | Path) -> Ds4StationApp:
-    # one refresh only (the interval is an hour): the history and every reading are fixed
-    return Ds4StationApp(sysfs_root=str(sysfs_root), use_nvml=False, host_ram=64 * GiB, poll_interval=3600)
+    # one refresh only (the interval is an hour): the history and every reading are fixed; a fixed clock
+    return Ds4StationApp(sysfs_root=str(sysfs_root), use_nvml=False, host_ram=64 * GiB, poll_interval=3600,
+                         clock=lambda: NOW)
 
 
 async def _ready(pilot: Pilot[Any]) -> None:
@@ -85,8 +100,11 @@ def test_plan_screen_with_a_refused_edit(snap_compare, size) -> None:  # type: i
     assert snap_compare(_app(HOST1), terminal_size=size, run_before=run_before)
 
 
+@pytest.mark.parametrize("host", HOSTS)
 @pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
-def test_live_view_of_the_demo_model_on_cpu(snap_compare, size) -> None:  # type: ignore[no-untyped-def]
+def test_live_view(snap_compare, size, host) -> None:  # type: ignore[no-untyped-def]
+    """The demo model's server as /status reported it, on each host: a CPU-only machine (no GPU), the six
+    gfx906 cards (the display card's charts) and the Strix Halo box."""
     async def run_before(pilot: Pilot[Any]) -> None:
         await _ready(pilot)
         view = ServerView("ready", "http://127.0.0.1:8000", None, 4242, status=STATUS, new_log=LOG, log_tail=LOG,
@@ -94,8 +112,12 @@ def test_live_view_of_the_demo_model_on_cpu(snap_compare, size) -> None:  # type
         pilot.app.post_message(Collected([], view))
         await pilot.pause()
 
-    # a sysfs root with no cards: the machine has no GPU
-    assert snap_compare(_app("/nonexistent-sysfs"), terminal_size=size, run_before=run_before)
+    assert snap_compare(_app(HOSTS[host]), terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_dashboard_of_the_strix_halo_box(snap_compare, size) -> None:  # type: ignore[no-untyped-def]
+    assert snap_compare(_app(STRIX), terminal_size=size, run_before=_ready)
 
 
 def test_help_screen(snap_compare) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,6 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding
 from textual.timer import Timer
-from textual.widgets import RichLog
 
 from ds4station.cache import cache_dir
 from ds4station.hardware import Device, detect_devices
@@ -28,9 +27,9 @@ from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus,
 from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, model_from_shape, serve_args
-from .screens import DashboardScreen, HelpScreen, PlanScreen
-from .telemetry import GpuHistory, GpuReading, collect_gpus
-from .widgets import GpuPanel, LivePanel, PlanSummary, ServerPanel
+from .screens import DashboardScreen, HelpScreen, ModelScreen, PlanScreen
+from .telemetry import GpuHistory, GpuReading, Throughput, collect_gpus
+from .widgets import GpuPanel, PlanSummary
 from .widgets.server_panel import CLIENTS, client_snippets
 
 THEMES = ("textual-dark", "nord", "gruvbox", "tokyo-night", "textual-light")
@@ -51,6 +50,15 @@ def plan_budgets(gpus: list[Any], host_ram: int, preset: str) -> list[DeviceBudg
 _STAGE_LOADED = re.compile(r"\bstage (\d+) \(.*\) loaded on ")
 
 
+def request_line(r: dict[str, Any]) -> str:
+    """One finished request for the request log, labelled: when it finished, what it was, tokens in and out,
+    prefill and decode rates, time to first token."""
+    at = time.strftime("%H:%M:%S", time.localtime(r["finished_at"])) if r.get("finished_at") else "--:--:--"
+    return (f"{at} #{r['id']} {r['kind']} ({r['reason']}): {r['prompt_tokens']} in, {r['cached_tokens']} cached, "
+            f"{r['completion_tokens']} out; prefill {r['prompt_per_second']:.1f} tok/s, decode "
+            f"{r['predicted_per_second']:.1f} tok/s, TTFT {r['ttft_ms']:.0f} ms")
+
+
 def _is_own_poll(line: str) -> bool:
     """uvicorn's access-log line for the panel's own /health and /status polls (one pair a second: noise)."""
     return '"GET /health HTTP' in line or '"GET /status HTTP' in line
@@ -63,6 +71,7 @@ class Ds4StationApp(App[None]):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (120, "-wide")]
     BINDINGS = [
         Binding("p", "plan", "plan"),
+        Binding("m", "models", "model"),
         Binding("l", "launch", "launch"),
         Binding("s", "stop", "stop"),
         Binding("t", "theme", "theme"),
@@ -85,6 +94,8 @@ class Ds4StationApp(App[None]):
         self.editor: PlanEditor | None = None
         self.detected = False
         self.history = GpuHistory()
+        self.readings: list[GpuReading] = []  # the last refresh's
+        self.throughput = Throughput()
         self.server: ServerProcess | None = None
         self.last_view: ServerView | None = None
         self._stopped_pids: set[int | None] = set()  # servers stopped here: late poll results about them are stale
@@ -127,8 +138,7 @@ class Ds4StationApp(App[None]):
         if message.warning:
             self.notify(message.warning, severity="error", timeout=15)
         if not self.devices:
-            where = ("NVML and " if self.use_nvml else "") + f"amdgpu sysfs under {self.sysfs_root}"
-            self.dashboard.query_one(GpuPanel).show_none(where)
+            self.dashboard.query_one(GpuPanel).show_none(self.no_gpu_where())
         self.plan_changed()
         self._start_poll()
 
@@ -222,32 +232,35 @@ class Ds4StationApp(App[None]):
         self._timer = self.set_timer(self.poll_interval, self._start_poll)
 
     def render_collected(self, message: Collected) -> None:
-        dash = self.dashboard
         if message.readings:
-            dash.query_one(GpuPanel).show(message.readings)
+            self.readings = message.readings
         view = message.server
         if view is not None and self.server is None and view.pid in self._stopped_pids:
             # a stop finished while this poll ran: its view is stale, ServerStopped already rendered the end
             view = self.last_view
         self.last_view = view if view is not None else self.last_view
-        if view is None:
-            return
-        dash.query_one(ServerPanel).show(view)
-        log = dash.query_one("#server-log", RichLog)
-        for line in view.new_log:
-            if not _is_own_poll(line):
-                self.server_log.append(line)
-                log.write(line)
-        status = view.status
-        requests = dash.query_one("#request-log", RichLog)
-        for r in sorted((status or {}).get("throughput", {}).get("recent", []), key=lambda r: r["id"]):
-            if r["id"] not in self.requests:
-                self.requests[r["id"]] = r
-                requests.write(f"#{r['id']} {r['kind']} {r['reason']}: {r['prompt_tokens']} in "
-                               f"({r['cached_tokens']} cached), {r['completion_tokens']} out, "
-                               f"{r['prompt_per_second']:.1f}/{r['predicted_per_second']:.1f} tok/s, "
-                               f"TTFT {r['ttft_ms']:.0f} ms")
-        dash.query_one(LivePanel).show(status, list(self.requests.values()))
+        new_log: list[str] = []
+        finished: list[dict[str, Any]] = []
+        if view is not None:
+            new_log = [line for line in view.new_log if not _is_own_poll(line)]
+            self.server_log.extend(new_log)
+            for r in sorted((view.status or {}).get("throughput", {}).get("recent", []), key=lambda r: r["id"]):
+                if r["id"] not in self.requests:
+                    self.requests[r["id"]] = r
+                    finished.append(r)
+            self.throughput.add(self.clock(), view.status, finished)
+        self.dashboard.draw(self, new_log, [request_line(r) for r in finished])
+
+    def request_lines(self) -> list[str]:
+        return [request_line(r) for r in self.requests.values()]
+
+    def no_gpu_where(self) -> str:
+        return ("NVML and " if self.use_nvml else "") + f"amdgpu sysfs under {self.sysfs_root}"
+
+    def charted_card(self) -> GpuReading | None:
+        """The card the live view charts: the one driving the display (the one a user feels), else the first."""
+        readings = self.readings
+        return next((r for r in readings if r.gpu.drives_display is True), readings[0] if readings else None)
 
     # ---- plan --------------------------------------------------------------------------------------------
     def plan_changed(self) -> None:
@@ -258,12 +271,19 @@ class Ds4StationApp(App[None]):
             self.screen.sync_fields()
 
     def action_plan(self) -> None:
-        if isinstance(self.screen, PlanScreen):
+        self._toggle(PlanScreen)
+
+    def action_models(self) -> None:
+        self._toggle(ModelScreen)
+
+    def _toggle(self, screen: type[PlanScreen] | type[ModelScreen]) -> None:
+        """Open a screen that works on the plan (its key again closes it); not before there is a plan."""
+        if isinstance(self.screen, screen):
             self.pop_screen()
         elif self.editor is None:
             self.notify("still detecting devices", severity="warning")
         else:
-            self.push_screen(PlanScreen())
+            self.push_screen(screen())
 
     # ---- launch / stop -----------------------------------------------------------------------------------
     def action_launch(self) -> None:
@@ -293,8 +313,8 @@ class Ds4StationApp(App[None]):
         self.server, self._log_seen, self.requests = server, 0, {}
         self.launched, self._stages_loaded = ed.plan, set()
         self.server_log.clear()
-        self.dashboard.query_one("#server-log", RichLog).clear()
-        self.dashboard.query_one("#request-log", RichLog).clear()
+        self.throughput = Throughput()
+        self.dashboard.draw(self, full=True)
         self.notify(f"launching ds4station serve on {server.base_url}")
         if isinstance(self.screen, PlanScreen):
             self.pop_screen()
@@ -319,8 +339,7 @@ class Ds4StationApp(App[None]):
             view = ServerView("stopped", server.base_url, server.api_key, None,
                               reason="stopped" if rc is None else f"the server {exit_reason(rc)}")
             self.last_view = view
-            self.dashboard.query_one(ServerPanel).show(view)
-            self.dashboard.query_one(LivePanel).show(None, [])
+            self.dashboard.draw(self)
         self.notify("server stopped")
 
     def action_copy(self, key: str) -> None:

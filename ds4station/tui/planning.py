@@ -79,6 +79,7 @@ class PlanEditor:
         self.refusal: str | None = None
         self.notice: str | None = None  # the last edit that was refused (and not made)
         self.edited = False  # the route was changed by hand since the last proposal
+        self.dropped: set[str] = set()  # devices the user took out of the proposals (set_dropped)
         self.propose()
 
     @property
@@ -93,13 +94,30 @@ class PlanEditor:
     def propose(self) -> None:
         """A fresh proposal for the current model, preset, context and cache (drops hand edits)."""
         self.edited, self.notice = False, None
+        kept = [b for b in self.budgets if b.device not in self.dropped]
         try:
-            self.plan = propose(self.model.shape, self.budgets, self.settings, ctx=self.ctx,
-                                expert_cache=self.expert_cache, host_ram=self.host_ram)
+            plan = propose(self.model.shape, kept, self.settings, ctx=self.ctx, expert_cache=self.expert_cache,
+                           host_ram=self.host_ram)
+            dropped = tuple((b, "dropped here (the plan's Cards list adds it back)") for b in self.budgets
+                            if b.device in self.dropped)
+            self.plan = dataclasses.replace(plan, excluded=plan.excluded + dropped)
             self.refusal = None
         except PlanError as e:
             self.plan = None
             self.refusal = str(e)
+
+    def set_dropped(self, devices: set[str]) -> None:
+        """Leave these devices out of the route and re-propose (an empty set: every device may be used). At
+        least one device stays: dropping them all is refused, and nothing changes."""
+        unknown = devices - {b.device for b in self.budgets}
+        if unknown:
+            self.notice = f"no such device: {', '.join(sorted(unknown))}"
+            return
+        if len(devices) >= len(self.budgets):
+            self.notice = "at least one device must stay in the route"
+            return
+        self.dropped = set(devices)
+        self.propose()
 
     def set_model(self, model: ModelChoice) -> None:
         self.model, self.ctx, self.expert_cache = model, None, None
@@ -154,7 +172,7 @@ class PlanEditor:
         if cut < left.first_layer or cut >= right.last_layer:
             empty = boundary if cut < left.first_layer else boundary + 1
             self.notice = (f"stage {empty} ({stages[empty].device}) would hold no layers; every stage keeps at "
-                           f"least one (drop a device by re-proposing with fewer cards)")
+                           f"least one (to use fewer cards, drop one in the plan screen's Cards list)")
             return
         stages[boundary] = dataclasses.replace(left, last_layer=cut)
         stages[boundary + 1] = dataclasses.replace(right, first_layer=cut + 1)

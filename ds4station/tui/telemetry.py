@@ -1,9 +1,11 @@
 """What the control panel collects each refresh, and the GPU history it keeps for the whole session.
 
 `collect_gpus` takes one sample per card (a blocking read: called from a thread worker). `GpuHistory` keeps,
-per card, the SM/graphics clock as a fraction of its maximum and the hottest temperature, plus whether and
-why it ever throttled, so a card that throttled an hour ago still shows it. `spark` draws such a series as
-block characters; `bar` draws a fill level; both are plain strings so they render the same everywhere.
+per card, the SM/graphics clock (MHz and as a fraction of its maximum), the hottest temperature and the power,
+each with the sample's time, plus whether and why it ever throttled, so a card that throttled an hour ago
+still shows it. `Throughput` keeps the server's decode and prefill tok/s over time. `spark` draws a series
+as block characters, `chart` draws timed points as a column chart over a time axis, `bar` draws a fill level;
+all are plain strings so they render the same everywhere.
 """
 
 from __future__ import annotations
@@ -11,11 +13,16 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ds4station.hardware import Device, Gpu, Sample
 
-HISTORY = 120  # samples kept per card (two minutes at one refresh a second)
+HISTORY = 600  # samples kept per card and per throughput series (ten minutes at one refresh a second)
+SPAN_S = 120.0  # the time the charts show, up to now
 _BLOCKS = "▁▂▃▄▅▆▇█"
+_EIGHTHS = " ▁▂▃▄▅▆▇█"
+
+Point = tuple[float, float | None]  # (unix time, value); None: not known at that time (a gap)
 
 
 def spark(values: Iterable[float | None], lo: float = 0.0, hi: float | None = None, width: int = 0) -> str:
@@ -39,6 +46,47 @@ def spark(values: Iterable[float | None], lo: float = 0.0, hi: float | None = No
     return "".join(out)
 
 
+def _ago(seconds: float) -> str:
+    if seconds <= 0:
+        return "now"
+    return f"-{seconds:.0f}s" if seconds < 60 or seconds % 60 else f"-{seconds / 60:.0f}m"
+
+
+def time_axis(width: int, span_s: float = SPAN_S) -> str:
+    """Labels under a chart `width` columns wide whose last column is now and first is `span_s` ago: the
+    start, the middle and "now", each where its column is."""
+    line = [" "] * width
+    for frac in (0.0, 0.5, 1.0):
+        label = _ago(span_s * (1 - frac))
+        col = min(max(round(frac * (width - 1)) - (len(label) - 1 if frac == 1 else len(label) // 2 if frac else 0),
+                      0), max(width - len(label), 0))
+        line[col:col + len(label)] = label
+    return "".join(line)[:width]
+
+
+def chart(points: Iterable[Point], now: float, width: int, height: int = 3, span_s: float = SPAN_S, lo: float = 0.0,
+          hi: float | None = None) -> list[str]:
+    """The points of the last `span_s` seconds as `height` rows of `width` columns, oldest left, now right:
+    each column covers span_s / width seconds and shows the latest known value in it, scaled to [lo, hi] (hi:
+    the largest value shown) in eighths of a cell; a column with no point is blank."""
+    cols: list[float | None] = [None] * width
+    step = span_s / width
+    for t, v in points:
+        age = now - t
+        if v is None or not 0 <= age < span_s + step:
+            continue
+        cols[min(int((span_s - age) / step), width - 1)] = v  # points arrive in time order: the latest wins
+    known = [v for v in cols if v is not None]
+    top = hi if hi is not None else max(known, default=0.0)
+    span = top - lo
+    levels = [None if v is None else round((1.0 if span <= 0 else min(max((v - lo) / span, 0.0), 1.0)) * height * 8)
+              for v in cols]
+    rows = []
+    for r in range(height - 1, -1, -1):  # the top row first
+        rows.append("".join(" " if lv is None else _EIGHTHS[min(max(lv - 8 * r, 0), 8)] for lv in levels))
+    return rows
+
+
 def bar(fraction: float, width: int) -> str:
     """A fill bar `width` cells wide, in eighths of a cell."""
     fraction = min(max(fraction, 0.0), 1.0)
@@ -52,10 +100,17 @@ def _num(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
+def _series() -> collections.deque[Any]:
+    return collections.deque(maxlen=HISTORY)
+
+
 @dataclass
 class CardHistory:
-    clock_ratio: collections.deque[float | None] = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
-    temperature: collections.deque[float | None] = field(default_factory=lambda: collections.deque(maxlen=HISTORY))
+    clock_ratio: collections.deque[float | None] = field(default_factory=_series)
+    temperature: collections.deque[float | None] = field(default_factory=_series)  # the hottest sensor, °C
+    clock: collections.deque[Point] = field(default_factory=_series)  # SM / graphics clock, MHz
+    heat: collections.deque[Point] = field(default_factory=_series)  # the hottest sensor, °C
+    power: collections.deque[Point] = field(default_factory=_series)  # W
     throttled_samples: int = 0
     reasons_seen: dict[str, int] = field(default_factory=dict)  # reason -> samples it was active
 
@@ -68,6 +123,9 @@ class CardHistory:
         self.clock_ratio.append(clock / top if clock is not None and top else None)
         temps = [t for t in (_num(s.temp_junction), _num(s.temp_edge), _num(s.temp_memory)) if t is not None]
         self.temperature.append(max(temps) if temps else None)
+        self.clock.append((s.timestamp, clock))
+        self.heat.append((s.timestamp, self.temperature[-1]))
+        self.power.append((s.timestamp, _num(s.power)))
         if s.throttled is True:
             self.throttled_samples += 1
             for r in s.throttle_reasons:
@@ -96,15 +154,48 @@ class GpuHistory:
         return out
 
 
+class Throughput:
+    """The server's decode and prefill tok/s over time, one point per refresh: the running request's rate in
+    its phase (0 for the other phase), else the rates of requests that finished since the last refresh (at
+    the time they finished; a request shorter than a refresh is seen only so), else 0 (idle)."""
+
+    def __init__(self) -> None:
+        self.decode: collections.deque[Point] = _series()
+        self.prefill: collections.deque[Point] = _series()
+
+    def add(self, now: float, status: dict[str, Any] | None, finished: Sequence[dict[str, Any]] = ()) -> None:
+        if status is None:
+            return
+        running = status.get("running") or {}
+        rate = _num(running.get("tokens_per_second"))
+        if running and rate is not None:
+            decoding = running.get("phase") == "decode"
+            self.decode.append((now, rate if decoding else 0.0))
+            self.prefill.append((now, 0.0 if decoding else rate))
+            return
+        for r in sorted(finished, key=lambda r: _num(r.get("finished_at")) or now):
+            t = min(_num(r.get("finished_at")) or now, now)
+            self.prefill.append((t, _num(r.get("prompt_per_second"))))
+            self.decode.append((t, _num(r.get("predicted_per_second"))))
+        if not finished:
+            self.decode.append((now, 0.0))
+            self.prefill.append((now, 0.0))
+
+
 def collect_gpus(devices: Sequence[Device]) -> tuple[list[Gpu], list[Sample]]:
     """One telemetry sample per card (blocking sysfs/NVML reads)."""
     return [d.info() for d in devices], [d.sample() for d in devices]
 
 
+def short_bus(bus: object) -> str:
+    """`0000:0c:00.0` -> `0c:00.0` (bus:device.function); '' for anything that is not a PCI address."""
+    return bus[-7:] if isinstance(bus, str) and bus.count(":") >= 1 else ""
+
+
 def card_name(name: str, bus: str | None = None, desktop: bool = False, index: int | None = None) -> str:
     """One identity for a card wherever the panel names it: its number, name, short PCI bus id and the
     display mark, e.g. `2 AMD Radeon VII 0c:00.0 ◆`."""
-    short = bus[-7:] if isinstance(bus, str) and bus.count(":") >= 1 and bus != name else ""
+    short = short_bus(bus) if bus != name else ""
     parts = [str(index)] if index is not None else []
     parts += [name] + ([short] if short else []) + (["◆"] if desktop else [])
     return " ".join(parts)

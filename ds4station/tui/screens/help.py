@@ -11,6 +11,7 @@ from textual.widgets import Static
 
 KEYS = (
     ("p", "plan: edit the route, context, expert cache, model and preset (esc back)"),
+    ("m", "model: download a published file, choose one on disk or by path, a shape or the demo (esc back)"),
     ("l", "launch `ds4station serve` with the current plan"),
     ("s", "stop the server and every process it started"),
     ("t", "next colour theme"),

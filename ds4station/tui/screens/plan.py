@@ -8,13 +8,22 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import Screen
-from textual.widgets import Footer, Header, Input, Label, Select, Static
+from textual.widgets import Footer, Header, Input, Label, Select, SelectionList, Static
 
 from ds4station.model.sizes import format_size, parse_size, parse_tokens
 
 from ..messages import ModelLoaded
 from ..planning import PRESETS, PlanEditor, demo_model, model_from_file
+from ..telemetry import card_name
 from ..widgets.plan_view import plan_body
+
+
+def card_choices(ed: PlanEditor | None) -> list[tuple[str, str, bool]]:
+    """The Cards list: every device the planner may use, checked unless dropped, named as the GPU panel does."""
+    if ed is None:
+        return []
+    return [(b.label if b.device in ("cpu", b.label) else card_name(b.label, b.device, b.desktop, b.index), b.device,
+             b.device not in ed.dropped) for b in ed.budgets]
 
 
 class RouteEditor(Static, can_focus=True):
@@ -78,17 +87,33 @@ class PlanScreen(Screen[None]):
                             id="ctx", compact=True)
                 yield Label("expert cache", classes="form-label")
                 yield Input(placeholder="0 = resident; e.g. 2GiB", id="cache", compact=True)
-        yield RouteEditor(id="route", classes="panel")
-        yield Static("[ ] move boundary ┐┘ · ↑↓ pick it · tab fields, enter applies", id="plan-hint")
+        with Horizontal(id="plan-main"):
+            yield RouteEditor(id="route", classes="panel")
+            yield SelectionList[str](*card_choices(ed), id="cards", classes="panel")
+        yield Static("[ ] move boundary ┐┘ · ↑↓ pick it · r re-propose · tab: fields and Cards (space drops or "
+                     "adds a card, then re-proposes) · enter applies", id="plan-hint")
         yield Footer()
 
     def on_mount(self) -> None:
         self.query_one("#route").border_title = "Route"
+        self.query_one("#cards").border_title = "Cards (space: use / drop)"
         self.refresh_plan()
         self.query_one(RouteEditor).focus()
 
     def refresh_plan(self) -> None:
         self.query_one(RouteEditor).refresh_plan()
+
+    @on(SelectionList.SelectedChanged, "#cards")
+    def _cards(self, event: SelectionList.SelectedChanged[str]) -> None:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is None:
+            return
+        dropped = {b.device for b in ed.budgets} - set(event.selection_list.selected)
+        if dropped != ed.dropped:
+            ed.set_dropped(dropped)
+            if ed.dropped != dropped:  # refused (the last card): the list shows what the plan uses
+                event.selection_list.select(next(iter(dropped - ed.dropped)))
+            self.app.plan_changed()  # type: ignore[attr-defined]
 
     @on(Select.Changed, "#preset")
     def _preset(self, event: Select.Changed) -> None:

@@ -3,6 +3,6 @@
 from .gpu_panel import GpuPanel
 from .live_panel import LivePanel
 from .plan_view import PlanSummary, route_table
-from .server_panel import ServerPanel
+from .server_panel import ClientsPanel, ServerPanel
 
-__all__ = ["GpuPanel", "LivePanel", "PlanSummary", "ServerPanel", "route_table"]
+__all__ = ["ClientsPanel", "GpuPanel", "LivePanel", "PlanSummary", "ServerPanel", "route_table"]

@@ -1,5 +1,6 @@
-"""The GPU panel: one row per card (name, arch, VRAM bar, utilisation, temperatures, power, clocks,
-throttling), the desktop card marked, throttling highlighted, and a clock/temperature history per card."""
+"""The GPU panel: one row per card (number, name, short PCI bus id: the identity the plan uses too; arch,
+VRAM bar, utilisation, temperatures, power, fan, clocks, throttling), the desktop card marked, throttling
+highlighted, and a clock/temperature history per card."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from ..telemetry import GpuReading, bar, spark
+from ..telemetry import GpuReading, bar, short_bus, spark
 
 DESKTOP_MARK = "◆"
 GiB = 1 << 30
@@ -27,7 +28,7 @@ def _vram(r: GpuReading, width: int) -> Text:
         return Text("–")
     frac = used / total
     style = "red" if frac > 0.9 else "yellow" if frac > 0.7 else "green"
-    numbers = f"{used / GiB:.1f}/{total / GiB:.0f}G" + (" GTT" if r.gpu.is_apu else "")
+    numbers = f"{used / GiB:.1f}/{total / GiB:.1f} GiB" + (" GTT" if r.gpu.is_apu else "")
     if not width:  # narrow: the numbers alone, coloured by how full the card is
         return Text(numbers, style=style)
     t = Text(bar(frac, width), style=style)
@@ -37,8 +38,9 @@ def _vram(r: GpuReading, width: int) -> Text:
 
 def _throttle(r: GpuReading, wide: bool) -> Text:
     s, h = r.sample, r.history
-    if s.throttled is True:
-        t = Text(("THROTTLING " if wide else "") + ", ".join(s.throttle_reasons), style="bold white on red")
+    if s.throttled is True:  # one row: the first reasons, then how many more
+        shown = s.throttle_reasons[:2] + ([f"+{len(s.throttle_reasons) - 2}"] if len(s.throttle_reasons) > 2 else [])
+        t = Text("⚠ " + ", ".join(shown), style="bold white on red")
     elif h.ever_throttled:
         worst = max(h.reasons_seen, key=lambda k: h.reasons_seen[k]) if h.reasons_seen else "?"
         t = Text(f"was: {worst} ×{h.throttled_samples}", style="yellow")
@@ -65,19 +67,20 @@ class GpuPanel(Static):
         wide = self.size.width >= 120
         table = Table(box=None, padding=(0, 1), expand=True, header_style="bold")
         table.add_column("#", justify="right", width=2)
-        table.add_column("GPU", no_wrap=True, max_width=34 if wide else 14)
+        table.add_column("GPU", no_wrap=True, max_width=28 if wide else 14, overflow="ellipsis")
         if wide:
+            table.add_column("bus", no_wrap=True)
             table.add_column("arch", no_wrap=True)
         table.add_column("VRAM", no_wrap=True)
         table.add_column("util", justify="right", no_wrap=True)
         table.add_column("°C e/j/m" if wide else "°C j", justify="right", no_wrap=True)
         table.add_column("W", justify="right", no_wrap=True)
+        if wide:
+            table.add_column("fan", justify="right", no_wrap=True)
         table.add_column("clock MHz" if wide else "MHz", justify="right", no_wrap=True)
         if wide:
-            table.add_column("mem MHz", justify="right", no_wrap=True)
-        if wide:
             table.add_column("history clk│temp", no_wrap=True)
-        table.add_column("throttle", ratio=1)
+        table.add_column("throttle", ratio=1, no_wrap=True, overflow="ellipsis")
         for r in readings:
             g, s, h = r.gpu, r.sample, r.history
             name = Text((DESKTOP_MARK + " " if g.drives_display is True else "") + g.name)
@@ -93,14 +96,16 @@ class GpuPanel(Static):
             clock = f"{_n(s.clock_sm)}/{_n(s.clock_sm_max)}" if wide else _n(s.clock_sm)
             row: list[Text | str] = [str(g.index), name]
             if wide:
-                row.append(str(g.arch))
-            row += [_vram(r, 10 if wide else 0), util, temps, power, clock]
+                row += [short_bus(g.pci_bus_id), str(g.arch)]
+            row += [_vram(r, 10 if wide else 0), util, temps, power]
             if wide:
-                row.append(f"{_n(s.clock_mem)}/{_n(s.clock_mem_max)}")
+                row.append(f"{_n(s.fan_percent)}%" if isinstance(s.fan_percent, (int, float)) else
+                           f"{_n(s.fan_rpm)}rpm" if isinstance(s.fan_rpm, (int, float)) else "–")
+            row.append(clock)
             if wide:
-                hist = Text(spark(h.clock_ratio, 0.0, 1.0, width=10).rjust(10), style="cyan")
+                hist = Text(spark(h.clock_ratio, 0.0, 1.0, width=8).rjust(8), style="cyan")
                 hist.append("│")
-                hist.append(spark(h.temperature, 30.0, 110.0, width=10).rjust(10), style="magenta")
+                hist.append(spark(h.temperature, 30.0, 110.0, width=8).rjust(8), style="magenta")
                 row.append(hist)
             row.append(_throttle(r, wide))
             style = "on dark_red" if s.throttled is True else ""

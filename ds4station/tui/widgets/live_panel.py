@@ -1,8 +1,10 @@
-"""The live view: prefill and decode tok/s of recent requests over time (sparklines), TTFT, KV use per stage
-and live sessions, the queue, and the expert-cache hit rate when experts are streamed."""
+"""The live view: decode and prefill tok/s over the last minutes (charts over a time axis, moving while a
+request runs), the display card's temperature, clock and power the same way, TTFT, KV use per stage and
+live sessions, the queue, and the expert-cache hit rate when experts are streamed."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,9 +12,9 @@ from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.widgets import Static
 
-from ..telemetry import bar, spark
+from ds4station.model.sizes import gib
 
-MiB = 1 << 20
+from ..telemetry import SPAN_S, GpuReading, Point, Throughput, _num, bar, card_name, chart, time_axis
 
 
 def _hit_rate(cache: dict[str, Any]) -> float | None:
@@ -24,57 +26,97 @@ def _hit_rate(cache: dict[str, Any]) -> float | None:
     return None
 
 
-def live_view(status: dict[str, Any] | None, requests: Sequence[dict[str, Any]], width: int = 40) -> RenderableType:
-    """`requests`: finished-request records (/status throughput.recent) seen this session, oldest first."""
+def _plot(label: str, unit: str, points: Sequence[Point], now: float, width: int, height: int, style: str,
+          lo: float = 0.0, hi: float | None = None, value: str = "") -> list[Text]:
+    """A titled chart over the time axis: the title line (label, the latest value), `height` rows with the
+    scale's top and bottom at the left, and no axis (the caller adds one under a group of charts)."""
+    latest = next((v for _, v in reversed(points) if v is not None), None)
+    shown = [v for t, v in points if v is not None and now - t <= SPAN_S]
+    top = hi if hi is not None else max(shown, default=0.0)
+    rows = chart(points, now, width, height, lo=lo, hi=top if top > lo else None)
+    head = Text.assemble((f"{label:8}", "bold"), f"{latest:8.1f} {unit}" if latest is not None else f"{'–':>8} {unit}",
+                         (f"  {value}" if value else "", "dim"))
+    out = [head]
+    for i, row in enumerate(rows):
+        scale = f"{top:.0f}" if i == 0 else f"{lo:.0f}" if i == len(rows) - 1 else ""
+        out.append(Text.assemble((f"{scale:>6} ▕", "dim"), (row, style)))
+    return out
+
+
+def _axis(width: int) -> Text:
+    return Text(" " * 8 + time_axis(width), style="dim")
+
+
+def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: Sequence[dict[str, Any]],
+              card: GpuReading | None = None, width: int = 40, height: int = 24,
+              now: float | None = None) -> RenderableType:
+    """`requests`: finished-request records (/status throughput.recent) seen this session, oldest first;
+    `card`: the card whose temperature, clock and power are charted (the display card when there is one)."""
     if status is None:
         return Text("no live server: launch (l) and send a request to see throughput", style="dim")
-    plot_w = max(min(width - 28, 60), 8)
-    prefill = [r.get("prompt_per_second") or None for r in requests]
-    decode = [r.get("predicted_per_second") or None for r in requests]
+    now = time.time() if now is None else now
+    plot_w = max(width - 10, 10)
+    # rows for the charts: what the panel has after its text lines (4), the titles and axes of the
+    # throughput charts (3) and of the card's (5); the card's charts are left out when there is no room
+    spare = height - 7 - (1 if status.get("expert_cache") else 0)
+    card_rows = max(min(3, (spare - 7) // 3), 0) if card is not None else 0
+    if card_rows:
+        spare -= 5 + 3 * card_rows
+    rows = max(min(6, spare // 2), 1)
     tp = status.get("throughput") or {}
     parts: list[RenderableType] = []
-    for label, series, mean, style in (("prefill", prefill, tp.get("prompt_tokens_per_second"), "cyan"),
-                                       ("decode ", decode, tp.get("decode_tokens_per_second"), "green")):
-        value = f"{mean:8.2f} tok/s" if isinstance(mean, (int, float)) else "       – tok/s"
-        parts.append(Text.assemble((label, "bold"), " ", (spark(series, width=plot_w).ljust(plot_w), style),
-                                   " ", value))
+    for label, series, mean, style in (("decode", throughput.decode, tp.get("decode_tokens_per_second"), "green"),
+                                       ("prefill", throughput.prefill, tp.get("prompt_tokens_per_second"), "cyan")):
+        note = f"{mean:.2f} tok/s mean of the recent requests" if isinstance(mean, (int, float)) else ""
+        parts += _plot(label, "tok/s", series, now, plot_w, rows, style, value=note)
+    parts.append(_axis(plot_w))
+    if card is not None and card_rows:
+        g, s, h = card.gpu, card.sample, card.history
+        desktop = g.drives_display is True
+        parts.append(Text.assemble(("card    ", "bold"), card_name(g.name, g.pci_bus_id, desktop, g.index),
+                                   (" (drives the display)" if desktop else "", "dim")))
+        parts += _plot("temp", "°C", h.heat, now, plot_w, card_rows, "magenta", lo=30.0, hi=110.0)
+        parts += _plot("clock", "MHz", h.clock, now, plot_w, card_rows, "cyan", hi=_num(s.clock_sm_max))
+        parts += _plot("power", "W", h.power, now, plot_w, card_rows, "yellow", hi=_num(s.power_cap))
+        parts.append(_axis(plot_w))
     ttft = [r.get("ttft_ms") for r in requests[-5:] if isinstance(r.get("ttft_ms"), (int, float))]
-    parts.append(Text.assemble(("TTFT   ", "bold"), ", ".join(f"{t:.0f}" for t in ttft) + " ms" if ttft else "–",
+    parts.append(Text.assemble(("TTFT    ", "bold"), ", ".join(f"{t:.0f}" for t in ttft) + " ms" if ttft else "–",
                                ("  (last requests)", "dim")))
     kv = status.get("kv") or {}
     sessions = status.get("sessions") or {}
     live = sessions.get("live") or []
     ctx = kv.get("ctx") or 0
     frac = (kv.get("tokens") or 0) / ctx if ctx else 0.0
-    parts.append(Text.assemble(("KV     ", "bold"), (bar(frac, 10), "magenta"),
-                               f" {kv.get('tokens', 0)}/{ctx} tok, {(kv.get('bytes') or 0) / MiB:.1f} MiB; "
-                               f"sessions {len(live)}/{sessions.get('capacity', '?')}"))
-    for i, st in enumerate(status.get("stages") or []):
-        parts.append(Text(f"  stage {i} {st.get('device', '?')}: KV {(st.get('kv_bytes') or 0) / MiB:.1f} MiB",
-                          style="dim"))
+    stages = status.get("stages") or []
+    per_stage = "; ".join(f"{i} {st.get('device', '?')} {gib(st.get('kv_bytes') or 0)}" for i, st in enumerate(stages))
+    parts.append(Text.assemble(("KV      ", "bold"), (bar(frac, 10), "magenta"),
+                               f" {kv.get('tokens', 0)}/{ctx} tok, {gib(kv.get('bytes') or 0)}; "
+                               f"sessions {len(live)}/{sessions.get('capacity', '?')}",
+                               (f"  (stages {per_stage})" if len(stages) > 1 else "", "dim")))
     queue = status.get("queue") or {}
     running = status.get("running")
-    now = ""
-    if running:  # the request under way, at the refresh rate (the sparklines move only when one finishes)
+    now_text = ""
+    if running:  # the request under way, at the refresh rate
         done = running.get("generated") if running.get("phase") == "decode" else running.get("prefilled")
         rate = running.get("tokens_per_second")
-        now = f"  running: {running['phase']} #{running['id']}"
+        now_text = f"  running: {running['phase']} #{running['id']}"
         if isinstance(done, int) and isinstance(rate, (int, float)):
-            now += f", {done} tokens at {rate:.1f} tok/s"
-    parts.append(Text.assemble(("queue  ", "bold"), f"{queue.get('length', 0)}/{queue.get('capacity', '?')}",
-                               now or "  idle"))
+            now_text += f", {done} tokens at {rate:.1f} tok/s"
+    parts.append(Text.assemble(("queue   ", "bold"), f"{queue.get('length', 0)}/{queue.get('capacity', '?')}",
+                               now_text or "  idle"))
     cache = status.get("expert_cache")
     if isinstance(cache, dict):
         rate = _hit_rate(cache)
-        streamed = (cache.get("bytes_read") or 0) / 2**30
+        streamed = cache.get("bytes_read") or 0
         speed = cache.get("gb_per_s")
-        parts.append(Text.assemble(("experts", "bold"), f" cache hit rate {rate:.0%}" if rate is not None
-                                   else " cache: no hits yet",
-                                   f", {cache.get('misses', 0)} misses, {streamed:.1f} GiB streamed"
+        parts.append(Text.assemble(("experts ", "bold"), f"cache hit rate {rate:.0%}" if rate is not None
+                                   else "cache: no hits yet",
+                                   f", {cache.get('misses', 0)} misses, {gib(streamed)} streamed"
                                    + (f" at {speed:.1f} GB/s" if isinstance(speed, (int, float)) and speed else "")))
     return Group(*parts)
 
 
 class LivePanel(Static):
-    def show(self, status: dict[str, Any] | None, requests: Sequence[dict[str, Any]]) -> None:
-        self.update(live_view(status, requests, self.size.width or 40))
+    def show(self, status: dict[str, Any] | None, throughput: Throughput, requests: Sequence[dict[str, Any]],
+             card: GpuReading | None = None, now: float | None = None) -> None:
+        self.update(live_view(status, throughput, requests, card, self.size.width or 40, self.size.height or 24, now))

@@ -8,16 +8,24 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from ds4station.planner import Plan
+from ds4station.planner import DeviceBudget, Plan
 
 from ..planning import PlanEditor
-from ..telemetry import bar, card_name
+from ..telemetry import bar, card_name, short_bus
 
 GiB = 1 << 30
 
 
 def _g(n: int) -> str:
     return f"{n / GiB:.2f}"
+
+
+def short_name(d: DeviceBudget) -> str:
+    """A card as a short identity (its number, short bus id, display mark: the GPU panel names it in full)."""
+    if d.device in ("cpu", d.label):
+        return d.label
+    parts = [str(d.index)] if d.index is not None else []
+    return " ".join([*parts, short_bus(d.device), *(["◆"] if d.desktop else [])])
 
 
 def route_table(plan: Plan, selected_boundary: int | None = None, wide: bool = True) -> Table:
@@ -69,9 +77,11 @@ def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bo
     parts: list[RenderableType] = [plan_header(editor)]
     if editor.plan is not None:
         parts.append(route_table(editor.plan, selected_boundary, wide))
-        for d, why in editor.plan.excluded:  # every card is in the plan: those left out say why
-            name = d.label if d.device in ("cpu", d.label) else card_name(d.label, d.device, d.desktop, d.index)
-            parts.append(Text.assemble(("  – ", "dim"), name, (f": {why}", "dim")))
+        reasons: dict[str, list[str]] = {}  # every card is in the plan: those left out, grouped by why
+        for d, why in editor.plan.excluded:
+            reasons.setdefault(why, []).append(short_name(d))
+        for why, names in reasons.items():
+            parts.append(Text.assemble(("  – ", "dim"), ", ".join(names), (f": {why}", "dim")))
     if editor.notice:  # an edit that was not made: the route shown is the one before it
         parts.append(Text("✗ not changed: " + editor.notice, style="bold yellow"))
     if editor.refusal:

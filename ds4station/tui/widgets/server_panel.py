@@ -1,5 +1,6 @@
 """The server panel: state (starting, loading with per-stage progress, ready, crashed with its last log
-lines), the API endpoint and key, and ready-to-copy client settings for opencode, Claude Code and Codex."""
+lines), the API endpoint and key; and the clients panel: ready-to-copy settings for opencode, Claude Code
+and Codex."""
 
 from __future__ import annotations
 
@@ -88,12 +89,25 @@ class ServerPanel(Static):
         if view.state == "stopped":
             parts.append(Text((view.reason or "") + "; every process of it has exited. l launches again.", style="dim"))
             return Group(*parts)
+        parts.append(Text.assemble(("API  ", "bold"), f"{view.base_url}/v1", ("  OpenAI, Responses", "dim")))
+        parts.append(Text.assemble(("     ", "bold"), view.base_url, ("  Anthropic", "dim")))
+        parts.append(Text.assemble(("key  ", "bold"), view.api_key or "none (listening on this machine only)"))
+        keys = "  ".join(f"{k} {name}" for k, (name, _, _) in CLIENTS.items())
+        parts.append(Text.assemble(("copy ", "bold"), keys, ("  (settings under Clients)", "dim")))
+        return Group(*parts)
+
+
+class ClientsPanel(Static):
+    """The running server's settings for each client, as printed valid JSON / shell / TOML, with its copy key."""
+
+    def show(self, view: ServerView | None) -> None:
+        if view is None or view.state != "ready":
+            self.update(Text("the client settings appear here once a server is ready (l launches one)", style="dim"))
+            return
         model = ((view.status or {}).get("model") or {}).get("name") or "ds4"
-        parts.append(Text.assemble(("API ", "bold"), f"{view.base_url}/v1", ("  (OpenAI, Responses)  ", "dim"),
-                                   view.base_url, ("  (Anthropic)", "dim")))
-        parts.append(Text.assemble(("key ", "bold"), view.api_key or "none (listening on this machine only)"))
         snippets = client_snippets(view.base_url, model, view.api_key)
+        parts: list[RenderableType] = []
         for key, (name, _, _) in CLIENTS.items():
             parts.append(Text.assemble((f"{name}", "bold"), (f"  (press {key} to copy)", "dim")))
             parts += [Text("  " + line, overflow="fold") for line in snippets[name].splitlines()]
-        return Group(*parts)
+        self.update(Group(*parts))
