@@ -128,6 +128,22 @@ def test_host2_detected_from_sysfs_uses_gtt_not_the_carveout() -> None:
         propose(FLASH_Q2, carveout, load_preset("speed"))
 
 
+def test_where_a_cards_available_memory_comes_from() -> None:
+    """The plan's "have" explained: VRAM less what others use or the desktop headroom, less the reserve; an
+    APU's GTT capped by the host's RAM says so."""
+    xt, apu = budgets_from_gpus(detect(HOST2_TREE, use_nvml=False), host_ram=64 * GiB)
+    st = load_preset("speed")
+    assert apu.total_bytes == 56 * GiB and apu.cap == ("of 96.00 GiB, capped at the host's 64.00 GiB of RAM less "
+                                                       "8.00 GiB for the system")
+    text = apu.explain_available(st.desktop_headroom, st.reserve)
+    assert text == (f"56.00 GiB GTT ({apu.cap}) - 1.50 GiB desktop headroom - 0.25 GiB reserve = "
+                    f"{apu.available(st.desktop_headroom, st.reserve) / GiB:.2f} GiB")
+    assert xt.explain_available(st.desktop_headroom, st.reserve).startswith("19.98 GiB VRAM - 0.39 GiB in use by")
+    roomy = budgets_from_gpus(detect(HOST2_TREE, use_nvml=False), host_ram=128 * GiB)[1]
+    assert roomy.cap == ""
+    assert roomy.explain_available(0, 0) == "96.00 GiB GTT - 1.00 GiB in use by other processes = 95.00 GiB"
+
+
 def test_shared_system_ram_is_checked() -> None:
     devices = parse_gpu_spec("20GiB,96GiB:apu")
     with pytest.raises(PlanError, match="system RAM"):

@@ -495,3 +495,33 @@ def test_the_layout_follows_the_width_and_keeps_what_it_showed() -> None:
             await until(pilot, lambda: logged("#request-log") == before)
 
     asyncio.run(flow())
+
+
+def test_the_cards_list_drops_a_card_and_adds_it_back() -> None:
+    """Plan screen, Cards list: space on the card the route uses drops it, and the plan is re-proposed without
+    it (the dashboard says it was dropped here); space again adds it back."""
+    from textual.widgets import SelectionList
+
+    async def flow() -> None:
+        app = Ds4StationApp(sysfs_root=str(HOST1), use_nvml=False, host_ram=64 * GiB, poll_interval=3600)
+        async with app.run_test(size=(160, 48)) as pilot:
+            await until(pilot, lambda: app.polls >= 1)
+            ed = app.editor
+            assert ed is not None and ed.plan is not None and len(ed.plan.stages) == 1  # the demo: one card
+            first = ed.plan.stages[0].budget.device
+            await pilot.press("p")
+            cards = app.screen.query_one("#cards", SelectionList)
+            assert cards.option_count == 6 and set(cards.selected) == {b.device for b in ed.budgets}
+            cards.focus()
+            values = [cards.get_option_at_index(i).value for i in range(cards.option_count)]
+            cards.highlighted = values.index(first)
+            await pilot.press("space")
+            await until(pilot, lambda: ed.dropped == {first})
+            assert ed.plan is not None and ed.plan.stages[0].budget.device != first and ed.refusal is None
+            assert "dropped here" in text_of(app.dashboard.query_one(PlanSummary))
+            assert "dropped here" in text_of(app.screen.query_one("#route"))
+            await pilot.press("space")
+            await until(pilot, lambda: not ed.dropped)
+            assert ed.plan.stages[0].budget.device == first
+
+    asyncio.run(flow())

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ds4station.model.sizes import GiB, format_size, parse_size
+from ds4station.model.sizes import GiB, format_size, gib, parse_size
 
 if TYPE_CHECKING:
     from ds4station.hardware import Gpu
@@ -37,10 +37,23 @@ class DeviceBudget:
     desktop: bool = False
     bandwidth_gbs: float = 0.0  # memory bandwidth (nominal GB/s) for balancing decode time; 0 = unknown
     index: int | None = None  # the detected card's number (what the GPU panel shows), None for a SPEC card
+    cap: str = ""  # how total_bytes was limited, when it was (an APU's GTT by the host's RAM)
 
     def available(self, desktop_headroom: int = DEFAULT_DESKTOP_HEADROOM, reserve: int = 0) -> int:
         taken = max(self.used_bytes, desktop_headroom if self.desktop else 0)
         return max(self.total_bytes - taken - reserve, 0)
+
+    def explain_available(self, desktop_headroom: int = DEFAULT_DESKTOP_HEADROOM, reserve: int = 0) -> str:
+        """Where `available` comes from, e.g. `16.00 GiB VRAM - 1.50 GiB desktop headroom = 14.50 GiB`."""
+        what = {"apu": "GTT", "cpu": "RAM"}.get(self.kind, "VRAM")
+        text = f"{gib(self.total_bytes)} {what}" + (f" ({self.cap})" if self.cap else "")
+        if self.desktop and desktop_headroom >= self.used_bytes:
+            text += f" - {gib(desktop_headroom)} desktop headroom"
+        elif self.used_bytes:
+            text += f" - {gib(self.used_bytes)} in use by other processes"
+        if reserve:
+            text += f" - {gib(reserve)} reserve"
+        return f"{text} = {gib(self.available(desktop_headroom, reserve))}"
 
     def describe(self) -> str:
         extra = ", desktop" if self.desktop else ""
@@ -100,19 +113,21 @@ def budgets_from_gpus(gpus: Sequence[Gpu], host_ram: int | None = None) -> list[
     """Detected GPUs -> budgets, addressed by PCI bus id (stable across CUDA/ROCm enumeration orders)."""
     out = []
     for g in gpus:
-        total, used, kind = _int(g.vram_total), _int(g.vram_used), "gpu"
+        total, used, kind, cap = _int(g.vram_total), _int(g.vram_used), "gpu", ""
         gtt = _int(getattr(g, "gtt_total", 0))
         if g.is_apu:
             # An APU maps its working memory through GTT (system RAM); the VRAM figure is a small carve-out.
             kind = "apu"
             total = max(total, gtt)
-            if host_ram is not None:
-                total = min(total, max(host_ram - DEFAULT_HOST_RESERVE, 0))
+            if host_ram is not None and total > host_ram - DEFAULT_HOST_RESERVE:
+                total = max(host_ram - DEFAULT_HOST_RESERVE, 0)
+                cap = (f"of {gib(max(_int(g.vram_total), gtt))}, capped at the host's {gib(host_ram)} of RAM less "
+                       f"{gib(DEFAULT_HOST_RESERVE)} for the system")
             used = _int(getattr(g, "gtt_used", 0))
         device = g.pci_bus_id if isinstance(g.pci_bus_id, str) and g.pci_bus_id else f"cuda:{len(out)}"
         index = g.index if isinstance(getattr(g, "index", None), int) else None
         out.append(DeviceBudget(device, str(g.name), kind, total, used, bool(g.drives_display),
-                                nominal_bandwidth(str(g.name), g.arch if isinstance(g.arch, str) else ""), index))
+                                nominal_bandwidth(str(g.name), g.arch if isinstance(g.arch, str) else ""), index, cap))
     return out
 
 

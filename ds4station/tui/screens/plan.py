@@ -50,7 +50,7 @@ class RouteEditor(Static, can_focus=True):
             return
         n = len(ed.plan.stages) if ed.plan is not None else 0
         self.boundary = min(self.boundary, max(n - 2, 0))
-        self.update(plan_body(ed, self.boundary if n > 1 else None, wide=self.app.size.width >= 100))
+        self.update(plan_body(ed, self.boundary if n > 1 else None, wide=self.app.size.width >= 100, detail=True))
 
     def action_select(self, step: int) -> None:
         self.boundary = max(self.boundary + step, 0)

@@ -35,10 +35,9 @@ def route_table(plan: Plan, selected_boundary: int | None = None, wide: bool = T
     t.add_column("stage", justify="right", no_wrap=True)
     t.add_column("device", no_wrap=True, ratio=1)
     t.add_column("layers", justify="right", no_wrap=True)
-    if wide:
-        t.add_column("weights", justify="right")
-        t.add_column("KV", justify="right")
-        t.add_column("cache", justify="right")
+    if wide:  # what "need" is made of
+        for name in ("weights", "KV", "scratch", "runtime", "cache"):
+            t.add_column(name, justify="right")
     t.add_column("need/have GiB", justify="right", no_wrap=True)
     t.add_column("fit", no_wrap=True, width=12 if wide else 8)
     for i, s in enumerate(plan.stages):
@@ -55,7 +54,8 @@ def route_table(plan: Plan, selected_boundary: int | None = None, wide: bool = T
         stage = Text.assemble((mark, "bold cyan"), f" {i}")
         row: list[str | Text] = [stage, device, span]
         if wide:
-            row += [_g(f.weights_bytes), _g(f.kv_bytes), _g(f.expert_cache_bytes)]
+            row += [_g(f.weights_bytes), _g(f.kv_bytes), _g(f.scratch_bytes), _g(f.overhead_bytes),
+                    _g(f.expert_cache_bytes)]
         need = Text(f"{_g(f.predicted_bytes)}/{_g(s.available_bytes)}", style="" if s.fits else "bold red")
         row += [need, fit]
         t.add_row(*row)
@@ -73,10 +73,17 @@ def plan_header(editor: PlanEditor) -> Text:
     return head
 
 
-def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bool = True) -> RenderableType:
+def plan_body(editor: PlanEditor, selected_boundary: int | None = None, wide: bool = True,
+              detail: bool = False) -> RenderableType:
+    """The plan; `detail` (the plan screen) adds where each stage's "have" comes from."""
     parts: list[RenderableType] = [plan_header(editor)]
     if editor.plan is not None:
         parts.append(route_table(editor.plan, selected_boundary, wide))
+        if detail:
+            st = editor.settings
+            for i, s in enumerate(editor.plan.stages):
+                have = s.budget.explain_available(st.desktop_headroom, st.reserve)
+                parts.append(Text.assemble((f"  have {i}: ", "dim"), short_name(s.budget), (f": {have}", "dim")))
         reasons: dict[str, list[str]] = {}  # every card is in the plan: those left out, grouped by why
         for d, why in editor.plan.excluded:
             reasons.setdefault(why, []).append(short_name(d))
