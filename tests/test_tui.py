@@ -105,7 +105,9 @@ def test_no_gpu_machine_plans_the_demo_model_on_the_cpu(tmp_path: Path) -> None:
                             model_path=str(tmp_path / "missing.gguf"))
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.polls >= 1)
-            assert "No GPU found" in text_of(app.dashboard.query_one(GpuPanel), 80)
+            gpus = text_of(app.dashboard.query_one(GpuPanel), 80)
+            assert "No GPU found" in gpus
+            assert re.search(r"CPU \d+ cores, \d+% busy +RAM .* \d+\.\d/\d+\.\d GiB used", gpus), gpus  # its load
             plan = text_of(app.dashboard.query_one(PlanSummary), 80)
             assert "CPU" in plan and "E 0-5 O" in plan and "✓ fits" in plan and "ctx 4096" in plan
             assert app.editor is not None and str(app.editor.plan.route) == "cpu=embed,0-5,output"  # type: ignore[union-attr]

@@ -19,6 +19,7 @@ from ds4station.planner import named_shape
 from ds4station.tui.app import Ds4StationApp
 from ds4station.tui.messages import Collected, ServerView
 from ds4station.tui.planning import ModelChoice
+from ds4station.tui.telemetry import HostSample
 
 HOST1 = Path(__file__).parent / "fixtures" / "sysfs" / "gfx906-workstation"  # six cards, one driving the display
 STRIX = Path(__file__).parent / "fixtures" / "sysfs" / "rdna3-strix-halo"  # an RX 7900 XT beside a Strix Halo APU
@@ -69,7 +70,7 @@ def _utc(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def _app(sysfs_root: str | Path) -> Ds4StationApp:
     # one refresh only (the interval is an hour): the history and every reading are fixed; a fixed clock
     return Ds4StationApp(sysfs_root=str(sysfs_root), use_nvml=False, host_ram=64 * GiB, poll_interval=3600,
-                         clock=lambda: NOW)
+                         clock=lambda: NOW, host_probe=lambda: HostSample(16, 23.0, 21 * GiB, 64 * GiB))
 
 
 async def _ready(pilot: Pilot[Any]) -> None:

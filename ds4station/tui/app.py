@@ -28,7 +28,7 @@ from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, model_from_shape, serve_args
 from .screens import DashboardScreen, HelpScreen, ModelScreen, PlanScreen
-from .telemetry import GpuHistory, GpuReading, Throughput, collect_gpus
+from .telemetry import GpuHistory, GpuReading, HostSample, Throughput, collect_gpus, host_sample
 from .widgets import GpuPanel, PlanSummary
 from .widgets.server_panel import CLIENTS, client_snippets
 
@@ -84,7 +84,7 @@ class Ds4StationApp(App[None]):
                  model_path: str | None = None, preset: str = "speed", poll_interval: float = 1.0,
                  model_shape: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, host_probe: Callable[[], HostSample] = host_sample) -> None:
         super().__init__()
         self.sysfs_root, self.use_nvml, self.nvml = sysfs_root, use_nvml, nvml
         self.host_ram, self.model_path, self.preset = host_ram, model_path, preset
@@ -95,6 +95,8 @@ class Ds4StationApp(App[None]):
         self.detected = False
         self.history = GpuHistory()
         self.readings: list[GpuReading] = []  # the last refresh's
+        self.host_probe = host_probe
+        self.host_load: HostSample | None = None  # the CPU and RAM, when there is no GPU
         self.throughput = Throughput()
         self.server: ServerProcess | None = None
         self.last_view: ServerView | None = None
@@ -159,14 +161,16 @@ class Ds4StationApp(App[None]):
     def _collect(self) -> None:
         readings: list[GpuReading] = []
         view: ServerView | None = None
-        error = None
+        error = host = None
         try:
             if self.devices:
                 readings = self.history.add(*collect_gpus(self.devices))
+            else:  # the CPU is the device: its load and RAM instead
+                host = self.host_probe()
             view = self._server_view()
         except Exception as e:  # always answer, so the loop is re-armed; the next refresh tries again
             error = f"refresh failed: {type(e).__name__}: {e}"
-        self.post_message(Collected(readings, view, error))
+        self.post_message(Collected(readings, view, error, host))
 
     def _server_view(self) -> ServerView | None:
         import httpx
@@ -234,6 +238,7 @@ class Ds4StationApp(App[None]):
     def render_collected(self, message: Collected) -> None:
         if message.readings:
             self.readings = message.readings
+        self.host_load = message.host or self.host_load
         view = message.server
         if view is not None and self.server is None and view.pid in self._stopped_pids:
             # a stop finished while this poll ran: its view is stale, ServerStopped already rendered the end

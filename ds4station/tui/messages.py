@@ -14,7 +14,7 @@ from textual.message import Message
 from ds4station.hardware import Device
 
 from .planning import ModelChoice, PlanEditor
-from .telemetry import GpuReading
+from .telemetry import GpuReading, HostSample
 
 
 @dataclass
@@ -55,9 +55,10 @@ class Detected(Message):
 class Collected(Message):
     """One refresh: GPU readings and the server's state."""
 
-    def __init__(self, readings: list[GpuReading], server: ServerView | None, error: str | None = None) -> None:
+    def __init__(self, readings: list[GpuReading], server: ServerView | None, error: str | None = None,
+                 host: HostSample | None = None) -> None:
         super().__init__()
-        self.readings, self.server, self.error = readings, server, error
+        self.readings, self.server, self.error, self.host = readings, server, error, host
 
 
 class ModelLoaded(Message):

@@ -154,6 +154,24 @@ class GpuHistory:
         return out
 
 
+@dataclass(frozen=True)
+class HostSample:
+    """The CPU and RAM, sampled when the CPU is the device (no GPU found)."""
+
+    cores: int
+    cpu_percent: float  # busy, over all cores, since the last sample
+    ram_used: int
+    ram_total: int
+
+
+def host_sample() -> HostSample:
+    import psutil
+
+    mem = psutil.virtual_memory()
+    return HostSample(psutil.cpu_count() or 1, psutil.cpu_percent(interval=None),
+                      int(mem.total - mem.available), int(mem.total))
+
+
 class Throughput:
     """The server's decode and prefill tok/s over time, one point per refresh: the running request's rate in
     its phase (0 for the other phase), else the rates of requests that finished since the last refresh (at

@@ -89,7 +89,7 @@ class DashboardScreen(Screen[None]):
         if app.readings:
             self.query_one(GpuPanel).show(app.readings)
         elif app.detected and not app.devices:
-            self.query_one(GpuPanel).show_none(app.no_gpu_where())
+            self.query_one(GpuPanel).show_none(app.no_gpu_where(), app.host_load)
         self.query_one(PlanSummary).show(app.editor)
         view = app.last_view
         self.query_one(ServerPanel).show(view)

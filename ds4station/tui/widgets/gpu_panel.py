@@ -8,7 +8,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from ..telemetry import GpuReading, bar, short_bus, spark
+from ..telemetry import GpuReading, HostSample, bar, short_bus, spark
 
 DESKTOP_MARK = "◆"
 GiB = 1 << 30
@@ -36,7 +36,7 @@ def _vram(r: GpuReading, width: int) -> Text:
     return t
 
 
-def _throttle(r: GpuReading, wide: bool) -> Text:
+def _throttle(r: GpuReading) -> Text:
     s, h = r.sample, r.history
     if s.throttled is True:  # one row: the first reasons, then how many more
         shown = s.throttle_reasons[:2] + ([f"+{len(s.throttle_reasons) - 2}"] if len(s.throttle_reasons) > 2 else [])
@@ -48,8 +48,6 @@ def _throttle(r: GpuReading, wide: bool) -> Text:
         t = Text("no", style="green")
     else:
         t = Text("N/A", style="dim")
-    if not wide and h.ever_throttled:  # the narrow layout has no history column: keep it visible here
-        t.append(" " + spark(h.clock_ratio, 0.0, 1.0, width=8), style="cyan")
     return t
 
 
@@ -107,7 +105,7 @@ class GpuPanel(Static):
                 hist.append("│")
                 hist.append(spark(h.temperature, 30.0, 110.0, width=8).rjust(8), style="magenta")
                 row.append(hist)
-            row.append(_throttle(r, wide))
+            row.append(_throttle(r))
             style = "on dark_red" if s.throttled is True else ""
             table.add_row(*row, style=style)
         if any(r.gpu.drives_display is True for r in readings):
@@ -115,7 +113,14 @@ class GpuPanel(Static):
             table.caption_justify = "left"
         self.update(table)
 
-    def show_none(self, where: str) -> None:
-        self.update(Text.assemble(("No GPU found", "bold yellow"), f" (looked through {where}). ",
-                                  "The planner uses the CPU and launch serves the model there; "
-                                  "plug in a card or plan for hypothetical ones with `ds4station plan --gpus`."))
+    def show_none(self, where: str, host: HostSample | None = None) -> None:
+        text = Text.assemble(("No GPU found", "bold yellow"), f" (looked through {where}). ",
+                             "The planner uses the CPU and launch serves the model there; "
+                             "plug in a card or plan for hypothetical ones with `ds4station plan --gpus`.")
+        if host is not None:  # the CPU is the device: its load and memory take the cards' place
+            frac = host.ram_used / host.ram_total if host.ram_total else 0.0
+            style = "red" if frac > 0.9 else "yellow" if frac > 0.7 else "green"
+            text.append_text(Text.assemble(("\nCPU ", "bold"), f"{host.cores} cores, {host.cpu_percent:.0f}% busy  ",
+                                           ("RAM ", "bold"), (bar(frac, 10), style),
+                                           f" {host.ram_used / GiB:.1f}/{host.ram_total / GiB:.1f} GiB used"))
+        self.update(text)
