@@ -13,6 +13,7 @@ import pytest
 import test_pull
 from test_pull import Hub
 from test_tui import HOST1, GiB, until
+from textual.widgets import Input
 
 from ds4station import hub
 from ds4station.hub import KNOWN, PullError
@@ -31,7 +32,7 @@ from ds4station.tui.models import (
     scan,
     scan_dirs,
 )
-from ds4station.tui.screens import ModelScreen
+from ds4station.tui.screens import ModelScreen, PlanScreen
 from ds4station.tui.screens.model import GGUFTree, downloads_of
 
 local_hub, model_bytes = test_pull.local_hub, test_pull.model_bytes  # the local hub and a tiny real DS4 GGUF
@@ -104,6 +105,15 @@ def test_download_a_published_file_see_it_on_disk_and_choose_it(local_hub: Hub, 
             await until(pilot, lambda: app.editor.model.path == str(path))  # type: ignore[union-attr]
             assert not isinstance(app.screen, ModelScreen) and app.editor.fits  # type: ignore[union-attr]
             assert app.editor.model.label == Q2  # type: ignore[union-attr]
+            # from the plan screen: the model screen on top, the demo chosen, the plan screen's field follows
+            await pilot.press("p", "m")
+            screen = app.screen
+            assert isinstance(screen, ModelScreen)
+            await until(pilot, lambda: screen.listing is not None)
+            await _choose(pilot, screen, "shapes", "demo")
+            await until(pilot, lambda: isinstance(app.screen, PlanScreen))
+            await until(pilot, lambda: app.screen.query_one("#model-path", Input).value == "")
+            assert app.editor.model.path is None  # type: ignore[union-attr]
 
     asyncio.run(flow())
 

@@ -171,9 +171,15 @@ class PlanScreen(Screen[None]):
         self.app.plan_changed()  # type: ignore[attr-defined]
 
     def sync_fields(self) -> None:
-        """After a change made elsewhere (re-proposal), show the plan's context and cache in the fields."""
+        """After a change made elsewhere (re-proposal, the model screen), show the plan's model, context and
+        cache in the fields."""
         ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
-        if ed is None or ed.plan is None:
+        if ed is None:
+            return
+        path = self.query_one("#model-path", Input)
+        if not path.has_focus:  # a model chosen in the model screen
+            path.value = ed.model.path or ""
+        if ed.plan is None:
             return
         ctx = self.query_one("#ctx", Input)
         if not ctx.has_focus:
