@@ -166,6 +166,8 @@ def test_charts_over_a_time_axis() -> None:
     gap = chart([(now - 60, 5.0), (now - 59, None), (now, 5.0)], now, 12, height=1)[0]
     assert gap == "      █    █"  # 10 s a column: a column without a point is blank; equal values fill the scale
     assert chart([(now - 500, 9.0)], now, 8, 1) == ["        "]  # older than the span: not shown
+    # a request's rate and the idle refresh after it in one column: the column keeps the rate
+    assert chart([(now - 3.0, 80.0), (now - 2.0, 0.0), (now, 0.0)], now, 10, 1)[0][-1] == "█"
     axis = time_axis(40)
     assert axis.startswith("-2m") and axis.endswith("now") and axis[19:23].strip() == "-1m" and len(axis) == 40
     assert time_axis(30, 90).split() == ["-90s", "-45s", "now"]

@@ -67,15 +67,17 @@ def time_axis(width: int, span_s: float = SPAN_S) -> str:
 def chart(points: Iterable[Point], now: float, width: int, height: int = 3, span_s: float = SPAN_S, lo: float = 0.0,
           hi: float | None = None) -> list[str]:
     """The points of the last `span_s` seconds as `height` rows of `width` columns, oldest left, now right:
-    each column covers span_s / width seconds and shows the latest known value in it, scaled to [lo, hi] (hi:
-    the largest value shown) in eighths of a cell; a column with no point is blank."""
+    each column covers span_s / width seconds and shows the largest value in it (a request that finished
+    just before an idle refresh still shows), scaled to [lo, hi] (hi: the largest value shown) in eighths of
+    a cell; a column with no point is blank."""
     cols: list[float | None] = [None] * width
     step = span_s / width
     for t, v in points:
         age = now - t
         if v is None or not 0 <= age < span_s + step:
             continue
-        cols[min(int((span_s - age) / step), width - 1)] = v  # points arrive in time order: the latest wins
+        c = min(int((span_s - age) / step), width - 1)
+        cols[c] = v if cols[c] is None else max(cols[c], v)  # type: ignore[type-var]
     known = [v for v in cols if v is not None]
     top = hi if hi is not None else max(known, default=0.0)
     span = top - lo

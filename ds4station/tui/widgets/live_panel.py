@@ -62,7 +62,7 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
     card_rows = max(min(3, (spare - 7) // 3), 0) if card is not None else 0
     if card_rows:
         spare -= 5 + 3 * card_rows
-    rows = max(min(6, spare // 2), 1)
+    rows = max(min(10, spare // 2), 1)
     tp = status.get("throughput") or {}
     parts: list[RenderableType] = []
     for label, series, mean, style in (("decode", throughput.decode, tp.get("decode_tokens_per_second"), "green"),
