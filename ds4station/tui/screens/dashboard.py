@@ -43,7 +43,7 @@ class DashboardScreen(Screen[None]):
         log = RichLog(id="server-log", classes="panel log", max_lines=500, wrap=True, min_width=20, markup=False)
         if self.narrow:
             with TabbedContent(id="tabs"):
-                with TabPane("Now", id="tab-now"), VerticalScroll():
+                with TabPane("Now", id="tab-now"), Vertical():
                     yield server
                     yield live
                 for title, widget in (("GPUs", gpus), ("Plan", plan), ("Requests", requests), ("Log", log),

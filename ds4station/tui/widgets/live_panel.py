@@ -117,6 +117,15 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
 
 
 class LivePanel(Static):
+    """Drawn for its size: the charts take the rows the panel has (and are drawn again when it resizes)."""
+
+    _last: tuple[Any, ...] | None = None
+
     def show(self, status: dict[str, Any] | None, throughput: Throughput, requests: Sequence[dict[str, Any]],
              card: GpuReading | None = None, now: float | None = None) -> None:
+        self._last = (status, throughput, requests, card, now)
         self.update(live_view(status, throughput, requests, card, self.size.width or 40, self.size.height or 24, now))
+
+    def on_resize(self) -> None:
+        if self._last is not None:
+            self.show(*self._last)
