@@ -109,7 +109,7 @@ def test_no_gpu_machine_plans_the_demo_model_on_the_cpu(tmp_path: Path) -> None:
             assert "No GPU found" in gpus
             assert re.search(r"CPU \d+ cores, \d+% busy +RAM .* \d+\.\d/\d+\.\d GiB used", gpus), gpus  # its load
             plan = text_of(app.dashboard.query_one(PlanSummary), 80)
-            assert "CPU" in plan and "E 0-5 O" in plan and "✓ fits" in plan and "ctx 4096" in plan
+            assert "CPU" in plan and "E 0-5 O" in plan and "✓ fits" in plan and "ctx 32768" in plan
             assert app.editor is not None and str(app.editor.plan.route) == "cpu=embed,0-5,output"  # type: ignore[union-attr]
             assert app.editor.model.path is None and app.editor.fits
 
@@ -196,9 +196,10 @@ def test_plan_screen_edits_the_route_context_and_preset() -> None:
     asyncio.run(flow())
 
 
-def test_plan_screen_reads_a_gguf_file_and_explains_a_bad_one(tmp_path: Path) -> None:
+def test_plan_screen_reads_a_gguf_file_and_explains_a_bad_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from ds4station.engine.demo import demo_model_path
 
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the demo made here, not in the user's cache
     gguf = str(demo_model_path())
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF not really")
@@ -220,7 +221,7 @@ def test_plan_screen_reads_a_gguf_file_and_explains_a_bad_one(tmp_path: Path) ->
             await pilot.press("enter")
             await until(pilot, lambda: ed.model.path == gguf)
             assert ed.fits and ed.model.label == Path(gguf).name and ed.plan.model == Path(gguf).name  # type: ignore[union-attr]
-            assert ed.model.shape.total_bytes == named_shape("tiny-q2").total_bytes  # the demo file's own table
+            assert ed.model.shape.total_bytes == named_shape("demo-q2").total_bytes  # the demo file's own table
 
     asyncio.run(flow())
 

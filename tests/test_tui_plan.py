@@ -28,11 +28,11 @@ def test_cpu_only_machine_gets_a_cpu_route_for_the_demo_model(tmp_path) -> None:
     ed = PlanEditor(demo_model(), plan_budgets([], 32 * GiB, "speed"), 32 * GiB)
     assert ed.fits and ed.plan is not None
     assert str(ed.plan.route) == "cpu=embed,0-5,output"
-    assert ed.plan.ctx == 4096  # the demo model's whole context
+    assert ed.plan.ctx == 32768  # the speed preset's context (the demo model takes up to 131072)
     args = serve_args(ed.plan, ed.model, 8123, launch_dir=str(tmp_path))
     assert args == ["--host", "127.0.0.1", "--port", "8123", "--plan", str(tmp_path / "launch-8123.toml")]
     launch = read_launch(args[-1])  # the plan, as serve will run it: the demo model, the route, every size
-    assert launch.model == "" and launch.route == "cpu=embed,0-5,output" and launch.ctx == 4096
+    assert launch.model == "" and launch.route == "cpu=embed,0-5,output" and launch.ctx == 32768
     fs = ed.plan.footprint
     assert (launch.sessions, launch.prefill_chunk, launch.rollback) == (fs.sessions, fs.prefill_chunk, fs.rollback)
 

@@ -30,12 +30,12 @@ SIZES = [(80, 24), (160, 48)]
 
 # GET /status of `ds4station serve` (demo model, CPU) after two chat requests, as the server returns it.
 STATUS: dict[str, Any] = {
-    "model": {"name": "demo-tiny-q2-v1", "path": "/home/user/.cache/ds4station/demo-tiny-q2-v1.gguf", "ctx": 4096,
-              "config": {"n_layers": 6, "dim": 256, "vocab_size": 512, "n_experts": 8, "n_experts_used": 3,
-                         "context_length": 4096}},
+    "model": {"name": "demo-q2-v2", "path": "/home/user/.cache/ds4station/demo-q2-v2.gguf", "ctx": 32768,
+              "config": {"n_layers": 6, "dim": 256, "vocab_size": 8192, "n_experts": 8, "n_experts_used": 3,
+                         "context_length": 131072}},
     "state": "ready", "error": None, "uptime_s": 42.0, "route": "cpu: embed, 0-5, output",
     "stages": [{"device": "cpu", "layers": [0, 6], "kv_bytes": 21532672}],
-    "kv": {"bytes": 21532672, "tokens": 27, "ctx": 4096},
+    "kv": {"bytes": 21532672, "tokens": 27, "ctx": 32768},
     "sessions": {"capacity": 2, "live": [{"tokens": 27, "kv_bytes": 21532672, "requests": 2, "idle_s": 3.5}],
                  "kv_bytes": 21532672, "prefix_hits": 1, "prefix_misses": 1, "resets": 0},
     "queue": {"length": 0, "capacity": 16}, "running": None,

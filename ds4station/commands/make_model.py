@@ -6,7 +6,8 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", help="model shape: tiny (demo, default) or flash (the full 284B shape)")
+    p.add_argument("--preset", default="demo", help="model shape: demo (the built-in demo model, default), tiny (the "
+                   "small test shape) or flash (the full 284B shape)")
     p.add_argument("--out", required=True, help="path of the GGUF file to write")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
     p.add_argument("--quant", default="q2", choices=["q2", "f16", "f32"],

@@ -13,8 +13,8 @@ from ds4station.model.sizes import token_count
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="PATH", help="a DS4 GGUF file (its tensor table gives the weights)")
-    src.add_argument("--shape", metavar="NAME", help="a named shape instead of a file: flash-q2 (default), tiny-q2, "
-                     "flash-f16, tiny-f16")
+    src.add_argument("--shape", metavar="NAME", help="a named shape instead of a file: flash-q2 (default), demo-q2 "
+                     "(the built-in demo model), tiny-q2, flash-f16, tiny-f16")
     p.add_argument("--gpus", default="auto", metavar="auto|SPEC|PROFILE",
                    help="auto (detected GPUs), a SPEC of cards in stage order such as 32GiB,16GiB:desktop,16GiBx4 "
                         "(flags :desktop, :apu; cpu adds a CPU stage), or a host profile name from presets/")
@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from ds4station.model.footprint import named_shape, shape_from_specs
+    from ds4station.model.footprint import DEMO_SHAPE, named_shape, shape_from_specs
     from ds4station.model.sizes import parse_size
     from ds4station.planner.devices import budgets_from_gpus, parse_gpu_spec
     from ds4station.planner.presets import PresetError, is_host_profile, load_host_profile, load_preset
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         from ds4station.planner.launch import launch_from_plan, write_launch
 
-        demo = not args.model and (args.shape or "flash-q2") == "tiny-q2"  # the demo model's shape
+        demo = not args.model and (args.shape or "flash-q2") == DEMO_SHAPE  # the built-in demo model
         write_launch(args.out, launch_from_plan(plan, str(args.model) if args.model else "" if demo else None), plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))

@@ -19,17 +19,29 @@ from ds4station.kernels.quants import QTensor, random_blocks
 from ds4station.model.config import PRESETS, ModelConfig
 from ds4station.model.layout import TensorSpec, model_tensors
 
-from .tokenizer import build_demo_vocab, tokenizer_metadata
+from .tokenizer import EOS_ID, build_demo_vocab, tokenizer_metadata
 from .weights import write_gguf
 
-DEMO_PRESET = "tiny"
-# Bump when the demo model's contents change, so old cached files are not reused.
-DEMO_VERSION = 1
+DEMO_PRESET = "demo"
+# Bump when the demo model's contents change: the cached file of an older version is replaced on first use.
+DEMO_VERSION = 2
 
 
-def random_weight(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator) -> torch.Tensor | QTensor:
-    """One tensor of a random model: float for F32/F16/I32 roles, random valid blocks for quantised ones."""
+# The built-in demo model ends its answers: its output head's row for EOS is this many times longer than the
+# others, so that EOS is sampled every few dozen tokens instead of once in ~8K (an agent's turn then ends with
+# end_turn / stop, as with a real model, rather than at max_tokens).
+DEMO_EOS_GAIN = {"demo": 6.0}
+
+
+def random_weight(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator,
+                  eos_gain: float = 0.0) -> torch.Tensor | QTensor:
+    """One tensor of a random model: float for F32/F16/I32 roles, random valid blocks for quantised ones;
+    `eos_gain` > 0 makes the output head float (quantised by the writer) with the EOS row scaled by it."""
     role, shape, dev = spec.role, spec.torch_shape, gen.device  # made where the generator lives
+    if role == "output" and eos_gain > 0:
+        head = spec.shape[0] ** -0.5 * torch.randn(shape, generator=gen, device=dev)
+        head[EOS_ID] *= eos_gain
+        return head
     if role == "ffn_gate_tid2eid":  # hash routing: n_used distinct experts per token
         scores = torch.rand(shape[0], cfg.n_experts, generator=gen, device=dev)
         return scores.argsort(dim=-1)[:, : cfg.n_experts_used].to(torch.int32)
@@ -52,8 +64,9 @@ class _RandomTensors(Mapping[str, "torch.Tensor | QTensor"]):
     """The tensors of a random model, each made when the writer asks for it, in layout order, from one
     generator (so the same seed gives the same bytes, and the whole model never sits in memory)."""
 
-    def __init__(self, cfg: ModelConfig, specs: list[TensorSpec], seed: int, device: str = "cpu") -> None:
-        self.cfg, self.specs, self.next = cfg, {s.name: s for s in specs}, 0
+    def __init__(self, cfg: ModelConfig, specs: list[TensorSpec], seed: int, device: str = "cpu",
+                 eos_gain: float = 0.0) -> None:
+        self.cfg, self.specs, self.next, self.eos_gain = cfg, {s.name: s for s in specs}, 0, eos_gain
         self.order = list(self.specs)
         self.gen = torch.Generator(device).manual_seed(seed)
 
@@ -61,7 +74,7 @@ class _RandomTensors(Mapping[str, "torch.Tensor | QTensor"]):
         if self.next >= len(self.order) or self.order[self.next] != name:
             raise KeyError(f"{name}: random tensors are made once each, in layout order")
         self.next += 1
-        return random_weight(self.specs[name], self.cfg, self.gen)
+        return random_weight(self.specs[name], self.cfg, self.gen, self.eos_gain)
 
     def __contains__(self, name: object) -> bool:
         return name in self.specs
@@ -73,7 +86,7 @@ class _RandomTensors(Mapping[str, "torch.Tensor | QTensor"]):
         return len(self.order)
 
 
-def make_model(out: str | os.PathLike[str], preset: str = DEMO_PRESET, seed: int = 0, quant: str = "q2",
+def make_model(out: str | os.PathLike[str], preset: str = "tiny", seed: int = 0, quant: str = "q2",
                device: str = "cpu") -> Path:
     """Write a complete DS4 GGUF of the named shape with random weights and the demo tokenizer, one tensor at
     a time (the full Flash shape needs its ~81 GiB of disk, not of RAM). `device="cuda"` draws the weights
@@ -82,16 +95,20 @@ def make_model(out: str | os.PathLike[str], preset: str = DEMO_PRESET, seed: int
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
-    tensors = _RandomTensors(cfg, model_tensors(cfg, quant), seed, device)
+    tensors = _RandomTensors(cfg, model_tensors(cfg, quant), seed, device, DEMO_EOS_GAIN.get(preset, 0.0))
     meta = tokenizer_metadata(build_demo_vocab(cfg.vocab_size))
     extra = {"general.name": f"ds4station random {preset} ({quant}, seed {seed})"}
     return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra)
 
 
 def demo_model_path() -> Path:
-    """The built-in demo model, created on first use in the user's cache directory."""
-    path = cache_dir() / f"demo-{DEMO_PRESET}-q2-v{DEMO_VERSION}.gguf"
+    """The built-in demo model, created on first use in the user's cache directory; the files of older demo
+    versions there are removed when it is."""
+    path = cache_dir() / f"demo-q2-v{DEMO_VERSION}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        make_model(path)
+        make_model(path, preset=DEMO_PRESET)
+        for old in path.parent.glob("demo-*q2-v*.gguf"):
+            if old != path:
+                old.unlink(missing_ok=True)
     return path

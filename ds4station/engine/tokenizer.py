@@ -18,6 +18,7 @@ import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from gguf import TokenType
@@ -34,6 +35,7 @@ THINK_END = "</think>"
 # " name=...") is ordinary BPE text, e.g. "<｜DSML｜invoke" = "<" + DSML + "invoke".
 DSML = "｜DSML｜"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, DSML)
+EOS_ID = SPECIAL_TOKENS.index(EOS)  # 1, in every demo vocabulary
 # Their ids in DeepSeek-V4-Flash's own 129280-entry vocabulary (the demo vocab numbers them 0..6 instead;
 # the Tokenizer always looks them up by text).
 FLASH_SPECIAL_IDS = {BOS: 0, EOS: 1, USER: 128803, ASSISTANT: 128804, THINK_START: 128821, THINK_END: 128822,
@@ -121,12 +123,23 @@ if __name__ == "__main__":
 {"name": "get_weather", "arguments": {"location": "Paris", "unit": "celsius", "days": 3}}
 {"model": "deepseek-v4-flash", "messages": [{"role": "user", "content": "Hello!"}], "stream": true}
 '''
+# The demo model's larger vocabulary (model.config.DEMO) is trained on more text: DEMO_CORPUS, then a frozen
+# copy of this project's own README, docs and panel / server code (English, Markdown, Python, JSON), so that
+# agents' prompts tokenize to about 4 characters a token. Frozen: changing it changes the demo model (bump
+# engine.demo.DEMO_VERSION).
+DEMO_CORPUS_FILE = Path(__file__).with_name("demo_corpus.txt")
+
+
+def demo_corpus(vocab_size: int) -> str:
+    """The training text for a demo vocabulary of this size: the small one (the tiny test shape, 512) from
+    DEMO_CORPUS alone, as pinned by the tests; a larger one from DEMO_CORPUS and DEMO_CORPUS_FILE."""
+    return DEMO_CORPUS if vocab_size <= 512 else DEMO_CORPUS + "\n" + DEMO_CORPUS_FILE.read_text(encoding="utf-8")
 
 
 def build_demo_vocab(vocab_size: int) -> DemoVocab:
     """A deterministic byte-level BPE vocabulary of exactly `vocab_size` entries: the DS4 special tokens
-    (BOS id 0, EOS id 1), the 256 byte tokens in byte order, the merges trained on DEMO_CORPUS with the
-    joyai-llm pre-tokenizer, then unused placeholders if the corpus runs out of merges."""
+    (BOS id 0, EOS id 1), the 256 byte tokens in byte order, the merges trained on `demo_corpus(vocab_size)`
+    with the joyai-llm pre-tokenizer, then unused placeholders if the corpus runs out of merges."""
     n_fixed = len(SPECIAL_TOKENS) + 256
     if vocab_size < n_fixed:
         raise ValueError(f"vocab_size {vocab_size} is too small: the DS4 special tokens and the 256 byte tokens "
@@ -135,7 +148,7 @@ def build_demo_vocab(vocab_size: int) -> DemoVocab:
     hf.pre_tokenizer = _pre_tokenizer("joyai-llm")
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
-    hf.train_from_iterator([DEMO_CORPUS], trainer=trainer)
+    hf.train_from_iterator([demo_corpus(vocab_size)], trainer=trainer)
     model = hf.get_vocab(with_added_tokens=False)
     byte_tokens = [BYTE_TO_UNICODE[b] for b in range(256)]
     # The trainer numbers the alphabet first (in its own order), then each new token as a merge creates it.

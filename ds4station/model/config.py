@@ -289,6 +289,12 @@ TINY = ModelConfig(
     rope_factor=4.0,
 )
 
-PRESETS: dict[str, ModelConfig] = {"tiny": TINY, "flash": FLASH}
+# The built-in demo model (what `serve` and the control panel run without --model): TINY's layers, tensor names
+# and quant types, with a context that real agents' prompts fit in (Claude Code's first request is ~25K tokens
+# with this vocabulary) and a vocabulary trained on enough text (engine/tokenizer.py) that prompts tokenize to
+# about 4 characters a token.
+DEMO = dataclasses.replace(TINY, vocab_size=8192, context_length=131072)
 
-__all__ = ["ARCH", "ConfigError", "FLASH", "ModelConfig", "PRESETS", "TINY", "flash_ratios"]
+PRESETS: dict[str, ModelConfig] = {"demo": DEMO, "tiny": TINY, "flash": FLASH}
+
+__all__ = ["ARCH", "ConfigError", "DEMO", "FLASH", "ModelConfig", "PRESETS", "TINY", "flash_ratios"]

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from .config import FLASH, TINY, ModelConfig
+from .config import DEMO, FLASH, TINY, ModelConfig
 from .layout import TensorSpec, model_tensors
 from .sizes import MiB
 
@@ -212,7 +212,9 @@ class ModelShape:
         return max((self.expert_bytes[i] for i in layers), default=0)
 
 
+DEMO_SHAPE = "demo-q2"  # the built-in demo model's shape (engine.demo makes exactly this file)
 SHAPES: dict[str, tuple[ModelConfig, str]] = {
+    "demo-q2": (DEMO, "q2"),
     "flash-q2": (FLASH, "q2"),
     "flash-f16": (FLASH, "f16"),
     "tiny-q2": (TINY, "q2"),
@@ -221,7 +223,8 @@ SHAPES: dict[str, tuple[ModelConfig, str]] = {
 
 
 def named_shape(name: str) -> ModelShape:
-    """`flash-q2` (the ~81 GiB q2 file), `tiny-q2` (the demo), ... without needing the file."""
+    """`flash-q2` (the ~81 GiB q2 file), `demo-q2` (the built-in demo), `tiny-q2` (the test shape), ... without
+    needing the file."""
     try:
         cfg, recipe = SHAPES[name]
     except KeyError:
@@ -319,7 +322,8 @@ def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: Footprint
 
 
 __all__ = [
-    "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "FootprintSettings", "INDEXER_SCRATCH_BYTES", "KV_DTYPE_BYTES",
+    "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "DEMO_SHAPE", "FootprintSettings", "INDEXER_SCRATCH_BYTES",
+    "KV_DTYPE_BYTES",
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
     "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",

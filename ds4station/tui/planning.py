@@ -2,7 +2,7 @@
 context or the expert cache, with the fit recomputed on every change and any refusal explained.
 
 No Textual here (the screens call it, tests drive it directly) and no torch: the demo model's shape comes
-from the planner's named shape `tiny-q2`, which is exactly what `ds4station serve` creates on first use.
+from the planner's named shape `demo-q2`, which is exactly what `ds4station serve` creates on first use.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ds4station.model.footprint import DEMO_SHAPE
 from ds4station.model.sizes import format_size, gib
 from ds4station.planner import (
     DeviceBudget,
@@ -27,7 +28,6 @@ from ds4station.planner import (
     propose,
 )
 
-DEMO_SHAPE = "tiny-q2"  # the shape of ds4station.engine.demo's built-in model (tiny preset, q2 recipe)
 PRESETS = ("speed", "context")
 
 
@@ -43,7 +43,7 @@ class ModelChoice:
 
 
 def demo_model() -> ModelChoice:
-    return ModelChoice("demo model (tiny, q2)", named_shape(DEMO_SHAPE))
+    return ModelChoice("demo model (random weights, q2)", named_shape(DEMO_SHAPE))
 
 
 def model_from_shape(name: str) -> ModelChoice:
