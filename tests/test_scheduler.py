@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -127,6 +128,39 @@ def test_rollback_beyond_the_engine_bound_falls_back_to_a_fresh_prefill(engine, 
     assert f.reuse.discarded > bound
     (fresh, _), = run(make_scheduler(sessions=1), greedy(edited, 4))
     assert out == fresh
+
+
+def test_a_session_that_cannot_roll_back_is_kept_for_the_prompt_that_continues_it(tmp_path: Path) -> None:
+    """An agent's side request edits its conversation further back than the rollback allows: it is prefilled
+    in another slot, and the conversation's session stays whole for the agent's next main request (Claude
+    Code's pattern: two requests per turn, the second diverging ~2K tokens before the end)."""
+    from ds4station.engine.engine import Engine
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    path = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
+    small = Engine.load(path, ctx=CTX, device="cpu", sessions=2, rollback=64, chunk=64)  # rolls back 64 at most
+    try:
+        main = prompt(small, DEMO_CORPUS)
+        side = main[:-100] + small.tokenizer.encode(" a side question")  # keeps most of it, but 100 back
+        assert len(main) - 100 > 100 + 2, "an edit that keeps more than it rolls back"
+        s = _scheduler(small, sessions=2)
+        try:
+            run(s, greedy(main, 2))
+            (_, f), = run(s, greedy(side, 2))
+            assert f.reuse is not None and f.reuse.outcome == "reset" and "the live session kept" in f.reuse.why
+            (_, again), = run(s, greedy(main, 2))  # the main conversation again: its session is still whole
+            assert again.reuse is not None and again.reuse.outcome == "hit" and again.cached_tokens == len(main) - 1
+        finally:
+            s.stop()
+        one = _scheduler(small, sessions=1)  # with a single slot there is nowhere else to go
+        try:
+            run(one, greedy(main, 2))
+            (_, f1), = run(one, greedy(side, 2))
+            assert f1.reuse is not None and "its only slot started again" in f1.reuse.why
+        finally:
+            one.stop()
+    finally:
+        small.close()
 
 
 def test_reused_prefix_gives_the_same_output_as_a_fresh_prefill(engine, make_scheduler) -> None:

@@ -311,7 +311,10 @@ class SessionPool:
       conversation). An unrelated prompt (say another agent sharing only the system prompt) takes a free
       slot instead, so it never destroys another agent's session while a slot is free; with no slot free
       it takes the least recently used one.
-    - A session that cannot roll back (`truncate` False) is replaced by a fresh one and fully re-prefilled.
+    - When the chosen session cannot roll back that far (`truncate` False: its state is unchanged), it is
+      kept as it is, for a later prompt that continues it (an agent's main conversation, when a side request
+      edited it further back than the rollback allows), and the prompt is prefilled from scratch in a free
+      slot, else in the least recently used other one; with a single slot, that slot starts again.
     """
 
     def __init__(self, engine: GenerationEngine, capacity: int) -> None:
@@ -354,12 +357,21 @@ class SessionPool:
         common, live, why = chosen
         discarded = len(live.tokens) - common
         outcome = "hit" if common > 0 else "miss"
-        if discarded > 0 and not live.session.truncate(common):
+        if discarded > 0 and not live.session.truncate(common):  # its state is unchanged: it may be kept
             self.resets += 1
-            live.session.close()  # give the old KV back before taking a new one
-            live.session = self.engine.new_session()
-            outcome, why = "reset", f"{why}, but it cannot roll back {discarded} tokens: prefilled from scratch"
-            common = 0
+            others = [s for s in self.slots if s is not live]
+            if len(self.slots) < self.capacity:  # the session stays for a prompt that continues it
+                live = LiveSession(self.engine.new_session())
+                self.slots.append(live)
+                kept = "the live session kept, a free slot used"
+            else:  # likewise, at the cost of the least recently used other one (or of the only slot)
+                old = min(others, key=lambda s: s.last_used) if others else live
+                old.session.close()  # give its KV back before taking a new one
+                live = self.slots[self.slots.index(old)] = LiveSession(self.engine.new_session())
+                kept = "the live session kept, the least recently used other one replaced" if others else \
+                    "its only slot started again"
+            outcome, why, common = "reset", f"{why}, but it cannot roll back {discarded} tokens: prefilled from " \
+                f"scratch ({kept})", 0
         if common > 0:
             self.hits += 1
         else:
