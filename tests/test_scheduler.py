@@ -125,6 +125,7 @@ def test_rollback_beyond_the_engine_bound_falls_back_to_a_fresh_prefill(engine, 
     (out, f), = run(s, greedy(edited, 4))
     assert f.cached_tokens == 0 and s.pool.resets == 1  # truncate(20) was refused: re-prefilled from scratch
     assert f.reuse is not None and f.reuse.outcome == "reset" and "cannot roll back" in f.reuse.why
+    assert "the least recently used session was taken" in f.reuse.why and "that slot started again" in f.reuse.why
     assert f.reuse.discarded > bound
     (fresh, _), = run(make_scheduler(sessions=1), greedy(edited, 4))
     assert out == fresh

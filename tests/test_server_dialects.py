@@ -327,3 +327,52 @@ def test_claude_code_shaped_request_and_connectivity_check(server) -> None:  # n
     head = httpx.head(server.url + "/")
     got = httpx.get(server.url + "/")
     assert head.status_code == 200 and got.status_code == 200 and got.json()["name"] == "ds4station"
+
+
+# ---- namespace tools (Codex's multi_agent_v1) -------------------------------------------------------------
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for spawning and managing sub-agents.",
+          "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+                     "parameters": {"type": "object", "properties": {"target": {"type": "string"}},
+                                    "required": ["target"]}},
+                    {"type": "custom", "name": "note", "description": "Write a note."}]}
+
+
+def test_a_namespace_s_tools_are_functions_by_their_qualified_names() -> None:
+    req = S.ResponsesRequest.model_validate({"input": "x", "tools": [APPLY_PATCH, AGENTS, PARAMS_TOOL]})
+    turn = responses_turn(req)
+    names = [t["function"]["name"] for t in turn.tools]
+    assert names == ["multi_agent_v1.close_agent", "get_weather", "apply_patch", "multi_agent_v1.note"]
+    close = turn.tools[0]["function"]
+    assert close["description"] == "Tools for spawning and managing sub-agents.\n\nClose an agent."
+    assert "multi_agent_v1.close_agent" in _prompt(turn)
+    # a call the client replays with its namespace is rendered by the qualified name again
+    replay = responses_turn(S.ResponsesRequest.model_validate({"tools": [AGENTS], "input": [
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "c1", "name": "close_agent", "namespace": "multi_agent_v1",
+         "arguments": '{"target": "a1"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "closed"}]}))
+    assert replay.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.close_agent"
+    with pytest.raises(ValidationError, match="duplicate tool name 'multi_agent_v1.close_agent'"):
+        S.ResponsesRequest.model_validate({"input": "x", "tools": [AGENTS, AGENTS]})
+    assert "a namespace holds function and custom tools" in _refusal(S.ResponsesRequest, {"input": "x", "tools": [
+        {**AGENTS, "tools": [{"type": "web_search"}]}]})
+
+
+PARAMS_TOOL = {"type": "function", "name": "get_weather", "parameters": PARAMS}
+
+
+def test_a_namespaced_call_comes_back_with_its_namespace(server) -> None:
+    """Forced, the model calls a namespace's function: the SDK's function_call item carries the member's
+    name and the namespace apart, streamed or not, and replays as the same call."""
+    client = oai(server)
+    kw = dict(model="tiny", input="close a1", tools=[AGENTS], temperature=0, max_output_tokens=160,
+              reasoning={"effort": "none"}, tool_choice={"type": "function", "name": "multi_agent_v1.close_agent"})
+    first = client.responses.create(**kw)
+    (call,) = [o for o in first.output if o.type == "function_call"]
+    assert (call.name, call.namespace) == ("close_agent", "multi_agent_v1")
+    events = list(client.responses.create(**kw, stream=True))
+    (added,) = [e for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert (added.item.name, added.item.namespace) == ("close_agent", "multi_agent_v1")
+    replay = responses_turn(S.ResponsesRequest.model_validate({"tools": [AGENTS], "input": [
+        {"role": "user", "content": "close a1"}, call.model_dump(exclude_none=True)]}))
+    assert replay.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1.close_agent"

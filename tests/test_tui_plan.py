@@ -223,6 +223,7 @@ def test_client_snippets_are_valid_as_printed() -> None:
         "ANTHROPIC_MODEL": "DeepSeek-V4-Flash q2"}
     codex = tomllib.loads(s["Codex"])
     assert codex["model"] == "DeepSeek-V4-Flash q2" and codex["model_provider"] == "ds4"
+    assert codex["web_search"] == "disabled"  # Codex would send OpenAI's hosted web_search, which is refused
     assert codex["model_providers"]["ds4"] == {"name": "ds4station", "base_url": "http://127.0.0.1:8123/v1",
                                                "wire_api": "responses", "env_key": "DS4_API_KEY"}
     bare = client_snippets("http://h:1", "m", None)

@@ -334,6 +334,7 @@ class SessionPool:
         scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
         free = len(self.slots) < self.capacity
         chosen: tuple[int, LiveSession, str] | None = None
+        taken = False  # the chosen session is given up (not kept for a prompt that continues it)
         if scored:
             common, _, best = scored[0]
             discard = len(best.tokens) - common
@@ -345,10 +346,11 @@ class SessionPool:
                 chosen = (common, best, "a live session holds the whole prompt (a retry)")
             elif common > 0 and common >= discard:
                 chosen = (common, best, "an edit: the live session keeps at least as much as it rolls back")
-            elif not free:
+            elif not free:  # the least recently used session is given up for this prompt
                 lru = min(self.slots, key=lambda s: s.last_used)
                 chosen = (min(common_prefix(lru.tokens, prompt), limit), lru,
                           "no free slot: the least recently used session was taken")
+                taken = True
         if chosen is None:
             live = LiveSession(self.engine.new_session())
             self.slots.append(live)
@@ -360,16 +362,22 @@ class SessionPool:
         if discarded > 0 and not live.session.truncate(common):  # its state is unchanged: it may be kept
             self.resets += 1
             others = [s for s in self.slots if s is not live]
-            if len(self.slots) < self.capacity:  # the session stays for a prompt that continues it
+            victim: LiveSession | None
+            if taken:  # given up for this prompt anyway
+                victim, kept = live, "that slot started again"
+            elif len(self.slots) < self.capacity:  # kept for a prompt that continues it
+                victim, kept = None, "the live session kept, a free slot used"
+            elif others:  # likewise, at the cost of the least recently used other one
+                victim = min(others, key=lambda s: s.last_used)
+                kept = "the live session kept, the least recently used other one replaced"
+            else:
+                victim, kept = live, "its only slot started again"
+            if victim is None:
                 live = LiveSession(self.engine.new_session())
                 self.slots.append(live)
-                kept = "the live session kept, a free slot used"
-            else:  # likewise, at the cost of the least recently used other one (or of the only slot)
-                old = min(others, key=lambda s: s.last_used) if others else live
-                old.session.close()  # give its KV back before taking a new one
-                live = self.slots[self.slots.index(old)] = LiveSession(self.engine.new_session())
-                kept = "the live session kept, the least recently used other one replaced" if others else \
-                    "its only slot started again"
+            else:
+                victim.session.close()  # give its KV back before taking a new one
+                live = self.slots[self.slots.index(victim)] = LiveSession(self.engine.new_session())
             outcome, why, common = "reset", f"{why}, but it cannot roll back {discarded} tokens: prefilled from " \
                 f"scratch ({kept})", 0
         if common > 0:

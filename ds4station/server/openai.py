@@ -285,6 +285,21 @@ def custom_tool_function(tool: S.RespCustomTool) -> dict[str, Any]:
                                              "parameters": parameters}}
 
 
+def model_function(namespace: S.RespNamespaceTool | None, tool: S.RespTool) -> dict[str, Any]:
+    """A Responses tool as the function the model sees; a namespace member by its qualified name, the
+    namespace's description before its own."""
+    if isinstance(tool, S.RespCustomTool):
+        fn = custom_tool_function(tool)
+    else:
+        fn = {"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type"})}
+    if namespace is not None:
+        f = fn["function"]
+        f["name"] = S.qualified(namespace.name, tool.name)
+        if namespace.description:
+            f["description"] = f"{namespace.description}\n\n{f.get('description') or ''}".strip()
+    return fn
+
+
 def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
     """Responses input items -> chat messages. Consecutive assistant output (reasoning, message, function
     and custom tool calls) forms one assistant turn, as the model produced it; function_call_output and
@@ -328,8 +343,9 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
                 else:
                     call = S.RespCustomToolCall.model_validate(raw)
                     arguments = json.dumps({"input": call.input}, ensure_ascii=False)
+                name = S.qualified(call.namespace, call.name)
                 open_assistant().setdefault("tool_calls", []).append(
-                    {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": arguments}})
+                    {"id": call.call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
             elif kind in ("function_call_output", "custom_tool_call_output"):
                 model = S.RespFunctionOutput if kind == "function_call_output" else S.RespCustomToolOutput
                 out = model.model_validate(raw)
@@ -342,8 +358,9 @@ def responses_turn(req: S.ResponsesRequest) -> ChatTurn:
             loc, msg, _ = first_problem(e)
             raise ApiError(400, f"{where}.{loc}: {msg}" if loc else f"{where}: {msg}", code="invalid_request",
                            param=f"{where}.{loc}" if loc else where) from e
-    tools = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-             for t in req.function_tools()] + [custom_tool_function(t) for t in req.custom_tools()]
+    flat = req.flat_tools()
+    tools = [model_function(ns, t) for ns, t in flat if isinstance(t, S.RespFunctionTool)] + \
+        [model_function(ns, t) for ns, t in flat if isinstance(t, S.RespCustomTool)]
     choice, forced = "auto", None
     if isinstance(req.tool_choice, S.RespNamedTool):
         choice, forced = "function", req.tool_choice.name
@@ -438,7 +455,10 @@ class _ResponseBuilder:
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.calls: dict[int, dict[str, Any]] = {}  # parser call index -> function_call / custom_tool_call item
         self.inputs: dict[int, _FreeformInput] = {}  # parser call index -> a custom call's input decoder
-        self.custom = {t.name for t in req.custom_tools()}
+        flat = req.flat_tools()
+        self.custom = {S.qualified(ns.name if ns else None, t.name) for ns, t in flat
+                       if isinstance(t, S.RespCustomTool)}
+        self.spaces = {S.qualified(ns.name, t.name): (ns.name, t.name) for ns, t in flat if ns is not None}
 
     def response(self, status: str, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         tools = [t.model_dump(exclude_none=True) for t in self.req.declared_tools()]
@@ -522,13 +542,16 @@ class _ResponseBuilder:
                                      **extra)]
         if isinstance(ev, chat.ToolCallStart):
             out = self._close_open()
+            namespace, name = self.spaces.get(ev.name, (None, ev.name))
             if ev.name in self.custom:
                 item = {"type": "custom_tool_call", "id": "ctc_" + secrets.token_hex(12), "call_id": ev.id,
-                        "name": ev.name, "input": "", "status": "in_progress"}
+                        "name": name, "input": "", "status": "in_progress"}
                 self.inputs[ev.index] = _FreeformInput()
             else:
                 item = {"type": "function_call", "id": "fc_" + secrets.token_hex(12), "call_id": ev.id,
-                        "name": ev.name, "arguments": "", "status": "in_progress"}
+                        "name": name, "arguments": "", "status": "in_progress"}
+            if namespace is not None:
+                item["namespace"] = namespace
             self.output.append(item)
             self.calls[ev.index] = item
             self.open = item

@@ -392,7 +392,36 @@ class RespNamedTool(Strict):
     name: str
 
 
-_RESP_TOOLS: dict[str, type[BaseModel]] = {"function": RespFunctionTool, "custom": RespCustomTool}
+_RESP_MEMBERS: dict[str, type[BaseModel]] = {"function": RespFunctionTool, "custom": RespCustomTool}
+
+
+class RespNamespaceTool(Strict):
+    """Function and custom tools grouped under a name (Codex's multi_agent_v1). The model sees each member as
+    `NAMESPACE.NAME`; its calls come back with the member's `name` and the `namespace` apart, and calls the
+    client replays with a `namespace` are rendered by that qualified name again."""
+
+    type: Literal["namespace"]
+    name: str
+    description: str | None = None
+    tools: list[dict[str, Any]]
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_tool_name(v)
+
+    def members(self) -> list[RespFunctionTool | RespCustomTool]:
+        out = []
+        for i, t in enumerate(self.tools):
+            kind = t.get("type")
+            if kind not in _RESP_MEMBERS:
+                raise located(f"tools.{i}.type", f"{kind!r}: a namespace holds function and custom tools")
+            out.append(_RESP_MEMBERS[kind].model_validate(t))
+        return out  # type: ignore[return-value]
+
+
+_RESP_TOOLS: dict[str, type[BaseModel]] = {**_RESP_MEMBERS, "namespace": RespNamespaceTool}
+RespTool = RespFunctionTool | RespCustomTool
 RespTextKind = Literal["input_text", "output_text", "text", "summary_text", "reasoning_text", "refusal"]
 RESP_TEXT_PARTS: tuple[str, ...] = get_args(RespTextKind)
 
@@ -415,15 +444,16 @@ class ResponsesRequest(Strict):
     store: bool | None = None
     metadata: dict[str, Any] | None = None
 
-    def declared_tools(self) -> list[RespFunctionTool | RespCustomTool]:
+    def declared_tools(self) -> list[RespFunctionTool | RespCustomTool | RespNamespaceTool]:
         """The tools, validated (by _check), in the order given."""
         return [_RESP_TOOLS[t["type"]].model_validate(t) for t in self.tools or []]  # type: ignore[misc]
 
-    def function_tools(self) -> list[RespFunctionTool]:
-        return [t for t in self.declared_tools() if isinstance(t, RespFunctionTool)]
-
-    def custom_tools(self) -> list[RespCustomTool]:
-        return [t for t in self.declared_tools() if isinstance(t, RespCustomTool)]
+    def flat_tools(self) -> list[tuple[RespNamespaceTool | None, RespTool]]:
+        """Every function and custom tool with the namespace it is in (None at the top level), in order."""
+        out: list[tuple[RespNamespaceTool | None, RespTool]] = []
+        for t in self.declared_tools():
+            out += [(t, m) for m in t.members()] if isinstance(t, RespNamespaceTool) else [(None, t)]
+        return out
 
     @model_validator(mode="before")
     @classmethod
@@ -443,10 +473,12 @@ class ResponsesRequest(Strict):
                 raise located(f"tools.{i}.type", "must be a string")
             if kind not in _RESP_TOOLS:
                 raise located(f"tools.{i}", f"{kind!r} is a tool OpenAI runs on its own servers, which this "
-                                            "server cannot do: remove it from tools (function and custom "
-                                            "tools are supported)")
+                                            "server cannot do: remove it from tools (function, custom and "
+                                            "namespace tools are supported)")
             try:
-                names.append(_RESP_TOOLS[kind].model_validate(t).name)  # type: ignore[attr-defined]
+                tool = _RESP_TOOLS[kind].model_validate(t)
+                names += [qualified(tool.name, m.name) for m in tool.members()] \
+                    if isinstance(tool, RespNamespaceTool) else [tool.name]  # type: ignore[attr-defined]
             except ValidationError as e:
                 raise validation_problem(e, f"tools.{i}") from e
         _unique_names(names, "tools")
@@ -474,11 +506,17 @@ class RespMessage(Strict):
         return "".join(p.text or p.refusal or "" for p in self.content)
 
 
+def qualified(namespace: str | None, name: str) -> str:
+    """A namespaced tool's name as the model sees it."""
+    return f"{namespace}.{name}" if namespace else name
+
+
 class RespFunctionCall(Strict):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
 
 
 class RespFunctionOutput(Strict):
@@ -497,6 +535,7 @@ class RespCustomToolCall(Strict):
     call_id: str
     name: str
     input: str
+    namespace: str | None = None
 
 
 class RespCustomToolOutput(RespFunctionOutput):

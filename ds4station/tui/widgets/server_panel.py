@@ -26,7 +26,8 @@ CLIENTS = {"1": ("opencode", "opencode.json", "json"), "2": ("Claude Code", "cla
 def client_snippets(base_url: str, model: str, api_key: str | None) -> dict[str, str]:
     """Copy-paste settings, each valid as printed (tests parse them): opencode's config (JSON, an
     OpenAI-compatible provider), the shell line that starts Claude Code on the Anthropic API, and Codex's
-    ~/.codex/config.toml (the Responses API; the key read from DS4_API_KEY)."""
+    ~/.codex/config.toml (the Responses API, web search off: the server refuses OpenAI's hosted tools by
+    name; the key read from DS4_API_KEY)."""
     import json
     import shlex
 
@@ -38,7 +39,9 @@ def client_snippets(base_url: str, model: str, api_key: str | None) -> dict[str,
                                      "models": {model: {"name": model}}}}}
     env = {"ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_AUTH_TOKEN": api_key or "none", "ANTHROPIC_MODEL": model}
     claude = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " claude"
-    codex = [f"model = {json.dumps(model)}", 'model_provider = "ds4"', "", "[model_providers.ds4]",
+    codex = [f"model = {json.dumps(model)}", 'model_provider = "ds4"',
+             'web_search = "disabled"  # a tool OpenAI runs on its own servers: this server has none', "",
+             "[model_providers.ds4]",
              'name = "ds4station"', f"base_url = {json.dumps(base_url + '/v1')}", 'wire_api = "responses"']
     if api_key:
         codex.append('env_key = "DS4_API_KEY"  # export DS4_API_KEY=<the key> before `codex`')
