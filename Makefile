@@ -18,7 +18,11 @@ $(BIN)/ds4station: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
-.PHONY: setup run test lint clean
+# The real coding agents the tests drive (tests/agents/package.json pins them), from the npm registry into
+# .agents/; Node from the distribution's packages when the machine has none.
+AGENTS ?= .agents
+
+.PHONY: setup run test lint clean agents
 setup: $(BIN)/ds4station
 
 run: setup
@@ -30,6 +34,12 @@ test: setup
 
 lint: setup
 	$(BIN)/ruff check ds4station tests
+
+agents:
+	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
+	mkdir -p $(AGENTS)
+	cp tests/agents/package.json $(AGENTS)/package.json
+	npm install --prefix $(AGENTS) --no-audit --no-fund --loglevel=error
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

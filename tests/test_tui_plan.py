@@ -243,3 +243,14 @@ def test_the_plan_names_cards_as_the_gpu_panel_numbers_them(flash_editor_budgets
     # number (the GPU panel's #), name, short bus id, and the display mark on the desktop card
     assert "0 AMD Instinct MI50/MI60 (Vega 20) 03:00.0" in text and "1 AMD Radeon VII 06:00.0 ◆" in text
     assert "2 09:00.0: only 0.73 GiB available" in text  # left out, and why (by number and bus id)
+
+
+def test_the_readme_s_client_setups_are_the_panel_s_snippets() -> None:
+    """README's Claude Code / Codex / opencode setups are client_snippets' output (the settings tests/agents runs
+    the real clients with) for serve's default address and the demo model, verbatim."""
+    from ds4station.tui.widgets.server_panel import client_snippets
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    s = client_snippets("http://127.0.0.1:8000", "demo-q2-v2", None)
+    assert f"```sh\n{s['Claude Code']} -p \"Say hello.\"\n```" in readme
+    assert f"```toml\n{s['Codex']}\n```" in readme and f"```json\n{s['opencode']}\n```" in readme
