@@ -98,7 +98,7 @@ def bar(fraction: float, width: int) -> str:
     return ("█" * full + partial).ljust(width)[:width]
 
 
-def _num(v: object) -> float | None:
+def number(v: object) -> float | None:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
@@ -121,13 +121,13 @@ class CardHistory:
         return self.throttled_samples > 0
 
     def add(self, s: Sample) -> None:
-        clock, top = _num(s.clock_sm), _num(s.clock_sm_max)
+        clock, top = number(s.clock_sm), number(s.clock_sm_max)
         self.clock_ratio.append(clock / top if clock is not None and top else None)
-        temps = [t for t in (_num(s.temp_junction), _num(s.temp_edge), _num(s.temp_memory)) if t is not None]
+        temps = [t for t in (number(s.temp_junction), number(s.temp_edge), number(s.temp_memory)) if t is not None]
         self.temperature.append(max(temps) if temps else None)
         self.clock.append((s.timestamp, clock))
         self.heat.append((s.timestamp, self.temperature[-1]))
-        self.power.append((s.timestamp, _num(s.power)))
+        self.power.append((s.timestamp, number(s.power)))
         if s.throttled is True:
             self.throttled_samples += 1
             for r in s.throttle_reasons:
@@ -187,16 +187,16 @@ class Throughput:
         if status is None:
             return
         running = status.get("running") or {}
-        rate = _num(running.get("tokens_per_second"))
+        rate = number(running.get("tokens_per_second"))
         if running and rate is not None:
             decoding = running.get("phase") == "decode"
             self.decode.append((now, rate if decoding else 0.0))
             self.prefill.append((now, 0.0 if decoding else rate))
             return
-        for r in sorted(finished, key=lambda r: _num(r.get("finished_at")) or now):
-            t = min(_num(r.get("finished_at")) or now, now)
-            self.prefill.append((t, _num(r.get("prompt_per_second"))))
-            self.decode.append((t, _num(r.get("predicted_per_second"))))
+        for r in sorted(finished, key=lambda r: number(r.get("finished_at")) or now):
+            t = min(number(r.get("finished_at")) or now, now)
+            self.prefill.append((t, number(r.get("prompt_per_second"))))
+            self.decode.append((t, number(r.get("predicted_per_second"))))
         if not finished:
             self.decode.append((now, 0.0))
             self.prefill.append((now, 0.0))

@@ -14,7 +14,7 @@ from textual.widgets import Static
 
 from ds4station.model.sizes import gib
 
-from ..telemetry import SPAN_S, GpuReading, Point, Throughput, _num, bar, card_name, chart, time_axis
+from ..telemetry import SPAN_S, GpuReading, Point, Throughput, bar, card_name, chart, number, time_axis
 
 
 def _hit_rate(cache: dict[str, Any]) -> float | None:
@@ -76,8 +76,8 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
         parts.append(Text.assemble(("card    ", "bold"), card_name(g.name, g.pci_bus_id, desktop, g.index),
                                    (" (drives the display)" if desktop else "", "dim")))
         parts += _plot("temp", "°C", h.heat, now, plot_w, card_rows, "magenta", lo=30.0, hi=110.0)
-        parts += _plot("clock", "MHz", h.clock, now, plot_w, card_rows, "cyan", hi=_num(s.clock_sm_max))
-        parts += _plot("power", "W", h.power, now, plot_w, card_rows, "yellow", hi=_num(s.power_cap))
+        parts += _plot("clock", "MHz", h.clock, now, plot_w, card_rows, "cyan", hi=number(s.clock_sm_max))
+        parts += _plot("power", "W", h.power, now, plot_w, card_rows, "yellow", hi=number(s.power_cap))
         parts.append(_axis(plot_w))
     ttft = [r.get("ttft_ms") for r in requests[-5:] if isinstance(r.get("ttft_ms"), (int, float))]
     parts.append(Text.assemble(("TTFT    ", "bold"), ", ".join(f"{t:.0f}" for t in ttft) + " ms" if ttft else "–",
