@@ -140,6 +140,23 @@ def test_truncate_rolls_every_stage_back(pipe, reference) -> None:
     assert len(session.tokens) == keep + 2
 
 
+def test_rewind_brings_every_stage_back_to_the_prompt_checkpoint(pipe, reference) -> None:
+    """Beyond what truncate can reach, every stage goes back to the checkpoint taken at the prompt's end and
+    then gives exactly the reference's steps from there; a truncate below the checkpoint drops it."""
+    session = pipe.new_session()
+    session.extend(PROMPT)
+    session.checkpoint()
+    token = reference[0][0]
+    for _ in range(3 * CHUNK):  # further than the rings' slack
+        token = int(session.extend([token]).argmax())
+    p = len(PROMPT)
+    assert not session.truncate(p + 1)
+    assert session.rewind(p + 1) == p and len(session.tokens) == p
+    assert torch.equal(session.extend([reference[0][0]]), reference[1][1])  # the first answer step again
+    assert torch.equal(session.extend([reference[0][1]]), reference[1][2])
+    assert session.truncate(p - 1) and session.rewind(p) == -1  # the checkpoint went with its prefix
+
+
 def test_a_silent_worker_is_reported_down_by_its_missing_heartbeat(pipe) -> None:
     """A stopped (hung) worker: no exit, no broken connection, only missing heartbeats. This takes the shared
     3-stage pipeline down, so it is the last test to use `pipe`."""

@@ -164,6 +164,36 @@ def test_a_session_that_cannot_roll_back_is_kept_for_the_prompt_that_continues_i
         small.close()
 
 
+def test_the_next_turn_reuses_the_whole_prompt_after_an_answer_beyond_the_rollback(tmp_path: Path) -> None:
+    """Turn 1's answer runs further than the rollback reaches; the client sends turn 2 with that answer
+    changed (its reasoning dropped, say): the session goes back to its prompt checkpoint and turn 2 reuses
+    all of turn 1's prompt, and its tokens are the ones a fresh prefill gives."""
+    from ds4station.engine.engine import Engine
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    path = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
+    small = Engine.load(path, ctx=CTX, device="cpu", sessions=2, rollback=64, chunk=64)
+    try:
+        turn1 = prompt(small, DEMO_CORPUS[:600])
+        s = _scheduler(small, sessions=1)
+        try:
+            run(s, greedy(turn1, 150))  # 150 tokens of answer: more than the 64 the rings can roll back
+            turn2 = turn1 + small.tokenizer.encode(" the answer, shortened by the client. And next?")
+            (out, f), = run(s, greedy(turn2, 4))
+            assert f.reuse is not None and f.reuse.outcome == "hit" and "prompt checkpoint" in f.reuse.why
+            assert f.cached_tokens == len(turn1) and s.pool.resets == 0
+        finally:
+            s.stop()
+        fresh = _scheduler(small, sessions=1)
+        try:
+            (want, f0), = run(fresh, greedy(turn2, 4))
+            assert f0.cached_tokens == 0 and out == want
+        finally:
+            fresh.stop()
+    finally:
+        small.close()
+
+
 def test_reused_prefix_gives_the_same_output_as_a_fresh_prefill(engine, make_scheduler) -> None:
     p1 = prompt(engine, "Hello, world! How are you today?")
     p2 = p1 + engine.tokenizer.encode(" I am fine, thank you.")

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk", type=token_count, default=None, metavar="N",
                    help="tokens per prefill step (default: 2048 on a GPU, 256 on the CPU)")
     p.add_argument("--rollback", type=token_count, default=None, metavar="N",
-                   help=f"tokens a live session can roll back for prefix reuse (default {_FOOTPRINT.rollback})")
+                   help=f"tokens a live session can roll back in place for prefix reuse (default "
+                        f"{_FOOTPRINT.rollback}); further back, to the end of its last prompt, it always can")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
     p.add_argument("--device", default="auto",

@@ -64,9 +64,11 @@ from .stage import (
     FLAG_RESULT,
     HEADER_LEN,
     KV_DTYPES,
+    OP_CHECKPOINT,
     OP_EXTEND,
     OP_FREE,
     OP_NEW,
+    OP_REWIND,
     OP_SHUTDOWN,
     OP_STATUS,
     OP_TRUNCATE,
@@ -164,6 +166,18 @@ class Session:
             return False
         del self.tokens[n:]
         return True
+
+    def checkpoint(self) -> None:
+        """Keep the KV state of the current position, so that `rewind` can come back to it from any later one."""
+        self.engine._checkpoint(self)
+
+    def rewind(self, n: int) -> int:
+        """Roll back to at most n tokens: n itself when `truncate` can, else the checkpoint when it lies at or
+        before n. -> the tokens kept, or -1 (state unchanged) when neither can."""
+        k = self.engine._rewind(self, n)
+        if k >= 0:
+            del self.tokens[k:]
+        return k
 
     def kv_bytes(self) -> int:
         """KV bytes of this session over all stages (each stage allocates the formula for its layers)."""
@@ -523,6 +537,24 @@ class Engine:
                 return False
             self._broadcast(header(OP_TRUNCATE, session.sid, arg=n))
             return True
+
+    def _checkpoint(self, session: Session) -> None:
+        assert self.runner is not None
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            self.runner.checkpoint(session.sid)
+            self._broadcast(header(OP_CHECKPOINT, session.sid))
+
+    def _rewind(self, session: Session, n: int) -> int:
+        assert self.runner is not None
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            k = self.runner.rewind(session.sid, n)  # every stage's cache agrees: stage 0 decides for all
+            if k >= 0:
+                self._broadcast(header(OP_REWIND, session.sid, arg=k))
+            return k
 
     # ---- reporting ---------------------------------------------------------------------------------
     def stage_stats(self, refresh: bool = True) -> list[dict[str, Any]]:

@@ -9,6 +9,11 @@ Rings are larger than the model strictly needs, by `slack = max(chunk, rollback)
 - a prefill chunk of up to `chunk` tokens writes all its rows into the ring before attending to it;
 - `truncate(n)` can roll the sequence back by up to `slack` tokens (live-KV prefix reuse in the server),
   because the raw rows and frontier projections that position n needs are still in the rings.
+Further back, a *checkpoint* serves: `checkpoint()` copies what the rings hold for the current position (the
+last `window` raw rows and the frontier rows of the blocks still open), and `rewind(n)` goes back to it from
+any later position, however far; the server takes one at the end of every prompt, so the next turn of the
+conversation reuses the whole earlier prompt whatever the answer after it was (reasoning dropped by the
+client, an edited answer). Compressed rows and indexer keys are kept per block for the whole context.
 
 Sizes follow model/footprint.py's `kv_bytes`, the one formula the planner and the engine use;
 `KVCache.nbytes()` equals it (tested).
@@ -59,6 +64,15 @@ class Frontier:
     def nbytes(self) -> int:
         return self.kv.nbytes + self.score.nbytes
 
+    def save(self, pos: torch.Tensor, into: Frontier) -> None:
+        """Copy the entries of positions `pos` (all >= 0) into rows 0.. of `into` (a checkpoint)."""
+        slots = pos % self.rows
+        into.kv[: len(pos)] = self.kv[slots]
+        into.score[: len(pos)] = self.score[slots]
+
+    def restore(self, pos: torch.Tensor, saved: Frontier) -> None:
+        self.write(pos, saved.kv[: len(pos)], saved.score[: len(pos)])
+
 
 @dataclass
 class LayerKV:
@@ -69,6 +83,10 @@ class LayerKV:
     comp_frontier: Frontier | None = None
     index_keys: torch.Tensor | None = None  # [ceil(ctx / 4), index_dim]
     index_frontier: Frontier | None = None
+    # the checkpoint (KVCache.checkpoint): the last `window` raw rows and the frontiers' open-block rows
+    saved_raw: torch.Tensor | None = None
+    saved_comp: Frontier | None = None
+    saved_index: Frontier | None = None
 
     def write_raw(self, pos: torch.Tensor, rows: torch.Tensor) -> None:
         self.raw[pos % self.raw.shape[0]] = rows.to(self.raw.dtype)
@@ -79,9 +97,9 @@ class LayerKV:
 
     def nbytes(self) -> int:
         n = self.raw.nbytes
-        for t in (self.comp, self.index_keys):
+        for t in (self.comp, self.index_keys, self.saved_raw):
             n += 0 if t is None else t.nbytes
-        for f in (self.comp_frontier, self.index_frontier):
+        for f in (self.comp_frontier, self.index_frontier, self.saved_comp, self.saved_index):
             n += 0 if f is None else f.nbytes()
         return n
 
@@ -103,14 +121,18 @@ class KVCache:
         self.layers: dict[int, LayerKV] = {}
         for i in self.layer_range:
             r = cfg.ratio(i)
-            kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device))
+            kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device),
+                         saved_raw=torch.zeros(cfg.window, cfg.head_dim, dtype=dtype, device=device))
             if r:
                 kv.comp = torch.zeros(math.ceil(ctx / r), cfg.head_dim, dtype=dtype, device=device)
                 kv.comp_frontier = Frontier(frontier_rows(r, self.slack), cfg.compressor_width(i), device)
+                kv.saved_comp = Frontier(frontier_rows(r, 0), cfg.compressor_width(i), device)
             if cfg.has_indexer(i):
                 kv.index_keys = torch.zeros(math.ceil(ctx / 4), cfg.index_dim, dtype=dtype, device=device)
                 kv.index_frontier = Frontier(frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
+                kv.saved_index = Frontier(frontier_rows(4, 0), 2 * cfg.index_dim, device)
             self.layers[i] = kv
+        self.saved_at: int | None = None  # the checkpoint's position, None: none taken (or no longer valid)
 
     def __getitem__(self, layer: int) -> LayerKV:
         return self.layers[layer]
@@ -145,7 +167,46 @@ class KVCache:
         # Compressed rows of blocks that closed after n, frontier and ring entries at positions >= n are
         # simply overwritten later: every read is bounded by `length`.
         self.length = n
+        if self.saved_at is not None and self.saved_at > n:
+            self.saved_at = None  # it held a prefix the sequence no longer has
         return True
+
+    def checkpoint(self) -> None:
+        """Keep what the current position needs, for `rewind` (one checkpoint: it replaces the last)."""
+        c = self.length
+        for i, kv in self.layers.items():
+            assert kv.saved_raw is not None
+            raw = self._positions(c, self.cfg.window, kv.raw.device)
+            kv.saved_raw[: len(raw)] = kv.raw[raw % kv.raw.shape[0]]
+            for ring, saved, r in ((kv.comp_frontier, kv.saved_comp, self.cfg.ratio(i)),
+                                   (kv.index_frontier, kv.saved_index, 4)):
+                if ring is not None and saved is not None:
+                    ring.save(self._positions(c, frontier_rows(r, 0), kv.raw.device), saved)
+        self.saved_at = c
+
+    def rewind(self, n: int) -> int:
+        """Roll back to at most `n` positions: to n itself when `truncate` can, else to the checkpoint when it
+        is at or before n (its rows restored). -> the new length, or -1 (cache unchanged) when neither can."""
+        if self.truncate(n):
+            return n
+        c = self.saved_at
+        if c is None or c > n or c > self.length:
+            return -1
+        for i, kv in self.layers.items():
+            assert kv.saved_raw is not None
+            raw = self._positions(c, self.cfg.window, kv.raw.device)
+            kv.raw[raw % kv.raw.shape[0]] = kv.saved_raw[: len(raw)]
+            for ring, saved, r in ((kv.comp_frontier, kv.saved_comp, self.cfg.ratio(i)),
+                                   (kv.index_frontier, kv.saved_index, 4)):
+                if ring is not None and saved is not None:
+                    ring.restore(self._positions(c, frontier_rows(r, 0), kv.raw.device), saved)
+        # the rings hold position c's state again; what any later position wrote is overwritten before it is read
+        self.length = self.written = c
+        return c
+
+    @staticmethod
+    def _positions(c: int, span: int, device: torch.device) -> torch.Tensor:
+        return torch.arange(max(c - span, 0), c, device=device)
 
     def advance(self, n: int, written: int | None = None) -> None:
         """After a step: n more positions hold the sequence; rows were written up to `written` (default
@@ -155,3 +216,4 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = self.written = 0
+        self.saved_at = None

@@ -65,6 +65,13 @@ class EngineSession(Protocol):
     def truncate(self, n: int) -> bool:
         """Keep only the first n tokens; False when the state cannot roll back that far."""
 
+    def checkpoint(self) -> None:
+        """Keep the state of the current position for `rewind`."""
+
+    def rewind(self, n: int) -> int:
+        """Roll back to n tokens, or else to the checkpoint when it is at or before n: -> the tokens kept,
+        -1 (unchanged) when neither can be done."""
+
     def kv_bytes(self) -> int: ...
 
     def close(self) -> None:
@@ -311,7 +318,10 @@ class SessionPool:
       conversation). An unrelated prompt (say another agent sharing only the system prompt) takes a free
       slot instead, so it never destroys another agent's session while a slot is free; with no slot free
       it takes the least recently used one.
-    - When the chosen session cannot roll back that far (`truncate` False: its state is unchanged), it is
+    - Further back than the rollback allows, a session whose prompt checkpoint (taken at the end of every
+      prompt) lies within the shared prefix goes back to it: the next turn of a conversation reuses the
+      whole earlier prompt whatever came after it (the client dropped the reasoning, edited the answer).
+    - When the chosen session cannot roll back that far (`rewind` -1: its state is unchanged), it is
       kept as it is, for a later prompt that continues it (an agent's main conversation, when a side request
       edited it further back than the rollback allows), and the prompt is prefilled from scratch in a free
       slot, else in the least recently used other one; with a single slot, that slot starts again.
@@ -358,8 +368,14 @@ class SessionPool:
             chosen = (0, live, why)
         common, live, why = chosen
         discarded = len(live.tokens) - common
+        kept_to = live.session.rewind(common) if discarded > 0 else common
+        reach = max(getattr(self.engine, "chunk", 0), getattr(self.engine, "rollback", 0))  # what truncate reaches
+        if kept_to >= 0 and discarded > reach:  # beyond the rollback: the session's prompt checkpoint served
+            why = f"{why}; {discarded} tokens back is beyond the rollback: from its prompt checkpoint at {kept_to}"
+            discarded += common - kept_to
+            common = kept_to
         outcome = "hit" if common > 0 else "miss"
-        if discarded > 0 and not live.session.truncate(common):  # its state is unchanged: it may be kept
+        if kept_to < 0:  # its state is unchanged: it may be kept
             self.resets += 1
             others = [s for s in self.slots if s is not live]
             victim: LiveSession | None
@@ -832,6 +848,8 @@ class Scheduler:
         t_prompt = time.monotonic()
         timings.prompt_ms = (t_prompt - started) * 1000
         self._running["phase"], self._running["t_decode"] = "decode", t_prompt
+        # the prompt's end: the next turn comes back here however far beyond --rollback this answer runs
+        session.checkpoint()
 
         # ---- decode
         detok = self._make_detok(self.engine)
@@ -947,7 +965,7 @@ class Scheduler:
         keep = prompt_len + same
         if self.ctx is not None and prompt_len + len(canon) > self.ctx:
             return
-        if len(session.tokens) > keep and not session.truncate(keep):
+        if len(session.tokens) > keep and session.rewind(keep) < 0:
             return  # cannot roll back that far; the next turn re-prefills from the divergence
         rest = canon[len(session.tokens) - prompt_len:]
         if rest:

@@ -56,7 +56,7 @@ from .kv import KVCache
 from .model import DS4Model, RoundTrips
 
 # ---- wire protocol -----------------------------------------------------------------------------------
-OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN = 1, 2, 3, 4, 5, 6
+OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND = 1, 2, 3, 4, 5, 6, 7, 8
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 HEADER_LEN = 8
 ACTIVATION_BITS = (16, 32)
@@ -350,6 +350,12 @@ class StageRunner:
     def truncate(self, sid: int, n: int) -> bool:
         return self.kv[sid].truncate(n)
 
+    def checkpoint(self, sid: int) -> None:
+        self.kv[sid].checkpoint()
+
+    def rewind(self, sid: int, n: int) -> int:
+        return self.kv[sid].rewind(n)
+
     # ---- compute -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, sid: int, tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
@@ -633,7 +639,12 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
         elif op == OP_TRUNCATE:
             if not runner.truncate(sid, arg):
                 raise RuntimeError(f"session {sid}: cannot roll back to {arg} tokens (the coordinator could)")
-        if op in (OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS):
+        elif op == OP_CHECKPOINT:
+            runner.checkpoint(sid)
+        elif op == OP_REWIND:  # arg: where the coordinator's cache went back to (every stage's is the same)
+            if runner.rewind(sid, arg) != arg:
+                raise RuntimeError(f"session {sid}: cannot rewind to {arg} tokens (the coordinator could)")
+        if op in (OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_CHECKPOINT, OP_REWIND):
             publish()
         if not last:
             link.send(hdr, nxt)

@@ -100,13 +100,14 @@ def layer_kv_bytes(cfg: ModelConfig, layer: int, ctx: int, dtype: str = "f32", *
     b = KV_DTYPE_BYTES[dtype]
     slack = kv_slack(chunk, rollback)
     r = cfg.ratio(layer)
-    n = (cfg.window + slack) * cfg.head_dim * b  # raw ring
+    n = (2 * cfg.window + slack) * cfg.head_dim * b  # raw ring, and its last `window` rows in the checkpoint
     if r:
         n += _cdiv(ctx, r) * cfg.head_dim * b  # compressed rows
-        n += 2 * frontier_rows(r, slack) * cfg.compressor_width(layer) * FRONTIER_BYTES  # kv + score, fp32
+        # the frontier ring (kv + score, fp32) and its open-block rows in the checkpoint
+        n += 2 * (frontier_rows(r, slack) + frontier_rows(r, 0)) * cfg.compressor_width(layer) * FRONTIER_BYTES
     if cfg.has_indexer(layer):
         n += _cdiv(ctx, 4) * cfg.index_dim * b  # indexer keys
-        n += 2 * frontier_rows(4, slack) * 2 * cfg.index_dim * FRONTIER_BYTES
+        n += 2 * (frontier_rows(4, slack) + frontier_rows(4, 0)) * 2 * cfg.index_dim * FRONTIER_BYTES
     return n
 
 
