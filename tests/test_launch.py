@@ -83,7 +83,8 @@ def test_plan_out_then_serve_plan_serves_exactly_that(model_path: Path, tmp_path
     try:
         assert srv.wait_ready(60)
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused")
-        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           temperature=0)  # greedy: the same 3 tokens every run
         assert r.usage.completion_tokens == 3
         st = httpx.get(srv.url + "/status").json()
         assert st["model"]["ctx"] == launch.ctx and st["sessions"]["capacity"] == 3

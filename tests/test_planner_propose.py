@@ -64,7 +64,7 @@ def test_host1_context_is_the_longest_that_keeps_the_margin_resident() -> None:
     settings = load_preset("context")
     assert settings.spare_target == 512 * MiB
     plan = propose(FLASH_Q2, devices, settings, host_ram=ram)
-    assert not plan.streaming and plan.ctx == 546_816
+    assert not plan.streaming and plan.ctx == 544_768
     assert plan.layer_counts == [14, 5, 6, 6, 6, 6]
     assert plan.stages[0].stage.embed and plan.stages[0].stage.output
     assert_fits(plan)
@@ -296,7 +296,7 @@ def test_plan_command_json(capsys: pytest.CaptureFixture[str]) -> None:
                            "--host-ram", "96GiB", "--preset", "context", "--json")
     assert rc == 0
     d = json.loads(out)
-    assert d["preset"] == "context" and d["ctx"] == 546_816
+    assert d["preset"] == "context" and d["ctx"] == 544_768
     assert parse_route(d["route"], 43).stages[0].last_layer == 13
     assert (d["sessions"], d["prefill_chunk"], d["rollback"], d["kv_dtype"]) == (1, 1024, 1024, "f32")
     keys = {"device", "first_layer", "last_layer", "embed", "output", "weights_bytes", "kv_bytes",

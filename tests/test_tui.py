@@ -160,7 +160,7 @@ def test_plan_screen_edits_the_route_context_and_preset() -> None:
             await pilot.press("left_square_bracket")  # stage 0 gives a layer (~1.8 GiB) to stage 1
             assert ed.edited and ed.plan.stages[0].stage.last_layer == first_cut - 1  # type: ignore[union-attr]
             shown = text_of(route)
-            assert "(edited)" in shown and "✗ stage 1" in shown and "short by 0.32 GiB" in shown  # explained
+            assert "(edited)" in shown and "✗ stage 1" in shown and "short by 0.33 GiB" in shown  # explained
             await pilot.press("right_square_bracket")  # and takes it back: fits again
             assert ed.fits and ed.plan.stages[0].stage.last_layer == first_cut  # type: ignore[union-attr]
             assert "✓ fits" in text_of(route)
