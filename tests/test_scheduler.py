@@ -182,6 +182,7 @@ def test_the_next_turn_reuses_the_whole_prompt_after_an_answer_beyond_the_rollba
             (out, f), = run(s, greedy(turn2, 4))
             assert f.reuse is not None and f.reuse.outcome == "hit" and "prompt checkpoint" in f.reuse.why
             assert f.cached_tokens == len(turn1) and s.pool.resets == 0
+            assert s.status()["sessions"]["checkpoint_hits"] == 1
         finally:
             s.stop()
         fresh = _scheduler(small, sessions=1)

@@ -132,6 +132,7 @@ def test_models_health_status_metrics(server) -> None:
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("ds4_http_requests_total", "ds4_generations_total", "ds4_time_to_first_token_seconds_bucket",
                  "ds4_time_per_output_token_seconds_bucket", "ds4_kv_bytes", "ds4_prefix_cache_hits_total",
+                 "ds4_prefix_checkpoint_hits_total",
                  "ds4_completion_tokens_total"):
         assert name in metrics, name
     st = httpx.get(server.url + "/status").json()

@@ -336,6 +336,7 @@ class SessionPool:
         self.hits = 0  # requests that reused a cached prefix
         self.misses = 0
         self.resets = 0  # truncations that failed and fell back to a fresh prefill
+        self.checkpoint_hits = 0  # hits served from a session's prompt checkpoint, beyond the rollback
 
     def acquire(self, prompt: Sequence[int]) -> tuple[LiveSession, int, Reuse]:
         """The session to serve `prompt` from, truncated to the reused prefix; that prefix's length; and why."""
@@ -374,6 +375,7 @@ class SessionPool:
             why = f"{why}; {discarded} tokens back is beyond the rollback: from its prompt checkpoint at {kept_to}"
             discarded += common - kept_to
             common = kept_to
+            self.checkpoint_hits += kept_to > 0
         outcome = "hit" if common > 0 else "miss"
         if kept_to < 0:  # its state is unchanged: it may be kept
             self.resets += 1
@@ -796,7 +798,7 @@ class Scheduler:
     def _run(self, job: Job, handle: Handle) -> None:
         assert self.pool is not None and self.engine is not None
         started = time.monotonic()
-        counts = (self.pool.hits, self.pool.misses, self.pool.resets)
+        counts = (self.pool.hits, self.pool.misses, self.pool.resets, self.pool.checkpoint_hits)
         for waiting in list(self.pool.slots):
             # a request that continues a turn not settled yet (it came within SETTLE_GRACE): settle it now
             # when the prompt spells the answer as settling would; that prefill is this request's own work
@@ -812,7 +814,7 @@ class Scheduler:
         finally:
             if job.kind == WARM:  # a warm-up leaves no session and no count behind
                 self.pool.drop(live)
-                self.pool.hits, self.pool.misses, self.pool.resets = counts
+                self.pool.hits, self.pool.misses, self.pool.resets, self.pool.checkpoint_hits = counts
 
     def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, reuse: Reuse,
                   started: float) -> None:
@@ -1017,7 +1019,8 @@ class Scheduler:
                          "kv_bytes": sum(s["kv_bytes"] for s in sessions),
                          "prefix_hits": self.pool.hits if self.pool else 0,
                          "prefix_misses": self.pool.misses if self.pool else 0,
-                         "resets": self.pool.resets if self.pool else 0},
+                         "resets": self.pool.resets if self.pool else 0,
+                         "checkpoint_hits": self.pool.checkpoint_hits if self.pool else 0},
             "recent": [r.__dict__ for r in self.recent],
             "totals": dict(self.totals),
         }

@@ -84,6 +84,8 @@ class _SchedulerCollector(Collector):
                                   sessions["prefix_hits"])
         yield CounterMetricFamily("ds4_prefix_cache_misses", "Requests prefilled from scratch",
                                   sessions["prefix_misses"])
+        yield CounterMetricFamily("ds4_prefix_checkpoint_hits", "Prefix hits served from a session's prompt "
+                                  "checkpoint, further back than --rollback", sessions["checkpoint_hits"])
         yield GaugeMetricFamily("ds4_ready", "1 when the model is loaded and serving", 1 if st["state"] == "ready"
                                 else 0)
         cache = _engine_status(self.scheduler).get("expert_cache")
