@@ -143,18 +143,33 @@ def test_truncate_rolls_every_stage_back(pipe, reference) -> None:
 def test_rewind_brings_every_stage_back_to_the_prompt_checkpoint(pipe, reference) -> None:
     """Beyond what truncate can reach, every stage goes back to the checkpoint taken at the prompt's end and
     then gives exactly the reference's steps from there; a truncate below the checkpoint drops it."""
+    p = len(PROMPT)
+    fresh = pipe.new_session()  # the prompt's last token again, one step back (the same prefill pieces)
+    fresh.extend(PROMPT)
+    assert fresh.truncate(p - 1)
+    last_alone = fresh.extend(PROMPT[p - 1:])
+    fresh.close()
     session = pipe.new_session()
     session.extend(PROMPT)
     session.checkpoint()
     token = reference[0][0]
     for _ in range(3 * CHUNK):  # further than the rings' slack
         token = int(session.extend([token]).argmax())
-    p = len(PROMPT)
     assert not session.truncate(p + 1)
     assert session.rewind(p + 1) == p and len(session.tokens) == p
     assert torch.equal(session.extend([reference[0][0]]), reference[1][1])  # the first answer step again
     assert torch.equal(session.extend([reference[0][1]]), reference[1][2])
     assert session.truncate(p - 1) and session.rewind(p) == -1  # the checkpoint went with its prefix
+    # a checkpoint also serves the positions just before it (a template's last tokens rendered otherwise)
+    session.extend(PROMPT[p - 1:])
+    session.checkpoint()
+    for _ in range(3 * CHUNK):
+        session.extend([5])
+    assert session.rewind(p - 1) == p - 1
+    assert torch.equal(session.extend(PROMPT[p - 1:]), last_alone)  # the prompt's last token again, exactly
+    for _ in range(3 * CHUNK):
+        session.extend([5])
+    assert session.rewind(p - 1 - 16) == -1  # further back than the checkpoint's margin: unchanged
 
 
 def test_a_silent_worker_is_reported_down_by_its_missing_heartbeat(pipe) -> None:

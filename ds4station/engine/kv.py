@@ -30,7 +30,7 @@ import torch
 
 from ds4station.kernels.reference import frontier_read
 from ds4station.model.config import ModelConfig
-from ds4station.model.footprint import frontier_rows, kv_slack
+from ds4station.model.footprint import CHECKPOINT_MARGIN, frontier_rows, kv_slack
 
 DEFAULT_CHUNK = 256
 
@@ -70,8 +70,6 @@ class Frontier:
         into.kv[: len(pos)] = self.kv[slots]
         into.score[: len(pos)] = self.score[slots]
 
-    def restore(self, pos: torch.Tensor, saved: Frontier) -> None:
-        self.write(pos, saved.kv[: len(pos)], saved.score[: len(pos)])
 
 
 @dataclass
@@ -122,15 +120,16 @@ class KVCache:
         for i in self.layer_range:
             r = cfg.ratio(i)
             kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device),
-                         saved_raw=torch.zeros(cfg.window, cfg.head_dim, dtype=dtype, device=device))
+                         saved_raw=torch.zeros(cfg.window + CHECKPOINT_MARGIN, cfg.head_dim, dtype=dtype,
+                                               device=device))
             if r:
                 kv.comp = torch.zeros(math.ceil(ctx / r), cfg.head_dim, dtype=dtype, device=device)
                 kv.comp_frontier = Frontier(frontier_rows(r, self.slack), cfg.compressor_width(i), device)
-                kv.saved_comp = Frontier(frontier_rows(r, 0), cfg.compressor_width(i), device)
+                kv.saved_comp = Frontier(frontier_rows(r, CHECKPOINT_MARGIN), cfg.compressor_width(i), device)
             if cfg.has_indexer(i):
                 kv.index_keys = torch.zeros(math.ceil(ctx / 4), cfg.index_dim, dtype=dtype, device=device)
                 kv.index_frontier = Frontier(frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
-                kv.saved_index = Frontier(frontier_rows(4, 0), 2 * cfg.index_dim, device)
+                kv.saved_index = Frontier(frontier_rows(4, CHECKPOINT_MARGIN), 2 * cfg.index_dim, device)
             self.layers[i] = kv
         self.saved_at: int | None = None  # the checkpoint's position, None: none taken (or no longer valid)
 
@@ -172,37 +171,56 @@ class KVCache:
         return True
 
     def checkpoint(self) -> None:
-        """Keep what the current position needs, for `rewind` (one checkpoint: it replaces the last)."""
+        """Keep what the current position, and the CHECKPOINT_MARGIN positions before it, need: a later
+        `rewind` can come back to any of them (a chat template renders the prompt's last tokens, its assistant
+        opening, otherwise in the history than in the prompt). One checkpoint: it replaces the last."""
         c = self.length
         for i, kv in self.layers.items():
-            assert kv.saved_raw is not None
-            raw = self._positions(c, self.cfg.window, kv.raw.device)
-            kv.saved_raw[: len(raw)] = kv.raw[raw % kv.raw.shape[0]]
-            for ring, saved, r in ((kv.comp_frontier, kv.saved_comp, self.cfg.ratio(i)),
-                                   (kv.index_frontier, kv.saved_index, 4)):
-                if ring is not None and saved is not None:
-                    ring.save(self._positions(c, frontier_rows(r, 0), kv.raw.device), saved)
+            for ring, saved, span in self._saved(i, kv):
+                pos = self._positions(c, span + CHECKPOINT_MARGIN, kv.raw.device)
+                if isinstance(ring, Frontier):
+                    ring.save(pos, saved)  # type: ignore[arg-type]
+                else:
+                    saved[: len(pos)] = ring[pos % ring.shape[0]]  # type: ignore[index]
         self.saved_at = c
 
     def rewind(self, n: int) -> int:
-        """Roll back to at most `n` positions: to n itself when `truncate` can, else to the checkpoint when it
-        is at or before n (its rows restored). -> the new length, or -1 (cache unchanged) when neither can."""
+        """Roll back to at most `n` positions: to n itself when `truncate` can, else to min(n, checkpoint)
+        when that is within CHECKPOINT_MARGIN of the checkpoint (its rows restored). -> the new length, or -1
+        (cache unchanged) when neither can."""
         if self.truncate(n):
             return n
         c = self.saved_at
-        if c is None or c > n or c > self.length:
+        if c is None or c > self.length:
+            return -1
+        t = min(n, c)
+        if t < c - CHECKPOINT_MARGIN:
             return -1
         for i, kv in self.layers.items():
-            assert kv.saved_raw is not None
-            raw = self._positions(c, self.cfg.window, kv.raw.device)
-            kv.raw[raw % kv.raw.shape[0]] = kv.saved_raw[: len(raw)]
-            for ring, saved, r in ((kv.comp_frontier, kv.saved_comp, self.cfg.ratio(i)),
-                                   (kv.index_frontier, kv.saved_index, 4)):
-                if ring is not None and saved is not None:
-                    ring.restore(self._positions(c, frontier_rows(r, 0), kv.raw.device), saved)
-        # the rings hold position c's state again; what any later position wrote is overwritten before it is read
-        self.length = self.written = c
-        return c
+            for ring, saved, span in self._saved(i, kv):
+                base = max(c - span - CHECKPOINT_MARGIN, 0)  # the first position the checkpoint holds
+                pos = self._positions(t, span, kv.raw.device)  # what position t needs, no more (a ring slot
+                rows = pos - base  # of a later position may be the same slot)
+                if isinstance(ring, Frontier):
+                    ring.write(pos, saved.kv[rows], saved.score[rows])  # type: ignore[union-attr]
+                else:
+                    ring[pos % ring.shape[0]] = saved[rows]  # type: ignore[index]
+        # the rings hold position t's state again; what any later position wrote is overwritten before it is read
+        self.length = self.written = t
+        if t < c:
+            self.saved_at = None  # its rows for positions after t are stale now
+        return t
+
+    def _saved(self, layer: int, kv: LayerKV) -> list[tuple[torch.Tensor | Frontier, torch.Tensor | Frontier, int]]:
+        """(ring, its checkpoint copy, the positions before the current one it must keep) of a layer."""
+        out: list[tuple[torch.Tensor | Frontier, torch.Tensor | Frontier, int]] = []
+        assert kv.saved_raw is not None
+        out.append((kv.raw, kv.saved_raw, self.cfg.window))
+        if kv.comp_frontier is not None and kv.saved_comp is not None:
+            out.append((kv.comp_frontier, kv.saved_comp, frontier_rows(self.cfg.ratio(layer), 0)))
+        if kv.index_frontier is not None and kv.saved_index is not None:
+            out.append((kv.index_frontier, kv.saved_index, frontier_rows(4, 0)))
+        return out
 
     @staticmethod
     def _positions(c: int, span: int, device: torch.device) -> torch.Tensor:

@@ -87,6 +87,11 @@ def kv_slack(chunk: int, rollback: int) -> int:
     return max(chunk, rollback)
 
 
+# A session's prompt checkpoint (engine/kv.py) also holds this many positions before the prompt's end, so a
+# prompt whose last tokens (the assistant opening) the next turn renders otherwise still comes back to it.
+CHECKPOINT_MARGIN = 16
+
+
 def frontier_rows(ratio: int, slack: int) -> int:
     """Positions a compressor frontier ring holds: the pooled span (2r overlapping at ratio 4, r otherwise)
     + slack."""
@@ -100,14 +105,15 @@ def layer_kv_bytes(cfg: ModelConfig, layer: int, ctx: int, dtype: str = "f32", *
     b = KV_DTYPE_BYTES[dtype]
     slack = kv_slack(chunk, rollback)
     r = cfg.ratio(layer)
-    n = (2 * cfg.window + slack) * cfg.head_dim * b  # raw ring, and its last `window` rows in the checkpoint
+    n = (2 * cfg.window + slack + CHECKPOINT_MARGIN) * cfg.head_dim * b  # raw ring, and its rows in the checkpoint
     if r:
         n += _cdiv(ctx, r) * cfg.head_dim * b  # compressed rows
         # the frontier ring (kv + score, fp32) and its open-block rows in the checkpoint
-        n += 2 * (frontier_rows(r, slack) + frontier_rows(r, 0)) * cfg.compressor_width(layer) * FRONTIER_BYTES
+        n += 2 * (frontier_rows(r, slack) + frontier_rows(r, CHECKPOINT_MARGIN)) * cfg.compressor_width(layer) \
+            * FRONTIER_BYTES
     if cfg.has_indexer(layer):
         n += _cdiv(ctx, 4) * cfg.index_dim * b  # indexer keys
-        n += 2 * (frontier_rows(4, slack) + frontier_rows(4, 0)) * 2 * cfg.index_dim * FRONTIER_BYTES
+        n += 2 * (frontier_rows(4, slack) + frontier_rows(4, CHECKPOINT_MARGIN)) * 2 * cfg.index_dim * FRONTIER_BYTES
     return n
 
 
@@ -323,8 +329,8 @@ def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: Footprint
 
 
 __all__ = [
-    "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "DEMO_SHAPE", "FootprintSettings", "INDEXER_SCRATCH_BYTES",
-    "KV_DTYPE_BYTES",
+    "CHECKPOINT_MARGIN", "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "DEMO_SHAPE", "FootprintSettings",
+    "INDEXER_SCRATCH_BYTES", "KV_DTYPE_BYTES",
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
     "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
