@@ -263,3 +263,44 @@ def test_pipeline_stage_decode_equals_its_prefill_path(tiny: GGUFFile, device: s
         tol = 2e-3 if device == "cuda" else 1e-5  # CUDA: TF32 attention in both paths, different kernels
         assert torch.allclose(got, want, rtol=0, atol=tol * want.abs().max().item())
     assert a.length == b.length == 30
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["full", "middle"])
+def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: str, form: str) -> None:
+    """One decode step of three sequences at different lengths (crossing compressor block ends and past the
+    window, the indexer choosing blocks) gives each sequence what its own decode step gives, and leaves every
+    cache as its own steps do; on a GPU from the graph captured for the tuple of caches."""
+    cfg = tiny.config
+    middle = form == "middle"
+    layers = range(1, 5) if middle else None
+    stage = GpuStage(cfg, load_tensors(tiny, layers, embed=not middle, output=not middle), layers,
+                     embed=not middle, output=not middle, device=device, round_trips=OFF, int_dot=False)
+    gen = torch.Generator().manual_seed(4)
+    lengths = (30, 57, 93)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 110), generator=gen)
+    X = torch.randn(3, 110, cfg.hc_mult, cfg.dim, generator=gen).to(device) if middle else None
+    batched = [stage.new_cache(256, chunk=64) for _ in lengths]
+    alone = [stage.new_cache(256, chunk=64) for _ in lengths]
+    for b, n in enumerate(lengths):
+        for c in (batched[b], alone[b]):
+            stage.prefill(tokens[b, :n], c, None if X is None else X[b, :n])
+    tol = 2e-3 if device == "cuda" else 1e-5
+    for step in range(12):
+        pos = [n + step for n in lengths]
+        ids = [int(tokens[b, p]) for b, p in enumerate(pos)]
+        xs = None if X is None else torch.stack([X[b, p] for b, p in enumerate(pos)])
+        got = stage.decode_batch(ids, batched, xs, logits=not middle).clone()
+        for b, c in enumerate(alone):
+            want = stage.decode(ids[b], c, None if xs is None else xs[b:b + 1], logits=not middle)
+            ref = want.reshape(got[b].shape)
+            assert torch.allclose(got[b], ref, rtol=0, atol=tol * ref.abs().max().item()), (step, b)
+    assert [c.length for c in batched] == [c.length for c in alone] == [n + 12 for n in lengths]
+    for a, b in zip(batched, alone, strict=True):  # the caches hold the same rows
+        assert torch.allclose(a[4].raw, b[4].raw, atol=1e-4) and torch.allclose(a[4].comp, b[4].comp, atol=1e-4)
+    if device == "cuda":
+        assert any(k[0] == "batch" for k in stage._graphs)
+        stage.drop_graphs(batched[1])
+        assert not any(k[0] == "batch" for k in stage._graphs)
+    with pytest.raises(ValueError, match="each sequence once"):
+        stage.decode_batch(ids[:2], [batched[0], batched[0]], None if xs is None else xs[:2], logits=not middle)

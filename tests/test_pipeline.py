@@ -410,3 +410,39 @@ def test_process_group_shutdown_is_bounded() -> None:
     shutdown_process_group(stuck, timeout=0.2)
     assert stuck.calls == 1 and time.monotonic() - start < 2
     stuck.release.set()
+
+
+def test_a_batched_decode_step_runs_through_the_stages(model_path: Path) -> None:
+    """decode_batch over a two-stage route (the head on the last stage, so logits travel back): every session
+    gets the tokens and logits it gets alone, and every stage's cache advances by one per step."""
+    route = "cpu=embed,0-2; cpu=3-5,output"
+    with Engine.load(model_path, CTX, route, activation_bits=32, chunk=CHUNK, round_trips=OFF, sessions=3) as engine:
+        prompts = [PROMPT, PROMPT[:-3], PROMPT[2:]]
+        alone = []
+        for p in prompts:
+            s = engine.new_session()
+            logits = s.extend(p)
+            tokens = []
+            for _ in range(6):
+                tokens.append(int(logits.argmax()))
+                logits = s.extend([tokens[-1]])
+            alone.append((tokens, logits))
+            s.close()
+        sessions = [engine.new_session() for _ in prompts]
+        logits = torch.stack([s.extend(p) for s, p in zip(sessions, prompts, strict=True)])
+        got: list[list[int]] = [[] for _ in prompts]
+        for _ in range(6):
+            step = [int(row.argmax()) for row in logits]
+            for g, t in zip(got, step, strict=True):
+                g.append(t)
+            logits = engine.decode_batch(sessions, step)
+        assert logits.shape == (3, engine.cfg.vocab_size)
+        assert got == [a[0] for a in alone]
+        for row, (_, want) in zip(logits, alone, strict=True):
+            assert torch.allclose(row, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+        lengths = [len(p) + 6 for p in prompts]
+        assert [len(s.tokens) for s in sessions] == lengths
+        worker = engine.stage_stats()[1]["sessions"]
+        assert sorted(v["tokens"] for v in worker.values()) == sorted(lengths)
+        with pytest.raises(ValueError, match="one token per session"):
+            engine.decode_batch(sessions, [1, 2])

@@ -503,3 +503,87 @@ def test_overlapped_decode_matches_the_plain_loop(engine) -> None:
     finally:
         plain.stop()
         queued.stop()
+
+
+# ---- many requests at once (continuous batching) -------------------------------------------------------
+def run_together(scheduler: Scheduler, *jobs: Job, gap: float = 0.0) -> list[tuple[str, Finished]]:
+    """Submit jobs at once (or `gap` seconds apart) and collect them concurrently."""
+    async def go() -> list[tuple[str, Finished]]:
+        async def one(job: Job, delay: float) -> tuple[str, Finished]:
+            await asyncio.sleep(delay)
+            handle = scheduler.submit(job)
+            text = [ev.text async for ev in handle.events() if isinstance(ev, Text)]
+            assert handle.finished is not None
+            return "".join(text), handle.finished
+
+        return list(await asyncio.gather(*(one(job, i * gap) for i, job in enumerate(jobs))))
+
+    return asyncio.run(go())
+
+
+def _batch_jobs(engine) -> list[Job]:
+    texts = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n: int) -> int:",
+             "A station is a place where trains stop", "Once upon a time"]
+    jobs = [greedy(prompt(engine, t), 16) for t in texts[:2]]
+    jobs += [Job(prompt=prompt(engine, t), max_tokens=16, sampling=Sampling(temperature=0.9, top_p=0.95, seed=11 + i))
+             for i, t in enumerate(texts[2:])]
+    jobs[1].stop_tokens = {engine.tokenizer.eos_id}
+    return jobs
+
+
+def test_batched_decode_gives_each_request_the_tokens_it_gets_alone(engine, make_scheduler) -> None:
+    """Four requests at once (two greedy, two sampled with their own seeds) decode in shared steps, and each
+    gets exactly the text and tokens it gets when it runs alone."""
+    alone = [run(make_scheduler(sessions=1), dataclasses.replace(job))[0] for job in _batch_jobs(engine)]
+    s = make_scheduler(sessions=4)
+    together = run_together(s, *(dataclasses.replace(job) for job in _batch_jobs(engine)))
+    assert [(t, f.output, f.reason) for t, f in together] == [(t, f.output, f.reason) for t, f in alone]
+    assert max(len(r.decoded) for r in s.steps) == 4  # they really shared steps
+    st = s.status()["batch"]
+    assert st["limit"] == 4 and st["max_batch"] == 4 and st["mean_decode_batch"] > 1.5
+    assert st["decode_rows"] == sum(len(r.decoded) for r in s.steps)
+
+
+def test_batch_limit_keeps_the_rest_waiting(engine, make_scheduler) -> None:
+    """--batch 2 with four sessions: at most two requests in a step; the others wait in the queue and join as
+    places free up, and all of them still get their own tokens."""
+    alone = [run(make_scheduler(sessions=1), dataclasses.replace(job))[0] for job in _batch_jobs(engine)]
+    s = make_scheduler(sessions=4, batch=2)
+    together = run_together(s, *(dataclasses.replace(job) for job in _batch_jobs(engine)))
+    assert [f.output for _, f in together] == [f.output for _, f in alone]
+    assert max(len(r.decoded) for r in s.steps) == 2
+    with pytest.raises(ValueError, match="batch 3: use 1 to 2"):
+        Scheduler(lambda: engine, sessions=2, batch=3)
+    with pytest.raises(ValueError, match="prefill budget 300: use 1 to the prefill chunk, 256"):
+        Scheduler(lambda: engine, sessions=2, prefill_chunk=256, prefill_budget=300)
+
+
+def test_a_long_prefill_is_interleaved_with_a_running_stream(engine, make_scheduler) -> None:
+    """A long prompt arriving while a stream decodes is prefilled in budget-sized pieces between that stream's
+    decode steps (the step log shows both in the same steps), and the stream's tokens are unchanged."""
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    stream = greedy(prompt(engine, "The quick brown fox jumps over the lazy dog."), 40)
+    long = greedy(prompt(engine, DEMO_CORPUS)[:700], 4)
+    (want_text, want), = run(make_scheduler(sessions=1), dataclasses.replace(stream))
+    (_, long_alone), = run(make_scheduler(sessions=1), dataclasses.replace(long))
+    s = make_scheduler(sessions=2, prefill_budget=64)
+    jobs = dataclasses.replace(stream), dataclasses.replace(long)
+    (text, got), (_, long_got) = run_together(s, *jobs, gap=0.15)
+    assert (text, got.output) == (want_text, want.output)
+    assert long_got.output == long_alone.output
+    mixed = [r for r in s.steps if r.decoded == [jobs[0].id] and jobs[1].id in r.prefilled]
+    assert len(mixed) >= 3, list(s.steps)
+    assert all(n <= 64 for r in s.steps for n in r.prefilled.values())
+
+
+def test_a_short_request_is_not_stuck_behind_a_long_prefill(engine, make_scheduler) -> None:
+    """The shortest remaining prompt goes first within the budget: a short request that arrives during a long
+    prefill gets its first token before the long prompt is done."""
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    s = make_scheduler(sessions=2, prefill_budget=32)
+    long = greedy(prompt(engine, DEMO_CORPUS)[:900], 2)
+    short = greedy(prompt(engine, "hi"), 2)
+    (_, fl), (_, fs) = run_together(s, long, short, gap=0.1)
+    assert fs.ttft_ms + 100 < fl.ttft_ms  # queued 100 ms later, first token well before the long one

@@ -362,7 +362,7 @@ def test_status_shows_the_running_requests_rate_while_it_runs(engine, fresh) -> 
             if line.startswith("data: ") and '"content"' in line:
                 received += 1
                 if received == 20:
-                    seen = _status(srv)["running"]
+                    seen = _status(srv)["running"][0]
                     break
     assert seen is not None and seen["phase"] == "decode" and seen["generated"] >= 20
     assert seen["tokens_per_second"] > 0 and seen["phase_s"] > 0
@@ -380,7 +380,7 @@ def test_disconnect_cancels_generation(engine, fresh) -> None:
                 if received >= 3:
                     break
     closed = time.monotonic()
-    while _status(srv)["running"] is not None:
+    while _status(srv)["running"]:
         assert time.monotonic() - closed < 10, "generation kept running after the client left"
         time.sleep(0.02)
     st = _status(srv)
@@ -410,7 +410,7 @@ def test_concurrent_clients_all_complete(server) -> None:
 
 
 def test_full_queue_answers_503_with_retry_after_and_keepalives_flow(engine, fresh) -> None:
-    srv = fresh(max_queue=1, keepalive_s=0.05)
+    srv = fresh(max_queue=1, keepalive_s=0.05, sessions=1)  # one running request: the next one waits
     body = long_body(engine)
     started, release = threading.Event(), threading.Event()
     raw_queued: list[str] = []

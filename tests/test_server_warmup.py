@@ -60,7 +60,7 @@ def test_health_waits_for_the_warm_up_which_leaves_nothing_behind(engine, monkey
         st = httpx.get(srv.url + "/status").json()
         assert st["totals"]["requests"] == 0 and st["throughput"]["recent"] == []
         assert st["sessions"]["live"] == [] and st["sessions"]["prefix_misses"] == 0
-        assert st["queue"]["length"] == 0 and st["running"] is None  # every warm-up request ran to its end
+        assert st["queue"]["length"] == 0 and st["running"] == []  # every warm-up request ran to its end
         metrics = httpx.get(srv.url + "/metrics").text
         assert "/v1/chat/completions" not in metrics and "/v1/messages" not in metrics
         # the first client request is request 1, with nothing cached from the warm-up

@@ -150,8 +150,9 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     assert "cache hit rate 75%, 10 misses, 0.07 GiB streamed at 12.5 GB/s" in text
     running = {"id": 4, "phase": "decode", "prefilled": 900, "generated": 120, "tokens_per_second": 21.5}
     console = Console(width=120, record=True)
-    console.print(live_view({**status, "running": running}, Throughput(), []))
-    assert "running: decode #4, 120 tokens at 21.5 tok/s" in console.export_text()  # while it runs
+    console.print(live_view({**status, "running": [running], "batch": {"limit": 2, "mean_decode_batch": 1.5}},
+                            Throughput(), []))
+    assert "running 1/2: #4 decode 120 tok 21.5/s; batch mean 1.5" in console.export_text()  # while it runs
 
 
 def test_charts_over_a_time_axis() -> None:
@@ -176,11 +177,11 @@ def test_charts_over_a_time_axis() -> None:
 def test_throughput_over_time_follows_the_running_request() -> None:
     tp = Throughput()
     tp.add(100.0, None)  # no server: nothing
-    tp.add(101.0, {"running": {"phase": "prefill", "tokens_per_second": 900.0}})
-    tp.add(102.0, {"running": {"phase": "decode", "tokens_per_second": 30.0}})
+    tp.add(101.0, {"running": [{"phase": "prefill", "tokens_per_second": 900.0}]})
+    tp.add(102.0, {"running": [{"phase": "decode", "tokens_per_second": 30.0}]})
     done = {"id": 1, "finished_at": 102.5, "prompt_per_second": 850.0, "predicted_per_second": 29.0}
-    tp.add(103.0, {"running": None}, [done])  # finished between two refreshes: at its own time
-    tp.add(104.0, {"running": None})  # idle
+    tp.add(103.0, {"running": []}, [done])  # finished between two refreshes: at its own time
+    tp.add(104.0, {"running": []})  # idle
     assert list(tp.prefill) == [(101.0, 900.0), (102.0, 0.0), (102.5, 850.0), (104.0, 0.0)]
     assert list(tp.decode) == [(101.0, 0.0), (102.0, 30.0), (102.5, 29.0), (104.0, 0.0)]
 

@@ -38,7 +38,7 @@ STATUS: dict[str, Any] = {
     "kv": {"bytes": 21532672, "tokens": 27, "ctx": 32768},
     "sessions": {"capacity": 2, "live": [{"tokens": 27, "kv_bytes": 21532672, "requests": 2, "idle_s": 3.5}],
                  "kv_bytes": 21532672, "prefix_hits": 1, "prefix_misses": 1, "resets": 0},
-    "queue": {"length": 0, "capacity": 16}, "running": None,
+    "queue": {"length": 0, "capacity": 16}, "running": [],
     "throughput": {"recent": [
         {"id": 1, "kind": "chat", "reason": "length", "prompt_tokens": 5, "cached_tokens": 0,
          "completion_tokens": 16, "prompt_per_second": 41.5, "predicted_per_second": 12.2, "ttft_ms": 130.4,

@@ -1,7 +1,8 @@
 """`ds4station serve`: the local API server for coding agents (OpenAI, Responses, Anthropic) on one engine.
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
-                     [--allow-host NAME] [--ctx N] [--sessions N] [--queue N] [--max-tokens N] [--device auto]
+                     [--allow-host NAME] [--ctx N] [--sessions N] [--batch N] [--prefill-budget N] [--queue N]
+                     [--max-tokens N] [--device auto]
                      [--restarts N] [--shutdown-grace S] [--trace FILE] ...
 
 With no --model it serves the built-in demo model (created on first use). It listens on 127.0.0.1 unless
@@ -50,7 +51,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sessions", type=int, default=None,
                    help=f"live KV sessions kept for prefix reuse, each a KV slot allocated at load "
                         f"(default {_FOOTPRINT.sessions})")
-    p.add_argument("--queue", type=int, default=16, help="requests that may wait behind the running one")
+    p.add_argument("--batch", type=int, default=None, metavar="N",
+                   help="requests that run at once, decoding in one batched step (each holds one of the "
+                        "--sessions KV slots; default: all of them)")
+    p.add_argument("--prefill-budget", type=token_count, default=None, metavar="N",
+                   help="prompt tokens prefilled per step over all prompts in progress, between two decode steps "
+                        "of the running requests (default: 1024 on a GPU, the prefill chunk on the CPU; at most "
+                        "the prefill chunk)")
+    p.add_argument("--queue", type=int, default=16, help="requests that may wait for a place in the batch")
     p.add_argument("--max-tokens", type=token_count, default=4096, metavar="N",
                    help="default generation limit per request (default 4096)")
     p.add_argument("--prefill-chunk", type=token_count, default=None, metavar="N",
@@ -86,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The FastAPI app for these arguments and uvicorn's settings (the engine loads when the app starts)."""
     from ds4station.engine.demo import demo_model_path
-    from ds4station.engine.engine import Engine, check_settings, default_chunk
+    from ds4station.engine.engine import Engine, check_settings, default_chunk, default_prefill_budget
     from ds4station.engine.scheduler import Scheduler
     from ds4station.model.footprint import kv_bytes
     from ds4station.model.gguf import GGUFFile
@@ -113,9 +121,18 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     route = check_settings(gguf, ctx, opts.pop("route"), opts.pop("expert_cache"), args.activation_bits,
                            args.device)
     chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
+    batch = sessions if args.batch is None else args.batch
+    if not 1 <= batch <= sessions:
+        raise ValueError(f"--batch {batch}: use 1 to {sessions}; each running request holds one of the --sessions "
+                         f"{sessions} KV slots (raise --sessions to run more at once)")
+    budget = args.prefill_budget or min(chunk, default_prefill_budget(route.stages[0].device))
+    if budget > chunk:
+        raise ValueError(f"--prefill-budget {budget} exceeds the prefill chunk {chunk}: a step prefills at most one "
+                         "chunk; raise --prefill-chunk or lower the budget")
     per_session = kv_bytes(cfg, None, ctx, "f32" if kv_dtype == "float32" else "f16", chunk=chunk,
                            rollback=rollback)
-    print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk}, rollback {rollback}, KV "
+    print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk} (budget {budget} per step), "
+          f"batch {batch}, rollback {rollback}, KV "
           f"{per_session / 2**20:.1f} MiB per session x {sessions} session(s) = "
           f"{per_session * sessions / 2**20:.1f} MiB", file=sys.stderr)
 
@@ -126,8 +143,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         return Engine.load(path, ctx, route, sessions=sessions, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
                            progress=scheduler.report_load, **opts)
 
-    scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx,
-                          max_restarts=args.restarts)
+    scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx, batch=batch,
+                          prefill_budget=budget, max_restarts=args.restarts)
     trace = None
     if args.trace:
         trace = RequestTrace(args.trace, scheduler, max_bytes=max(1, int(args.trace_max_mb * 2**20)),

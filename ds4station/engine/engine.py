@@ -64,6 +64,7 @@ from .stage import (
     FLAG_RESULT,
     HEADER_LEN,
     KV_DTYPES,
+    OP_BATCH,
     OP_CHECKPOINT,
     OP_EXTEND,
     OP_FREE,
@@ -87,6 +88,7 @@ from .stage import (
 )
 
 DEFAULT_GPU_CHUNK = 2048
+DEFAULT_GPU_PREFILL_BUDGET = 1024
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 DEFAULT_JOIN_TIMEOUT = 300.0
 
@@ -511,21 +513,58 @@ class Engine:
         assert logits is not None
         return logits
 
-    def _result(self, bits: int, pending: list[_Pending]) -> torch.Tensor:
-        """Receive the last stage's answer to the final piece: logits, or the state for our head."""
+    def _result(self, bits: int, pending: list[_Pending], rows: int | None = None) -> torch.Tensor:
+        """Receive the last stage's answer to the final piece: logits, or the state for our head. -> [vocab];
+        with `rows` (a batched step) [rows, vocab]."""
         assert self.runner is not None
         last = self.world - 1
-        cfg = self.cfg
+        cfg, n = self.cfg, rows or 1
         if self.route.stages[last].output:
-            done, buf = self._irecv((cfg.vocab_size,), torch.float32, last)
+            done, buf = self._irecv((n, cfg.vocab_size), torch.float32, last)
         else:
-            done, buf = self._irecv((payload_bytes(1, bits, cfg.hc_mult, cfg.dim),), torch.uint8, last)
+            done, buf = self._irecv((payload_bytes(n, bits, cfg.hc_mult, cfg.dim),), torch.uint8, last)
         pending.append(done)
         self._await(pending, last)
-        if self.route.stages[last].output:
-            return buf
-        _, X = unpack(buf, 1, bits, cfg.hc_mult, cfg.dim)
-        return self.runner.head(X)[0]
+        if not self.route.stages[last].output:
+            _, X = unpack(buf, n, bits, cfg.hc_mult, cfg.dim)
+            buf = self.runner.head(X)
+        return buf if rows else buf[0]
+
+    def decode_batch(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of several sessions at once, token b appended to sessions[b] -> logits [B, vocab]
+        (row b what `sessions[b].extend([tokens[b]])` gives). Every stage runs the B tokens as one batched
+        step (kernel stages read each weight once for all of them), pipelined like a prefill piece."""
+        runner = self.runner
+        assert runner is not None
+        if len(sessions) != len(tokens) or not sessions:
+            raise ValueError(f"decode_batch needs one token per session ({len(tokens)} tokens, {len(sessions)} "
+                             "sessions)")
+        bits = {s.activation_bits for s in sessions}
+        if len(bits) != 1:
+            raise ValueError("a batched step carries one activation width: these sessions use " +
+                             " and ".join(map(str, sorted(bits))))
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            for s in sessions:
+                if runner.kv[s.sid].length + 1 > self.ctx:  # checked before any stage moves
+                    raise ValueError(f"context full: {runner.kv[s.sid].length} + 1 tokens exceed ctx {self.ctx}; "
+                                     "start a new session or load with a larger --ctx")
+            sids = [s.sid for s in sessions]
+            ids = torch.as_tensor(list(tokens), dtype=torch.long)
+            out = runner.step_batch(sids, ids, None)
+            if self.world == 1:
+                logits = out
+            else:
+                b = bits.pop()
+                body = pack(ids, out, b)
+                body = torch.cat((torch.as_tensor(sids, dtype=torch.int64).view(torch.uint8).to(body.device), body))
+                pending = [self._isend(t, 1) for t in (header(OP_BATCH, 0, len(sids), b, FLAG_RESULT,
+                                                              payload=body.numel()), body)]
+                logits = self._result(b, pending, len(sids))
+            for s, t in zip(sessions, tokens, strict=True):
+                s.tokens.append(int(t))
+        return logits
 
     def _truncate(self, session: Session, n: int) -> bool:
         assert self.runner is not None
@@ -711,6 +750,13 @@ def default_chunk(device: str) -> int:
     return DEFAULT_CHUNK if device == "cpu" else DEFAULT_GPU_CHUNK
 
 
+def default_prefill_budget(device: str) -> int:
+    """The scheduler's prompt tokens per step (serve --prefill-budget) for a route whose first stage is on
+    `device`: DEFAULT_GPU_PREFILL_BUDGET on a GPU (a piece of a long prompt, between two decode steps of the
+    running requests, takes well under a second), the CPU's whole chunk (DEFAULT_CHUNK)."""
+    return DEFAULT_CHUNK if device == "cpu" else DEFAULT_GPU_PREFILL_BUDGET
+
+
 def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: str | Route | None = None,
                    expert_cache: int | str | None = None, activation_bits: int = 16, device: str = "auto") -> Route:
     """Validate the context, route, expert cache and activation bits against the file's header before anything
@@ -733,5 +779,5 @@ def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: st
     return resolved
 
 
-__all__ = ["DEFAULT_GPU_CHUNK", "Engine", "Session", "StageDown", "check_expert_caches", "check_settings",
-           "default_chunk", "default_device", "resolve_route"]
+__all__ = ["DEFAULT_GPU_CHUNK", "DEFAULT_GPU_PREFILL_BUDGET", "Engine", "Session", "StageDown", "check_expert_caches",
+           "check_settings", "default_chunk", "default_device", "default_prefill_budget", "resolve_route"]

@@ -286,6 +286,10 @@ class Step:
     def static(self) -> bool:
         return self.bucket > 0
 
+    def row(self, b: int) -> Step:
+        """Row b of a batched decode step, as the one-token step of its own sequence."""
+        return Step(self.pos[b:b + 1], None, None, self.bucket, None)
+
 
 class GpuStage:
     """Layers `layers` of DeepSeek-V4 with the embedding and/or head, on one device (GPU, or CPU for tests)."""
@@ -351,16 +355,17 @@ class GpuStage:
         b0 = st.p0 // c.ratio
         compress_blocks(frontier.kv, frontier.score, rows, b0, st.p1 // c.ratio - b0, c.ratio, c.fin)
 
-    def _index(self, L: GpuLayer, proj: Tensor, qr: Tensor, st: Step, kv) -> tuple[Tensor, Tensor]:
-        """Lightning indexer -> (selected block ids [T, k], valid [T, k])."""
-        cfg, T = self.cfg, qr.shape[0]
+    def _index(self, L: GpuLayer, proj: Tensor, iq: Tensor, st: Step, kv) -> tuple[Tensor, Tensor]:
+        """Lightning indexer over its query projection iq [T, heads * dim] -> (selected block ids [T, k],
+        valid [T, k])."""
+        cfg, T = self.cfg, iq.shape[0]
         self._compress(L.index_comp, proj, st, kv.index_frontier, kv.index_keys)
         n_blocks = st.bucket // 4 if st.static else st.p1 // 4
         if n_blocks == 0:
-            z = torch.zeros(T, 1, dtype=torch.long, device=qr.device)
+            z = torch.zeros(T, 1, dtype=torch.long, device=iq.device)
             return z, z.bool()
         fp4 = self.rt.indexer_fp4
-        q = finish_rows(L.index_q_b(qr).view(T * cfg.index_heads, cfg.index_dim), st.pos, cfg.index_heads,
+        q = finish_rows(iq.view(T * cfg.index_heads, cfg.index_dim), st.pos, cfg.index_heads,
                         inv_freq=L.rope.inv_freq, hadamard=fp4, rt="fp4" if fp4 else None)
         w = proj[:, L.index_w:L.index_w + cfg.index_heads] * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
         # fp16 dot operands are exact for FP4-round-tripped queries and keys, and only then
@@ -368,42 +373,61 @@ class GpuStage:
                           cfg.index_topk, fp16_dot=fp4)
 
     def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
+        """Attention of rows xn [T, dim]. `kv`: the layer's LayerKV of the sequence they extend, or for a
+        batched decode step a list of T (row b is one token of sequence b, with its own KV). The projections
+        run over all rows at once (the weights are read once for the batch); what touches a KV runs per
+        sequence."""
         cfg, T = self.cfg, xn.shape[0]
-        H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
+        H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
         q_kv = L.q_kv(xn)
         qr = rms_norm(q_kv[:, :L.q_lora], L.q_a_norm, eps)
         q = finish_rows(L.q_b(qr).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
+        proj = L.proj(xn) if L.comp is not None else None
+        iq = L.index_q_b(qr) if L.index_comp is not None else None
+        if isinstance(kv, list):
+            o = torch.cat([self._attend_kv(L, q_kv[b:b + 1], q[b * H:(b + 1) * H],
+                                           None if proj is None else proj[b:b + 1], None if iq is None else iq[b:b + 1],
+                                           st.row(b), kv_b) for b, kv_b in enumerate(kv)])
+        else:
+            o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
+        o = _rope(L.rope, o, st.pos, inverse=True)
+        return L.out_b(L.out_a(o.reshape(T, -1)))
+
+    def _attend_kv(self, L: GpuLayer, q_kv: Tensor, q: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
+                   kv) -> Tensor:
+        """The part of attention that reads and writes one sequence's KV: its K=V rows into the ring, the
+        compressors and the indexer, then attention of its queries q [T * H, D] -> [T, H, D]."""
+        cfg, T = self.cfg, q_kv.shape[0]
+        H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
         finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=eps, inv_freq=L.rope.inv_freq,
                     rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw)
-        proj = L.proj(xn) if L.comp is not None else None
         if L.comp is not None:
             self._compress(L.comp, proj, st, kv.comp_frontier, kv.comp)
         indexed = L.index_comp is not None
         ids = valid = None
         if indexed:
-            ids, valid = self._index(L, proj, qr, st, kv)  # per-query row ids into kv.comp
+            ids, valid = self._index(L, proj, iq, st, kv)  # per-query row ids into kv.comp
         if st.static:  # split-K over the keys, per query; window and visible rows derived from the positions
             n_blocks = st.bucket // L.ratio if L.ratio else 0
             kc = kv.comp if indexed else kv.comp[:n_blocks] if n_blocks else None
             o = attention_decode(q.view(T, H, D), kv.raw, None, kc, valid if indexed else None, L.sinks, D ** -0.5,
                                  ids=ids if indexed else None, pos=st.pos, window=W,
                                  ratio=0 if indexed else L.ratio)
-        elif dispatch.use_triton(xn):  # prefill kernel: each query's own window and rows, online softmax
+        elif dispatch.use_triton(q):  # prefill kernel: each query's own window and rows, online softmax
             kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
             o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
                                   0 if indexed else L.ratio)
         else:
-            raw_pos = st.p0 - (W - 1) + torch.arange(W + T - 1, device=xn.device)
+            raw_pos = st.p0 - (W - 1) + torch.arange(W + T - 1, device=q.device)
             keys_w = kv.read_raw(raw_pos.clamp(min=0))
             allow_w = (raw_pos[None] <= st.pos[:, None]) & (raw_pos[None] > st.pos[:, None] - W) & (raw_pos[None] >= 0)
             keys_c, allow_c = ids, valid
             if L.comp is not None and not indexed:
                 n_blocks = st.p1 // L.ratio
                 keys_c = kv.comp[:n_blocks]
-                allow_c = (torch.arange(n_blocks, device=xn.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
+                allow_c = (torch.arange(n_blocks, device=q.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
             o = self._attend(q.view(T, H, D), keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed)
-        o = _rope(L.rope, o, st.pos, inverse=True)
-        return L.out_b(L.out_a(o.reshape(T, -1)))
+        return o.view(T, H, D)
 
     @staticmethod
     def _attend(q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
@@ -442,10 +466,10 @@ class GpuStage:
             out.append(o)
         return torch.cat(out)
 
-    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache, st: Step) -> Tensor:
+    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache | list[KVCache], st: Step) -> Tensor:
         """The stage's layers over X [T, C, dim] -> [T, C, dim]: segment after segment (see _segment), a
         streaming stage loading each routed layer's selected experts in between (and the hash-routed layers'
-        ahead, from the tokens)."""
+        ahead, from the tokens). `cache`: the sequence's KV, or a batched decode step's list (one per row)."""
         n = len(self.blocks)
         if self.experts is not None:
             self.experts.prefetch(tokens)
@@ -458,7 +482,8 @@ class GpuStage:
         assert isinstance(state, Tensor)
         return state
 
-    def _segment(self, k: int, state: Tensor | _Routed, tokens: Tensor, cache: KVCache, st: Step) -> Tensor | _Routed:
+    def _segment(self, k: int, state: Tensor | _Routed, tokens: Tensor, cache: KVCache | list[KVCache],
+                 st: Step) -> Tensor | _Routed:
         """Segment k of the layer loop, cut at the routers: the FFN of layer k-1 (from its routed state; k = 0
         starts from the HC state X) and then layer k up to its router (-> its routed state; k = n ends with the
         stage's output HC state). A streaming stage's decode captures each segment as a graph and loads the
@@ -479,7 +504,8 @@ class GpuStage:
             return X
         L = self.blocks[k]  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
         x, post, comb = self._hc_pre(L.hc_attn, X)
-        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
+        kv = [c[L.layer] for c in cache] if isinstance(cache, list) else cache[L.layer]
+        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
         x, post, comb = self._hc_pre(L.hc_ffn, X)
         xn = rms_norm(x, L.ffn_norm, eps)
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
@@ -530,6 +556,49 @@ class GpuStage:
         graph's static output buffer: read (or copy) it before the next decode step overwrites it."""
         cache.check_room(1)
         return self._static(token, cache, X, logits, 1, graph)
+
+    @torch.inference_mode()
+    def decode_batch(self, tokens: list[int], caches: list[KVCache], X: Tensor | None = None, *,
+                     logits: bool = False, graph: bool | None = None) -> Tensor:
+        """One decode step of B sequences at once: tokens[b] at position caches[b].length of caches[b] (X:
+        their HC states [B, C, dim], or None to embed here) -> [B, C, dim], or with `logits` [B, vocab]. Row b
+        equals `decode(tokens[b], caches[b])`: the projections, router and experts run over the B rows together
+        (each weight read once for all of them), what reads or writes a KV runs per sequence. On CUDA it
+        replays a graph captured for this tuple of caches and the position bucket of the longest (captured on
+        first use; its warm-up writes each cache's next position, which the step itself then overwrites). A
+        streaming stage decodes the sequences one after another (its segmented graphs are per sequence). The
+        result is the graph's output buffer: read it before the next step."""
+        if len(tokens) != len(caches) or not caches:
+            raise ValueError(f"a batched step needs one token per sequence ({len(tokens)} tokens, {len(caches)} "
+                             "caches)")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a batched step holds each sequence once")
+        for c in caches:
+            c.check_room(1)
+        if len(caches) == 1 or self.experts is not None:
+            outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
+                    for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
+            return torch.stack(outs) if logits else torch.cat(outs)
+        if X is not None:
+            X = X.to(self.device, torch.float32)
+        bucket = max(self.bucket(c) for c in caches)
+        key = ("batch", tuple(id(c) for c in caches), bucket, X is None, logits)
+        g = self._graph(graph, key, lambda: _BatchGraph(self, caches, bucket, X is None, logits))
+        if g is None:
+            g = _BatchInputs(self, caches, X is None)
+            g.set(tokens, X)
+            out = self._batch_step(g, bucket, logits)
+        else:
+            out = g.run(tokens, X)
+        for c in caches:
+            c.advance(1)
+        return out
+
+    def _batch_step(self, inp: _BatchInputs, bucket: int, logits: bool) -> Tensor:
+        """The batched decode step (what its graph captures): layers over the B rows, the head over all."""
+        st = Step(inp.pos, None, None, bucket, None)
+        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, inp.caches, st)
+        return self.head(X) if logits else X
 
     def short_rows(self, n: int, cache: KVCache) -> int:
         """The row class a prompt of n tokens runs in as one static-shape step at cache.length, or 0 when it
@@ -639,8 +708,8 @@ class GpuStage:
         return g
 
     def drop_graphs(self, cache: KVCache) -> None:
-        """Release the step graphs captured for a cache (when the cache itself goes)."""
-        for key in [k for k in self._graphs if k[0] == id(cache)]:
+        """Release the step graphs captured for a cache (when the cache itself goes), batched ones included."""
+        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] == "batch" and id(cache) in k[1])]:
             del self._graphs[key]
 
 
@@ -706,6 +775,49 @@ class _StepGraph(_StepInputs):
 
     def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
         self.set(tokens, position, X)
+        self.graph.replay()
+        return self.out
+
+
+class _BatchInputs:
+    """The device inputs of a batched decode step: one token and one position per sequence (set by small
+    fills, never a host-to-device copy, which would wait for the queued steps), and for a stage that does
+    not embed the HC states."""
+
+    def __init__(self, stage: GpuStage, caches: list[KVCache], embedded: bool) -> None:
+        dev, cfg, B = stage.device, stage.cfg, len(caches)
+        self.caches = list(caches)  # a graph writes into these caches' tensors: keep them alive with it
+        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
+        self.pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=dev)
+        self.x = None if embedded else torch.zeros(B, cfg.hc_mult, cfg.dim, device=dev)
+
+    def set(self, tokens: list[int], X: Tensor | None) -> None:
+        for b, (t, c) in enumerate(zip(tokens, self.caches, strict=True)):
+            self.tok[b].fill_(int(t))
+            self.pos[b].fill_(c.length)
+        if self.x is not None:
+            self.x.copy_(X)
+
+
+class _BatchGraph(_BatchInputs):
+    """A batched decode step over a fixed tuple of caches captured in a CUDA graph, as _StepGraph does it."""
+
+    def __init__(self, stage: GpuStage, caches: list[KVCache], bucket: int, embedded: bool, logits: bool) -> None:
+        super().__init__(stage, caches, embedded)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            stage._batch_step(self, bucket, logits)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        if stage.graph_pool is None:
+            stage.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(self.graph, pool=stage.graph_pool):
+            self.out = stage._batch_step(self, bucket, logits)
+        self.graph.replay()
+
+    def run(self, tokens: list[int], X: Tensor | None = None) -> Tensor:
+        self.set(tokens, X)
         self.graph.replay()
         return self.out
 

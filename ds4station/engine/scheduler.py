@@ -4,15 +4,20 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
 - one worker thread runs the engine (torch is driven from one thread only); it also loads the engine, so
   the HTTP server answers /health while the weights load, and runs two short requests of its own before it
   says ready (first-use costs paid before the first client);
-- requests beyond the running one wait in a bounded queue; a full queue raises `QueueFull` at once so
-  the server can answer 503 + Retry-After instead of piling up work;
-- up to `max_sessions` live KV states are kept; each request is served from the session with the longest
-  common token prefix and only the suffix is prefilled (in chunks, checking for cancellation between
-  chunks); a session that cannot roll back far enough (`truncate` returns False) is re-prefilled;
-- the decode loop samples, detokenizes incrementally, applies stop tokens / stop strings / max tokens,
-  and checks the request's cancel flag before every step, so a client that goes away stops the
-  generation within one decode step; on an engine that queues its steps (`queues_steps`: one local CUDA
-  stage) each sampled token is fed to the next step before its text is made and sent, so the two overlap;
+- continuous batching: up to `batch` requests run at once (each holds one live session); every scheduler
+  step prefills prompt pieces within `prefill_budget` tokens (the shortest remaining prompt first), then
+  runs one batched decode step for every request that continues with one token (`decode_batch`: each weight
+  read once for all of them); a new request joins at the next step and a finished one leaves at the end of
+  its step. Requests beyond the batch wait in a bounded queue; a full queue raises `QueueFull` at once so
+  the server can answer 503 + Retry-After instead of piling up work. `steps` is the step log (who decoded,
+  who prefilled how much) and `batch_totals` its counters;
+- up to `max_sessions` live KV states are kept; each request is served from the idle session with the
+  longest common token prefix and only the suffix is prefilled (a session that cannot roll back far enough
+  is re-prefilled); the cancel flag is checked before every step, so a client that goes away stops its
+  generation within one step;
+- each request samples, detokenizes incrementally and applies stop tokens / stop strings / max tokens; on
+  an engine that queues its steps (`queues_steps`: one local CUDA stage) the batched step is launched
+  before the step's texts are made and sent, so the two overlap;
 - a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) when no
   request arrives within SETTLE_GRACE, so settling never delays an unrelated request; a request that
   continues the turn before then settles it first (that prefill is its own work), so what it reuses does
@@ -238,13 +243,15 @@ SHUTTING_DOWN = "the server is shutting down"
 
 
 class _Discard:
-    """Where a warm-up job's events go: nowhere."""
+    """Where a warm-up job's events go: nowhere (its Finished is kept, to tell a failed warm-up)."""
 
     def __init__(self, job: Job) -> None:
         self.job = job
+        self.finished: Finished | None = None
 
     def _post(self, event: Event) -> None:
-        pass
+        if isinstance(event, Finished):
+            self.finished = event
 
 
 class Handle:
@@ -294,6 +301,7 @@ class LiveSession:
     last_used: float = 0.0
     requests: int = 0
     unsettled: tuple[int, list[int]] | None = None  # (prompt length, generated tokens) of a turn to settle
+    busy: bool = False  # a running request holds it: no other prompt may be served from it meanwhile
 
     @property
     def tokens(self) -> list[int]:
@@ -338,10 +346,16 @@ class SessionPool:
         self.resets = 0  # truncations that failed and fell back to a fresh prefill
         self.checkpoint_hits = 0  # hits served from a session's prompt checkpoint, beyond the rollback
 
+    def available(self) -> bool:
+        """A prompt can be served now: a slot is free or a live session is not held by a running request."""
+        return len(self.slots) < self.capacity or any(not s.busy for s in self.slots)
+
     def acquire(self, prompt: Sequence[int]) -> tuple[LiveSession, int, Reuse]:
-        """The session to serve `prompt` from, truncated to the reused prefix; that prefix's length; and why."""
+        """The session to serve `prompt` from, truncated to the reused prefix; that prefix's length; and why.
+        Sessions held by running requests are not candidates (see `available`)."""
         limit = max(len(prompt) - 1, 0)  # at least one token must be prefilled to get logits
-        scored = [(min(common_prefix(s.tokens, prompt), limit), s.last_used, s) for s in self.slots]
+        idle = [s for s in self.slots if not s.busy]
+        scored = [(min(common_prefix(s.tokens, prompt), limit), s.last_used, s) for s in idle]
         scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
         free = len(self.slots) < self.capacity
         chosen: tuple[int, LiveSession, str] | None = None
@@ -358,7 +372,7 @@ class SessionPool:
             elif common > 0 and common >= discard:
                 chosen = (common, best, "an edit: the live session keeps at least as much as it rolls back")
             elif not free:  # the least recently used session is given up for this prompt
-                lru = min(self.slots, key=lambda s: s.last_used)
+                lru = min(idle, key=lambda s: s.last_used)
                 chosen = (min(common_prefix(lru.tokens, prompt), limit), lru,
                           "no free slot: the least recently used session was taken")
                 taken = True
@@ -379,7 +393,7 @@ class SessionPool:
         outcome = "hit" if common > 0 else "miss"
         if kept_to < 0:  # its state is unchanged: it may be kept
             self.resets += 1
-            others = [s for s in self.slots if s is not live]
+            others = [s for s in idle if s is not live]
             victim: LiveSession | None
             if taken:  # given up for this prompt anyway
                 victim, kept = live, "that slot started again"
@@ -429,6 +443,61 @@ class SessionPool:
 
 
 @dataclass
+class _Stream:
+    """One admitted request as the worker thread runs it: its session, how far its prompt is, its decode
+    state. Only the worker thread changes it (/status reads a snapshot)."""
+
+    job: Job
+    handle: Handle
+    live: LiveSession
+    cached: int
+    reuse: Reuse
+    started: float
+    todo: list[int]  # the prompt's tokens after the reused prefix
+    timings: Timings
+    done: int = 0  # of `todo`, prefilled
+    phase: str = "prefill"  # prefill | decode
+    logits: torch.Tensor | None = None  # of the last token fed
+    t_decode: float | None = None
+    sampler: Sampler | None = None
+    detok: Detokenizer | None = None
+    scanner: StopScanner | None = None
+    bias: torch.Tensor | None = None  # banned tokens and logit_bias over the vocabulary
+    raw: list[str] = field(default_factory=list)  # all decoded text, to name the stop string that matched
+    outputs: list[int] = field(default_factory=list)  # every generated token, in order
+    feed: list[int] = field(default_factory=list)  # accepted at this step, fed to the engine at this step
+    unshown: list[int] = field(default_factory=list)  # accepted at this step, text not made yet
+    forced: deque[int] = field(default_factory=deque)
+    directive: Forced | Allowed | None = None
+    ttft_ms: float = 0.0
+    ended: str | None = None  # why it ends at the end of this step
+    matched: str | None = None  # the stop string that ended it
+
+    @property
+    def generated(self) -> int:
+        return len(self.outputs)
+
+    def describe(self, now: float) -> dict[str, Any]:
+        """What /status shows of it, with the running phase's rate so far (what a panel shows meanwhile)."""
+        decoding = self.phase == "decode" and self.t_decode is not None
+        elapsed = max(now - (self.t_decode if decoding and self.t_decode else self.started), 1e-6)
+        return {"id": self.job.id, "kind": self.job.kind, "phase": self.phase, "prompt_tokens": len(self.job.prompt),
+                "cached_tokens": self.cached, "prefilled": self.done, "generated": self.generated,
+                "phase_s": round(elapsed, 3),
+                "tokens_per_second": round((self.generated if decoding else self.done) / elapsed, 2)}
+
+
+@dataclass
+class StepRecord:
+    """One scheduler step (the step log): the requests that decoded in its batched step, and the prompt
+    tokens each prefilling request got."""
+
+    step: int
+    decoded: list[int]
+    prefilled: dict[int, int]
+
+
+@dataclass
 class RequestRecord:
     """What /status shows about a finished request."""
 
@@ -446,10 +515,11 @@ class RequestRecord:
 
 
 class Scheduler:
-    """Runs jobs one at a time on the engine in a dedicated thread; see the module docstring."""
+    """Runs jobs on the engine in a dedicated thread, batched; see the module docstring."""
 
     def __init__(self, loader: Callable[[], GenerationEngine], *, sessions: int = 2, max_queue: int = 16,
-                 prefill_chunk: int = 256, ctx: int | None = None,
+                 prefill_chunk: int = 256, ctx: int | None = None, batch: int | None = None,
+                 prefill_budget: int | None = None,
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
                  observers: Sequence[Callable[[Job, Finished], None]] = (), owns_engine: bool = True,
                  max_restarts: int = 0, restart_backoff: float = 1.0) -> None:
@@ -457,12 +527,27 @@ class Scheduler:
         trace; append to `observers` before `start`). `max_restarts`: attempts to load the engine again after a
         stage went down (0: the scheduler stays failed), the first after `restart_backoff` seconds, each
         further one after twice as long as the one before. `owns_engine=False`: `stop` (and a restart) leave
-        the loaded engine open (tests share one between schedulers)."""
+        the loaded engine open (tests share one between schedulers). `batch`: requests running at once (each
+        holds a session; default and at most `sessions`); `prefill_budget`: prompt tokens prefilled per step
+        over all prefilling requests, between two decode steps of the running ones (default `prefill_chunk`,
+        at most `prefill_chunk`)."""
+        batch = sessions if batch is None else batch
+        budget = prefill_chunk if prefill_budget is None else prefill_budget
+        if not 1 <= batch <= sessions:
+            raise ValueError(f"batch {batch}: use 1 to {sessions} (each running request holds one of the "
+                             f"{sessions} KV session(s))")
+        if not 1 <= budget <= prefill_chunk:
+            raise ValueError(f"prefill budget {budget}: use 1 to the prefill chunk, {prefill_chunk} tokens")
         self._loader = loader
         self.owns_engine = owns_engine
         self.capacity = sessions
         self.max_queue = max_queue
         self.prefill_chunk = prefill_chunk
+        self.batch = batch
+        self.prefill_budget = budget
+        self._streams: list[_Stream] = []  # the running requests, in order of admission
+        self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
+        self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
         self.ctx = ctx
         self._make_detok = detokenizer or _default_detokenizer
         self.observers = list(observers)
@@ -480,7 +565,6 @@ class Scheduler:
         self._queue: queue.Queue[tuple[Job, Handle] | None] = queue.Queue(maxsize=max_queue)
         self._ids = itertools.count(1)
         self._warm_ids = itertools.count(1)
-        self._running: dict[str, Any] | None = None
         self.recent: deque[RequestRecord] = deque(maxlen=32)
         self.totals = {"requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
                        "cancelled": 0, "errors": 0}
@@ -529,8 +613,8 @@ class Scheduler:
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel queued work and stop the worker after the running step."""
         self._closing.set()
-        if self._running is not None:
-            self._running["job"].cancel.set()
+        for stream in list(self._streams):
+            stream.job.cancel.set()
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -606,41 +690,32 @@ class Scheduler:
                 self.state = "ready"
         self.ready.set()
         while True:
-            item = self._next()
-            self._idle.clear()
-            if item is None:
+            if not self._streams:
+                item = self._next()
+                self._idle.clear()
+                if item is None:
+                    return
+                if isinstance(item, str):  # a stage went down while the worker waited
+                    self._recover(item)
+                    continue
+                try:
+                    self._admit(*item)
+                except Exception as e:  # the engine went down while the session was being set up
+                    self._admit_failed(item, e)
+                    continue
+            stopping = self._admit_queued()
+            while self._streams:
+                self._step_guarded()
+                if not stopping:
+                    break
+            if stopping:
                 return
-            if isinstance(item, str):  # a stage went down while the worker waited
-                self._recover(item)
-                continue
-            job, handle = item
-            if self.state == "failed":  # queued while a restart was giving up
-                job.ended = self.unavailable()
-                job.cancel.set()
-            if job.cancel.is_set():
-                self._finish_unstarted(job, handle, reason="cancelled")
-                continue
-            try:
-                self._run(job, handle)
-            except Exception as e:
-                # The engine failed on this request: report it to the client; keep serving others, or, when a
-                # stage is down, restart the route (the state says so before the client hears of the error).
-                traceback.print_exc()
-                self._running = None
-                down = self._down()
-                error = f"{type(e).__name__}: {e}"
-                if down is not None:
-                    self._begin_recovery(down)
-                    if self.state == "restarting":
-                        error += "; the route is restarting: retry shortly"
-                self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0,
-                                                     error=error))
-                if down is not None:
-                    self._recover(down)
 
     def _load(self) -> None:
         self.engine = self._loader()
-        self.pool = SessionPool(self.engine, self.capacity)
+        # never more live sessions than the engine has KV slots (an engine loaded with fewer than asked for)
+        self.pool = SessionPool(self.engine, min(self.capacity, getattr(self.engine, "sessions", self.capacity)))
+        self.batch = min(self.batch, self.pool.capacity)
         self._warm()
         # A full collection now, while nobody waits: the warm-up's garbage goes and the collector's counts
         # start from zero, so the next full pass (~75-80 ms over the demo model's ~250K live objects on a
@@ -738,14 +813,24 @@ class Scheduler:
 
     def _warm(self) -> None:
         """Before ready: two short requests through the whole loop (prefill, a biased greedy pick and a
-        seeded draw, detokenizing, settling), so the first real request meets no first-use costs (lazily
-        loaded GPU kernels, first calls into the tokenizer); nothing of them stays in the pool or the stats."""
+        seeded draw, detokenizing, settling), run together so that a batched step is warm too, so the first
+        real request meets no first-use costs (lazily loaded GPU kernels, first calls into the tokenizer);
+        nothing of them stays in the pool or the stats."""
+        assert self.pool is not None
         tok = self.engine.tokenizer  # type: ignore[union-attr]
         prompt = [tok.bos_id, *tok.encode("warm up", allow_special=False)]
-        for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0)):
-            job = Job(prompt=prompt, max_tokens=2, sampling=sampling, stop_tokens={tok.eos_id},
-                      banned_tokens=[tok.eos_id], logit_bias={tok.bos_id: -1.0}, kind=WARM)
-            self._run(job, _Discard(job))  # type: ignore[arg-type]
+        sinks = [_Discard(Job(prompt=prompt, max_tokens=2, sampling=sampling, stop_tokens={tok.eos_id},
+                              banned_tokens=[tok.eos_id], logit_bias={tok.bos_id: -1.0}, kind=WARM))
+                 for sampling in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=0))]
+        waiting = list(sinks)
+        while waiting or self._streams:  # together when the batch has room for both
+            while waiting and self._can_admit():
+                sink = waiting.pop(0)
+                self._admit(sink.job, sink)  # type: ignore[arg-type]
+            self._step()
+        for sink in sinks:
+            if sink.finished is not None and sink.finished.reason == "error":
+                raise RuntimeError(f"the warm-up request failed: {sink.finished.error}")
 
     def _next(self) -> tuple[Job, Handle] | str | None:
         """The next queued item, or why the engine is down when a stage died while the worker waited. Turns
@@ -795,157 +880,302 @@ class Scheduler:
             self._open.pop(job.id, None)
             self._guard.notify_all()
 
-    def _run(self, job: Job, handle: Handle) -> None:
+    # ---- admitting requests -------------------------------------------------------------------------
+    def _can_admit(self) -> bool:
+        return len(self._streams) < self.batch and self.pool is not None and self.pool.available()
+
+    def _admit_queued(self) -> bool:
+        """Admit queued requests while the batch and the sessions have room (they join at the next step);
+        -> True when the stop sentinel was taken."""
+        while self._can_admit():
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            if item is None:
+                return True
+            self._admit(*item)
+        return False
+
+    def _admit(self, job: Job, handle: Handle) -> None:
+        """Give a request its live session (the longest reusable prefix) and start its prompt; it runs from
+        the next step on."""
         assert self.pool is not None and self.engine is not None
+        if self.state == "failed":  # queued while a restart was giving up
+            job.ended = self.unavailable()
+            job.cancel.set()
+        if job.cancel.is_set():
+            self._finish_unstarted(job, handle, reason="cancelled")
+            return
         started = time.monotonic()
-        counts = (self.pool.hits, self.pool.misses, self.pool.resets, self.pool.checkpoint_hits)
-        for waiting in list(self.pool.slots):
-            # a request that continues a turn not settled yet (it came within SETTLE_GRACE): settle it now
-            # when the prompt spells the answer as settling would; that prefill is this request's own work
-            if waiting.unsettled and common_prefix(waiting.tokens, job.prompt) >= waiting.unsettled[0]:
-                self._settle_turn(waiting, job.prompt)
-        live, cached, reuse = self.pool.acquire(job.prompt)
-        live.unsettled = None  # taken as it is: the prompt's common prefix with what the KV holds is reused
         try:
-            self._generate(job, handle, live, cached, reuse, started)
-        except Exception:
-            self.pool.drop(live)  # a half-extended KV must not serve a later prefix
-            raise
-        finally:
-            if job.kind == WARM:  # a warm-up leaves no session and no count behind
-                self.pool.drop(live)
+            for waiting in list(self.pool.slots):
+                # a request that continues a turn not settled yet (it came within SETTLE_GRACE): settle it now
+                # when the prompt spells the answer as settling would; that prefill is this request's own work
+                if not waiting.busy and waiting.unsettled and \
+                        common_prefix(waiting.tokens, job.prompt) >= waiting.unsettled[0]:
+                    self._settle_turn(waiting, job.prompt)
+            counts = (self.pool.hits, self.pool.misses, self.pool.resets, self.pool.checkpoint_hits)
+            live, cached, reuse = self.pool.acquire(job.prompt)
+            if job.kind == WARM:  # a warm-up leaves no count behind
                 self.pool.hits, self.pool.misses, self.pool.resets, self.pool.checkpoint_hits = counts
-
-    def _generate(self, job: Job, handle: Handle, live: LiveSession, cached: int, reuse: Reuse,
-                  started: float) -> None:
-        assert self.engine is not None
-        queue_ms = (started - job.queued_at) * 1000
-        session = live.session
+        except Exception as e:
+            if self._down() is not None:
+                raise
+            traceback.print_exc()
+            self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0,
+                                                 error=f"{type(e).__name__}: {e}"))
+            return
+        live.unsettled = None  # taken as it is: the prompt's common prefix with what the KV holds is reused
+        live.busy = True
         todo = job.prompt[cached:]
-        timings = Timings(cache_n=cached, prompt_n=len(todo))
-        self._running = {"job": job, "phase": "prefill", "prompt_tokens": len(job.prompt), "cached": cached,
-                         "done": 0, "generated": 0, "t0": started, "t_decode": None}
-        outputs: list[int] = []  # every generated token, in order
+        self._streams.append(_Stream(job, handle, live, cached, reuse, started, todo,
+                                     Timings(cache_n=cached, prompt_n=len(todo))))
 
-        def finish(reason: str, completion: int, ttft_ms: float, stop_string: str | None = None) -> Finished:
-            fin = Finished(reason, len(job.prompt), completion, timings, queue_ms, ttft_ms, stop_string=stop_string,
-                           reuse=reuse, output=list(outputs))
-            self._running = None
-            self._conclude(job, handle, fin)
-            return fin
+    def _admit_failed(self, item: tuple[Job, Handle], e: Exception) -> None:
+        """The engine went down while a request's session was set up: it ends with the error, and the route
+        restarts."""
+        traceback.print_exc()
+        job, handle = item
+        down = self._down()
+        error = f"{type(e).__name__}: {e}"
+        if down is not None:
+            self._begin_recovery(down)
+            if self.state == "restarting":
+                error += "; the route is restarting: retry shortly"
+        self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=error))
+        for stream in list(self._streams):
+            self._fail(stream, error)
+        if down is not None:
+            self._recover(down)
 
-        # ---- chunked prefill: the cancel flag is checked between chunks
-        logits: torch.Tensor | None = None
-        for start in range(0, len(todo), self.prefill_chunk):
-            if job.cancel.is_set():
-                timings.prompt_ms = (time.monotonic() - started) * 1000
-                finish("cancelled", 0, 0.0)
-                return
-            logits = session.extend(todo[start:start + self.prefill_chunk])
-            self._running["done"] = start + len(todo[start:start + self.prefill_chunk])
-            handle._post(Prefill(self._running["done"], len(todo), cached))
-        assert logits is not None
+    # ---- one step of every running request ------------------------------------------------------------
+    def _step_guarded(self) -> None:
+        """A step; when the engine fails in a way that is not one request's own (a stage down, a batched step),
+        every running request ends with the error, and a route whose stage is down is restarted."""
+        try:
+            self._step()
+        except Exception as e:
+            traceback.print_exc()
+            down = self._down()
+            error = f"{type(e).__name__}: {e}"
+            if down is not None:
+                self._begin_recovery(down)
+                if self.state == "restarting":
+                    error += "; the route is restarting: retry shortly"
+            for stream in list(self._streams):
+                self._fail(stream, error)
+            if down is not None:
+                self._recover(down)
+
+    def _step(self) -> None:
+        """One scheduler step: cancelled requests leave; prompt pieces within the prefill budget (the
+        shortest remaining prompt first, so a short request is not stuck behind a long one); then every
+        decoding request takes its next token(s) and all that continue with one token run one batched
+        decode step (several tokens, e.g. a forced tool call, run as their own prefill)."""
+        for stream in list(self._streams):
+            if stream.job.cancel.is_set():
+                self._end(stream, "cancelled")
+        budget = self.prefill_budget
+        prefilled: dict[int, int] = {}
+        for stream in sorted((s for s in self._streams if s.phase == "prefill"), key=lambda s: len(s.todo) - s.done):
+            if budget <= 0:
+                break
+            n = min(budget, len(stream.todo) - stream.done)
+            piece = stream.todo[stream.done:stream.done + n]
+            logits = self._engine_call([stream], lambda s=stream, p=piece: s.live.session.extend(p))
+            if logits is None:
+                continue
+            stream.logits = logits
+            stream.done += n
+            budget -= n
+            prefilled[stream.job.id] = n
+            stream.handle._post(Prefill(stream.done, len(stream.todo), stream.cached))
+            if stream.done == len(stream.todo):
+                self._begin_decode(stream)
+        ready = [s for s in self._streams if s.phase == "decode"]
+        for stream in ready:
+            if stream.ended is None:
+                self._choose(stream)
+        queued = bool(getattr(self.engine, "queues_steps", False))
+        if not queued:  # a step that blocks would hold the texts back: they go out first
+            for stream in ready:
+                self._show(stream)
+        feed = [s for s in ready if s.ended is None]
+        decoded = self._forward(feed)
+        if queued:  # the next step runs on the GPU while the texts are made and sent
+            for stream in ready:
+                self._show(stream)
+        for stream in ready:
+            if stream.ended is not None and stream in self._streams:
+                self._end(stream, stream.ended)
+        decoded = [i for i in decoded if i > 0]  # warm-up requests (negative ids) leave no statistics
+        prefilled = {i: n for i, n in prefilled.items() if i > 0}
+        if prefilled or decoded:
+            self.batch_totals["steps"] += 1
+            self.batch_totals["decode_rows"] += len(decoded)
+            self.batch_totals["decode_steps"] += bool(decoded)
+            self.batch_totals["prefill_tokens"] += sum(prefilled.values())
+            self.batch_totals["max_batch"] = max(self.batch_totals["max_batch"], len(decoded))
+            self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled))
+
+    def _engine_call(self, streams: list[_Stream], call: Callable[[], Any]) -> Any:
+        """Run an engine call for these requests; when it fails with the engine still up (the request's own
+        fault, e.g. its context is full), they end with the error and None is returned."""
+        try:
+            return call()
+        except Exception as e:
+            if self._down() is not None:
+                raise
+            traceback.print_exc()
+            for stream in streams:
+                self._fail(stream, f"{type(e).__name__}: {e}")
+            return None
+
+    def _forward(self, feed: list[_Stream]) -> list[int]:
+        """Feed every request its accepted tokens: one batched decode step for those with one token (the
+        engine's `decode_batch` when it has one, else one after another); -> the ids of the batched ones."""
+        singles = [s for s in feed if len(s.feed) == 1]
+        for stream in feed:
+            if len(stream.feed) > 1:  # a run of forced tokens is a prefill
+                logits = self._engine_call([stream], lambda s=stream: s.live.session.extend(s.feed,
+                                                                                         chunk=self.prefill_chunk))
+                if logits is not None:
+                    stream.logits = logits
+        decode_batch = getattr(self.engine, "decode_batch", None)
+        ids: list[int] = []
+        if len(singles) > 1 and decode_batch is not None:
+            limit = getattr(self.engine, "ctx", None) or self.ctx  # one full session must not fail the batch
+            for s in [s for s in singles if limit and len(s.live.session.tokens) + 1 > limit]:
+                self._fail(s, f"ValueError: context full: {len(s.live.session.tokens)} + 1 tokens exceed ctx "
+                              f"{limit}; start a new session or load with a larger --ctx")
+            singles = [s for s in singles if s in self._streams]
+            if len(singles) > 1:
+                logits = decode_batch([s.live.session for s in singles], [s.feed[0] for s in singles])
+                for b, stream in enumerate(singles):
+                    stream.logits = logits[b]
+                ids = [s.job.id for s in singles]
+                singles = []
+        for stream in singles:
+            logits = self._engine_call([stream], lambda s=stream: s.live.session.extend(s.feed,
+                                                                                     chunk=self.prefill_chunk))
+            if logits is not None:
+                stream.logits = logits
+                ids.append(stream.job.id)
+        for stream in feed:
+            stream.feed = []
+        return ids
+
+    def _begin_decode(self, stream: _Stream) -> None:
+        """The prompt is in the KV: time it, checkpoint it, and set up sampling and the text."""
+        assert self.engine is not None and stream.logits is not None
+        job, logits = stream.job, stream.logits
         if logits.is_cuda:  # graph replays return before the GPU is done: the prompt ends when its logits do
             torch.cuda.current_stream(logits.device).synchronize()
-        t_prompt = time.monotonic()
-        timings.prompt_ms = (t_prompt - started) * 1000
-        self._running["phase"], self._running["t_decode"] = "decode", t_prompt
+        stream.t_decode = time.monotonic()
+        stream.timings.prompt_ms = (stream.t_decode - stream.started) * 1000
+        stream.phase = "decode"
         # the prompt's end: the next turn comes back here however far beyond --rollback this answer runs
-        session.checkpoint()
-
-        # ---- decode
-        detok = self._make_detok(self.engine)
-        sampler = Sampler(job.sampling)
-        scanner = StopScanner(job.stop)
-        raw: list[str] = []  # all decoded text, to name the stop string that matched
-        bias: torch.Tensor | None = None  # banned tokens (-inf) and the client's logit_bias, built once
-        if job.banned_tokens or job.logit_bias:
+        stream.live.session.checkpoint()
+        stream.detok = self._make_detok(self.engine)
+        stream.sampler = Sampler(job.sampling)
+        stream.scanner = StopScanner(job.stop)
+        if job.banned_tokens or job.logit_bias:  # banned tokens (-inf) and the client's logit_bias, built once
             bias = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
             for token, value in job.logit_bias.items():
                 bias[token] = value
             bias[job.banned_tokens] = float("-inf")
-        generated = 0
-        ttft_ms = 0.0
-        reason = "length"
-        tail: list[int] = []  # accepted tokens not yet fed into the KV
-        forced: deque[int] = deque()
-        directive: Forced | Allowed | None = None
-        matched: str | None = None
-        # overlap host work with the GPU when the engine queues its steps (not under a guide, which decides
-        # the next token from the accepted ones)
-        queued = bool(getattr(self.engine, "queues_steps", False)) and job.guide is None
+            stream.bias = bias
+        if job.max_tokens <= 0:
+            stream.ended = "length"
 
-        def take(token: int) -> str | None:
-            """Account for one generated token; the finish reason when it ends the generation."""
-            nonlocal generated, ttft_ms, matched
+    def _choose(self, stream: _Stream) -> None:
+        """The request's next accepted tokens: forced by its guide, else one sampled from its logits (bias and
+        the guide's allowed set applied). Each is accounted for at once; a stop token or the token limit ends
+        the request (a stop token's text is never shown); the rest is fed at this step and shown."""
+        job = stream.job
+        if not stream.forced and job.guide is not None:
+            stream.directive = job.guide.next()
+            if isinstance(stream.directive, Forced):
+                stream.forced.extend(stream.directive.tokens)
+        if stream.forced:
+            n = min(len(stream.forced), job.max_tokens - stream.generated)
+            tokens = [stream.forced.popleft() for _ in range(n)]
+        else:
+            assert stream.logits is not None and stream.sampler is not None
+            logits, directive = stream.logits, stream.directive
+            if stream.bias is not None or isinstance(directive, Allowed):
+                logits = logits.float() + stream.bias if stream.bias is not None else logits.float().clone()
+                if isinstance(directive, Allowed):
+                    logits[~directive.mask.to(logits.device)] = float("-inf")
+            tokens = [stream.sampler(logits)]
+        for token in tokens:
             if job.guide is not None:
                 job.guide.accept(token)
-            generated += 1
-            if generated == 1:
-                ttft_ms = (time.monotonic() - job.queued_at) * 1000
-            outputs.append(token)
-            self._running["generated"] = generated
+            stream.outputs.append(token)
+            if stream.generated == 1:
+                stream.ttft_ms = (time.monotonic() - job.queued_at) * 1000
+            stream.feed.append(token)
             if token in job.stop_tokens:
-                return "stop"
-            piece = detok.push(token)
-            raw.append(piece)
-            shown = scanner.feed(piece)
-            if shown:
-                handle._post(Text(shown, 1))
-            if scanner.stopped:
-                text = "".join(raw)
-                matched = min((s for s in job.stop if s and s in text), key=text.find)
-                return "stop"
-            return None
+                stream.ended = "stop"
+                break
+            stream.unshown.append(token)
+        if stream.ended is None and stream.generated >= job.max_tokens:
+            stream.ended = "length"
 
-        while generated < job.max_tokens:
-            if job.cancel.is_set():
-                reason = "cancelled"
+    def _show(self, stream: _Stream) -> None:
+        """Text of the tokens accepted at this step, through the stop-string scanner, to the client. A stop
+        string ends the request; when the step was already queued its last token is in the KV one step early,
+        which settling rolls back like any other divergence."""
+        assert stream.detok is not None and stream.scanner is not None
+        for token in stream.unshown:
+            piece = stream.detok.push(token)
+            stream.raw.append(piece)
+            shown = stream.scanner.feed(piece)
+            if shown:
+                stream.handle._post(Text(shown, 1))
+            if stream.scanner.stopped:
+                text = "".join(stream.raw)
+                stream.matched = min((s for s in stream.job.stop if s and s in text), key=text.find)
+                stream.ended = "stop"
                 break
-            if tail:
-                # one forward for everything accepted since the last one (a run of forced tokens is a prefill)
-                logits = session.extend(tail, chunk=self.prefill_chunk)
-                tail = []
-            if not forced and job.guide is not None:
-                directive = job.guide.next()
-                if isinstance(directive, Forced):
-                    forced.extend(directive.tokens)
-            batch_fed = False
-            if forced:
-                batch = [forced.popleft() for _ in range(min(len(forced), job.max_tokens - generated))]
-            else:
-                step_logits = logits
-                if bias is not None or isinstance(directive, Allowed):
-                    step_logits = logits.float() + bias if bias is not None else logits.float().clone()
-                    if isinstance(directive, Allowed):
-                        step_logits[~directive.mask.to(step_logits.device)] = float("-inf")
-                batch = [sampler(step_logits)]
-                if queued and 0 < generated < job.max_tokens - 1:
-                    # the next step is queued before this token's text is made and sent, so the two overlap
-                    # (not for the first token, whose text goes out first); a token that ends the generation
-                    # (a stop token or string) is then in the KV one step early, which settling rolls back
-                    # like any other divergence
-                    logits = session.extend(batch, chunk=self.prefill_chunk)
-                    batch_fed = True
-            ended = None
-            for token in batch:
-                if not batch_fed:
-                    tail.append(token)
-                ended = take(token)
-                if ended:
-                    break
-            if ended:
-                reason = ended
-                break
-        if not scanner.stopped and reason != "cancelled":
-            rest = scanner.feed(detok.flush()) + scanner.flush()
-            if rest:
-                handle._post(Text(rest, 0))
-        timings.predicted_n = generated
-        timings.predicted_ms = (time.monotonic() - t_prompt) * 1000
-        finish(reason, generated, ttft_ms, matched)
-        if reason != "cancelled" and outputs:
-            live.unsettled = (len(job.prompt), outputs)  # settled when the worker is idle (see _next)
+        stream.unshown = []
+
+    def _end(self, stream: _Stream, reason: str) -> None:
+        """The request is done: the rest of its text, its timings and Finished; its session is free again
+        (its turn to be settled when the worker is idle, see _next)."""
+        assert self.pool is not None
+        job, t = stream.job, stream.timings
+        now = time.monotonic()
+        if stream.phase == "prefill":  # cancelled before its first token
+            t.prompt_ms = (now - stream.started) * 1000
+        else:
+            assert stream.scanner is not None and stream.detok is not None and stream.t_decode is not None
+            if not stream.scanner.stopped and reason != "cancelled":
+                rest = stream.scanner.feed(stream.detok.flush()) + stream.scanner.flush()
+                if rest:
+                    stream.handle._post(Text(rest, 0))
+            t.predicted_n = stream.generated
+            t.predicted_ms = (now - stream.t_decode) * 1000
+        self._streams.remove(stream)
+        stream.live.busy = False
+        fin = Finished(reason, len(job.prompt), stream.generated, t, (stream.started - job.queued_at) * 1000,
+                       stream.ttft_ms, stop_string=stream.matched, reuse=stream.reuse, output=list(stream.outputs))
+        self._conclude(job, stream.handle, fin)
+        if job.kind == WARM:  # a warm-up leaves no session behind
+            self.pool.drop(stream.live)
+        elif reason != "cancelled" and stream.outputs:
+            stream.live.unsettled = (len(job.prompt), list(stream.outputs))  # settled when the worker is idle
+
+    def _fail(self, stream: _Stream, error: str) -> None:
+        """The engine failed on this request: it ends with the error, and its half-extended KV is dropped (it
+        must not serve a later prefix)."""
+        assert self.pool is not None
+        if stream in self._streams:
+            self._streams.remove(stream)
+        self.pool.drop(stream.live)
+        self._conclude(stream.job, stream.handle, Finished("error", len(stream.job.prompt), 0, Timings(), 0.0, 0.0,
+                                                           error=error))
 
     def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int],
                 want: Sequence[int] | None = None) -> None:
@@ -996,17 +1226,10 @@ class Scheduler:
 
     # ---- introspection ---------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        running = None
-        if self._running is not None:
-            r = self._running
-            # the running phase's rate so far: what a panel shows while the request is still going
-            decoding = r["phase"] == "decode" and r["t_decode"] is not None
-            since = r["t_decode"] if decoding else r["t0"]
-            elapsed = max(time.monotonic() - since, 1e-6)
-            running = {"id": r["job"].id, "kind": r["job"].kind, "phase": r["phase"],
-                       "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached"],
-                       "prefilled": r["done"], "generated": r["generated"], "phase_s": round(elapsed, 3),
-                       "tokens_per_second": round((r["generated"] if decoding else r["done"]) / elapsed, 2)}
+        now = time.monotonic()
+        running = [stream.describe(now) for stream in list(self._streams)]
+        totals = dict(self.batch_totals)
+        last = self.steps[-1] if self.steps else None
         sessions = self.pool.describe() if self.pool is not None else []
         return {
             "state": self.state,
@@ -1015,6 +1238,11 @@ class Scheduler:
             "restarts": self.restarts,
             "queue": {"length": self.queue_length(), "capacity": self.max_queue},
             "running": running,
+            "batch": {"limit": self.batch, "prefill_budget": self.prefill_budget, **totals,
+                      "mean_decode_batch": round(totals["decode_rows"] / totals["decode_steps"], 3)
+                      if totals["decode_steps"] else 0.0,
+                      "last_step": {"decoded": len(last.decoded), "prefill_tokens": sum(last.prefilled.values())}
+                      if last else None},
             "sessions": {"capacity": self.capacity, "live": sessions,
                          "kv_bytes": sum(s["kv_bytes"] for s in sessions),
                          "prefix_hits": self.pool.hits if self.pool else 0,

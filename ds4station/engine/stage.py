@@ -12,7 +12,8 @@ Shared by the engine (engine.py, rank 0, which runs stage 0 in its own process) 
   allocates `sessions` KV slots sized for the stage's layers at load (a session is a slot, reused with its
   decode graphs), and warms up (`warm`: kernels compiled, decode graphs captured) before the stage is ready;
 - the wire protocol: every message is an int64 header [op, session, n, bits, flags, arg, payload bytes, 0]
-  followed, when payload bytes > 0, by one uint8 payload. Messages flow down the chain rank 0 -> 1 -> ... ->
+  followed, when payload bytes > 0, by one uint8 payload (a batched decode step, OP_BATCH, carries n session
+  ids before its tokens and states). Messages flow down the chain rank 0 -> 1 -> ... ->
   n-1, each worker applying and forwarding them, so a worker only ever listens to its predecessor; the last
   stage answers rank 0 directly (the logits when it holds the output head, else the last position's HC
   state, which rank 0 turns into logits; or a status acknowledgement);
@@ -56,7 +57,7 @@ from .kv import KVCache
 from .model import DS4Model, RoundTrips
 
 # ---- wire protocol -----------------------------------------------------------------------------------
-OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND = 1, 2, 3, 4, 5, 6, 7, 8
+OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND, OP_BATCH = range(1, 10)
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 HEADER_LEN = 8
 ACTIVATION_BITS = (16, 32)
@@ -369,6 +370,19 @@ class StageRunner:
         return self.model.prefill(tokens, cache, X, logits=self.logits)
 
     @torch.inference_mode()
+    def step_batch(self, sids: list[int], tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
+        """One decode step of several sessions (token b of session sids[b]) -> their states [B, C, dim], or
+        on the last stage holding the head their logits [B, vocab]. The kernel stage batches them (weights
+        read once for all); the reference decodes them one after another."""
+        caches = [self.kv[sid] for sid in sids]
+        ids = [int(t) for t in tokens.tolist()]
+        if isinstance(self.model, GpuStage):
+            return self.model.decode_batch(ids, caches, X, logits=self.logits).clone()  # the graph's buffer
+        outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
+                for b, (t, c) in enumerate(zip(ids, caches, strict=True))]
+        return torch.stack(outs) if self.logits else torch.cat(outs)
+
+    @torch.inference_mode()
     def head(self, X: torch.Tensor) -> torch.Tensor:
         """Rank 0's head over the HC state the last stage sent back -> logits [T, vocab]."""
         return self.model.head(X.to(self.device, torch.float32))
@@ -629,6 +643,22 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
                     link.send(out.float(), 0)
                 else:  # the head is on rank 0: send the last position's state back
                     link.send(pack(tokens[-1:], out[-1:], bits), 0)
+            if time.monotonic() - published > 1.0:
+                publish()
+            continue
+        if op == OP_BATCH:  # n sessions, one token each: their ids, then tokens and states as OP_EXTEND's
+            assert payload is not None
+            sids = payload[: 8 * n].view(torch.int64)
+            tokens, X = unpack(payload[8 * n:], n, bits, cfg.hc_mult, cfg.dim)
+            out = runner.step_batch([int(v) for v in sids.tolist()], tokens, X)
+            if not last:
+                body = torch.cat((sids.view(torch.uint8), pack(tokens, out, bits).to(sids.device)))
+                link.send(header(op, 0, n, bits, flags, payload=body.numel()), nxt)
+                link.send(body, nxt)
+            elif runner.logits:
+                link.send(out.float(), 0)
+            else:
+                link.send(pack(tokens, out, bits), 0)
             if time.monotonic() - published > 1.0:
                 publish()
             continue

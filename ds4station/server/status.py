@@ -73,8 +73,22 @@ class _SchedulerCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         st = self.scheduler.status()
-        yield GaugeMetricFamily("ds4_queue_length", "Requests waiting behind the running one", st["queue"]["length"])
-        yield GaugeMetricFamily("ds4_running", "Requests running now (0 or 1)", 1 if st["running"] else 0)
+        yield GaugeMetricFamily("ds4_queue_length", "Requests waiting for a place in the batch", st["queue"]["length"])
+        yield GaugeMetricFamily("ds4_running", "Requests running now (prefilling or decoding)", len(st["running"]))
+        batch = st["batch"]
+        yield GaugeMetricFamily("ds4_batch_limit", "Requests that may run at once (--batch)", batch["limit"])
+        last = batch["last_step"] or {"decoded": 0, "prefill_tokens": 0}
+        yield GaugeMetricFamily("ds4_step_decode_batch", "Requests in the last step's batched decode",
+                                last["decoded"])
+        yield GaugeMetricFamily("ds4_step_prefill_tokens", "Prompt tokens prefilled in the last step",
+                                last["prefill_tokens"])
+        yield CounterMetricFamily("ds4_steps", "Scheduler steps run", batch["steps"])
+        yield CounterMetricFamily("ds4_decode_steps", "Steps that ran a decode (batched or one request)",
+                                  batch["decode_steps"])
+        yield CounterMetricFamily("ds4_decode_rows", "Tokens decoded by the steps' decodes (rows / steps = mean "
+                                  "batch)", batch["decode_rows"])
+        yield CounterMetricFamily("ds4_step_prefill_tokens_sum", "Prompt tokens prefilled by the steps",
+                                  batch["prefill_tokens"])
         sessions = st["sessions"]
         yield GaugeMetricFamily("ds4_live_sessions", "Live KV sessions held", len(sessions["live"]))
         yield GaugeMetricFamily("ds4_kv_bytes", "Bytes of KV held by the live sessions", sessions["kv_bytes"])
@@ -168,7 +182,7 @@ async def status(request: Request) -> dict[str, Any]:
         "stages": _stages(sched, extra, device, n_layers, s["sessions"]["kv_bytes"]),
         "kv": {"bytes": s["sessions"]["kv_bytes"], "tokens": sum(x["tokens"] for x in s["sessions"]["live"]),
                "ctx": st.ctx},
-        "sessions": s["sessions"], "queue": s["queue"], "running": s["running"],
+        "sessions": s["sessions"], "queue": s["queue"], "running": s["running"], "batch": s["batch"],
         "throughput": {
             "recent": recent,
             "prompt_tokens_per_second": _mean(r["prompt_per_second"] for r in recent if r["prompt_per_second"]),

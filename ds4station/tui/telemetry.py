@@ -175,9 +175,10 @@ def host_sample() -> HostSample:
 
 
 class Throughput:
-    """The server's decode and prefill tok/s over time, one point per refresh: the running request's rate in
-    its phase (0 for the other phase), else the rates of requests that finished since the last refresh (at
-    the time they finished; a request shorter than a refresh is seen only so), else 0 (idle)."""
+    """The server's decode and prefill tok/s over time, one point per refresh: the running requests' rates
+    in their phases, summed (a batch of four streams decodes four times one stream's tokens), else the rates
+    of requests that finished since the last refresh (at the time they finished; a request shorter than a
+    refresh is seen only so), else 0 (idle)."""
 
     def __init__(self) -> None:
         self.decode: collections.deque[Point] = _series()
@@ -186,12 +187,12 @@ class Throughput:
     def add(self, now: float, status: dict[str, Any] | None, finished: Sequence[dict[str, Any]] = ()) -> None:
         if status is None:
             return
-        running = status.get("running") or {}
-        rate = number(running.get("tokens_per_second"))
-        if running and rate is not None:
-            decoding = running.get("phase") == "decode"
-            self.decode.append((now, rate if decoding else 0.0))
-            self.prefill.append((now, 0.0 if decoding else rate))
+        running = [r for r in running_requests(status) if number(r.get("tokens_per_second")) is not None]
+        if running:
+            self.decode.append((now, sum(number(r["tokens_per_second"]) for r in running
+                                         if r.get("phase") == "decode")))
+            self.prefill.append((now, sum(number(r["tokens_per_second"]) for r in running
+                                          if r.get("phase") != "decode")))
             return
         for r in sorted(finished, key=lambda r: number(r.get("finished_at")) or now):
             t = min(number(r.get("finished_at")) or now, now)
@@ -200,6 +201,11 @@ class Throughput:
         if not finished:
             self.decode.append((now, 0.0))
             self.prefill.append((now, 0.0))
+
+
+def running_requests(status: dict[str, Any]) -> list[dict[str, Any]]:
+    """The requests /status says are running, in order of admission."""
+    return [r for r in status.get("running") or [] if isinstance(r, dict)]
 
 
 def collect_gpus(devices: Sequence[Device]) -> tuple[list[Gpu], list[Sample]]:

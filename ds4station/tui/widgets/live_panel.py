@@ -14,7 +14,18 @@ from textual.widgets import Static
 
 from ds4station.model.sizes import gib
 
-from ..telemetry import SPAN_S, GpuReading, Point, Throughput, bar, card_name, chart, number, time_axis
+from ..telemetry import (
+    SPAN_S,
+    GpuReading,
+    Point,
+    Throughput,
+    bar,
+    card_name,
+    chart,
+    number,
+    running_requests,
+    time_axis,
+)
 
 
 def _hit_rate(cache: dict[str, Any]) -> float | None:
@@ -94,14 +105,22 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
                                f"sessions {len(live)}/{sessions.get('capacity', '?')}",
                                (f"  (stages {per_stage})" if len(stages) > 1 else "", "dim")))
     queue = status.get("queue") or {}
-    running = status.get("running")
+    running = running_requests(status)
+    batch = status.get("batch") or {}
     now_text = ""
-    if running:  # the request under way, at the refresh rate
-        done = running.get("generated") if running.get("phase") == "decode" else running.get("prefilled")
-        rate = running.get("tokens_per_second")
-        now_text = f"  running: {running['phase']} #{running['id']}"
-        if isinstance(done, int) and isinstance(rate, (int, float)):
-            now_text += f", {done} tokens at {rate:.1f} tok/s"
+    if running:  # the requests under way, at the refresh rate
+        now_text = f"  running {len(running)}/{batch.get('limit', '?')}:"
+        for r in running[:4]:
+            done = r.get("generated") if r.get("phase") == "decode" else r.get("prefilled")
+            rate = r.get("tokens_per_second")
+            now_text += f" #{r.get('id')} {r.get('phase')}"
+            if isinstance(done, int) and isinstance(rate, (int, float)):
+                now_text += f" {done} tok {rate:.1f}/s"
+        if len(running) > 4:
+            now_text += f" +{len(running) - 4}"
+        mean = batch.get("mean_decode_batch")
+        if isinstance(mean, (int, float)) and mean:
+            now_text += f"; batch mean {mean:.1f}"
     parts.append(Text.assemble(("queue   ", "bold"), f"{queue.get('length', 0)}/{queue.get('capacity', '?')}",
                                now_text or "  idle"))
     cache = status.get("expert_cache")
