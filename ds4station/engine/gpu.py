@@ -62,6 +62,8 @@ SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score bloc
 MIN_BUCKET = 4096  # smallest decode position bucket
 # Row classes of the static-shape short prefill: a prompt of 2..32 tokens runs padded to the next class.
 SHORT_ROWS = (4, 8, 16, 24, 32)
+# A batched decode step's graph is captured once its tuple of caches has decoded together this many times.
+BATCH_CAPTURE_AFTER = 8
 
 
 def _q(w: Weight) -> QTensor:
@@ -319,7 +321,8 @@ class GpuStage:
                                             for k in ("fn", "scale", "base")), cfg)
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
-        self._graphs: dict[tuple, _StepGraph | _SegmentedStep] = {}
+        self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph] = {}
+        self._batch_seen: dict[tuple, int] = {}  # batched steps run per key before its graph is captured
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -564,8 +567,9 @@ class GpuStage:
         their HC states [B, C, dim], or None to embed here) -> [B, C, dim], or with `logits` [B, vocab]. Row b
         equals `decode(tokens[b], caches[b])`: the projections, router and experts run over the B rows together
         (each weight read once for all of them), what reads or writes a KV runs per sequence. On CUDA it
-        replays a graph captured for this tuple of caches and the position bucket of the longest (captured on
-        first use; its warm-up writes each cache's next position, which the step itself then overwrites). A
+        replays a graph captured for this tuple of caches and the position bucket of the longest, once the tuple
+        has decoded together BATCH_CAPTURE_AFTER times (before that each sequence replays its own decode graph;
+        the capture's warm-up writes each cache's next position, which the step itself then overwrites). A
         streaming stage decodes the sequences one after another (its segmented graphs are per sequence). The
         result is the graph's output buffer: read it before the next step."""
         if len(tokens) != len(caches) or not caches:
@@ -583,6 +587,14 @@ class GpuStage:
             X = X.to(self.device, torch.float32)
         bucket = max(self.bucket(c) for c in caches)
         key = ("batch", tuple(id(c) for c in caches), bucket, X is None, logits)
+        if key not in self._graphs and self._graphs_on() and graph is not False:
+            # A capture costs 0.3-0.6 s at full shape (H200); until this set of sequences has decoded together
+            # for BATCH_CAPTURE_AFTER steps, each replays its own decode graph (what it costs alone).
+            seen = self._batch_seen[key] = self._batch_seen.get(key, 0) + 1
+            if seen < BATCH_CAPTURE_AFTER:
+                outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
+                        for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
+                return torch.stack(outs) if logits else torch.cat(outs)
         g = self._graph(graph, key, lambda: _BatchGraph(self, caches, bucket, X is None, logits))
         if g is None:
             g = _BatchInputs(self, caches, X is None)
@@ -711,6 +723,8 @@ class GpuStage:
         """Release the step graphs captured for a cache (when the cache itself goes), batched ones included."""
         for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] == "batch" and id(cache) in k[1])]:
             del self._graphs[key]
+        for key in [k for k in self._batch_seen if id(cache) in k[1]]:
+            del self._batch_seen[key]
 
 
 def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:

@@ -303,7 +303,8 @@ class StageRunner:
         length class the kernels specialise on (warm_lengths) and short prefills at the positions where the
         context-dependent tiles change (warm_positions), so that Triton has compiled them all; then capture
         every slot's step graphs (decode, and short prefills of each row class) for the first position
-        buckets. The scratch slot is reset after each step. Nothing to do for the reference."""
+        buckets, and run a batched decode step of every size up to the slots (its kernels specialise on the
+        rows). The scratch slots are reset after each step. Nothing to do for the reference."""
         if self.compute != "kernels" or self.device.type != "cuda":
             return
         t0 = time.monotonic()
@@ -326,6 +327,11 @@ class StageRunner:
                 X = None if self.embeds else torch.randn(1, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
                 self.model.decode(2, cache, X, logits=self.logits)
                 cache.reset()
+        for b in range(2, len(self.slots) + 1):  # batched decode steps of every size: their kernels compiled
+            X = None if self.embeds else torch.randn(b, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
+            self.model.decode_batch([2] * b, self.slots[:b], X, logits=self.logits, graph=False)
+            for slot in self.slots[:b]:
+                slot.reset()
         if self.experts is not None:
             self.experts.dry = False
         graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
