@@ -546,6 +546,7 @@ class Scheduler:
         self.batch = batch
         self.prefill_budget = budget
         self._streams: list[_Stream] = []  # the running requests, in order of admission
+        self._fence: Any = None  # a CUDA event after the last step's unfinished prompt pieces
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
         self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
         self.ctx = ctx
@@ -976,6 +977,9 @@ class Scheduler:
         for stream in list(self._streams):
             if stream.job.cancel.is_set():
                 self._end(stream, "cancelled")
+        if self._fence is not None:  # the previous step's prompt pieces are done before more are queued
+            self._fence.synchronize()
+            self._fence = None
         budget = self.prefill_budget
         prefilled: dict[int, int] = {}
         for stream in sorted((s for s in self._streams if s.phase == "prefill"), key=lambda s: len(s.todo) - s.done):
@@ -993,6 +997,11 @@ class Scheduler:
             stream.handle._post(Prefill(stream.done, len(stream.todo), stream.cached))
             if stream.done == len(stream.todo):
                 self._begin_decode(stream)
+            elif logits.is_cuda:
+                # A GPU prefill piece returns once its kernels are queued: without a fence the loop would queue
+                # the whole prompt ahead, and a request arriving meanwhile would wait behind all of it.
+                self._fence = torch.cuda.Event()
+                self._fence.record()
         ready = [s for s in self._streams if s.phase == "decode"]
         for stream in ready:
             if stream.ended is None:
