@@ -580,9 +580,7 @@ class GpuStage:
         for c in caches:
             c.check_room(1)
         if len(caches) == 1 or self.experts is not None:
-            outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
-                    for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
-            return torch.stack(outs) if logits else torch.cat(outs)
+            return self._decode_each(tokens, caches, X, logits, graph)
         if X is not None:
             X = X.to(self.device, torch.float32)
         bucket = max(self.bucket(c) for c in caches)
@@ -592,9 +590,7 @@ class GpuStage:
             # for BATCH_CAPTURE_AFTER steps, each replays its own decode graph (what it costs alone).
             seen = self._batch_seen[key] = self._batch_seen.get(key, 0) + 1
             if seen < BATCH_CAPTURE_AFTER:
-                outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
-                        for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
-                return torch.stack(outs) if logits else torch.cat(outs)
+                return self._decode_each(tokens, caches, X, logits, graph)
         g = self._graph(graph, key, lambda: _BatchGraph(self, caches, bucket, X is None, logits))
         if g is None:
             g = _BatchInputs(self, caches, X is None)
@@ -605,6 +601,13 @@ class GpuStage:
         for c in caches:
             c.advance(1)
         return out
+
+    def _decode_each(self, tokens: list[int], caches: list[KVCache], X: Tensor | None, logits: bool,
+                     graph: bool | None) -> Tensor:
+        """decode_batch's result by one decode step per sequence (each its own graph replay on CUDA)."""
+        outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
+                for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
+        return torch.stack(outs) if logits else torch.cat(outs)
 
     def _batch_step(self, inp: _BatchInputs, bucket: int, logits: bool) -> Tensor:
         """The batched decode step (what its graph captures): layers over the B rows, the head over all."""

@@ -702,7 +702,7 @@ class Scheduler:
                 try:
                     self._admit(*item)
                 except Exception as e:  # the engine went down while the session was being set up
-                    self._admit_failed(item, e)
+                    self._engine_failed(e, item)
                     continue
             stopping = self._admit_queued()
             while self._streams:
@@ -933,41 +933,32 @@ class Scheduler:
         self._streams.append(_Stream(job, handle, live, cached, reuse, started, todo,
                                      Timings(cache_n=cached, prompt_n=len(todo))))
 
-    def _admit_failed(self, item: tuple[Job, Handle], e: Exception) -> None:
-        """The engine went down while a request's session was set up: it ends with the error, and the route
-        restarts."""
+    # ---- one step of every running request ------------------------------------------------------------
+    def _step_guarded(self) -> None:
+        """A step; an engine failure that is not one request's own ends every running request (_engine_failed)."""
+        try:
+            self._step()
+        except Exception as e:
+            self._engine_failed(e)
+
+    def _engine_failed(self, e: Exception, admitting: tuple[Job, Handle] | None = None) -> None:
+        """The engine failed in a way that is not one request's own (a stage down, a batched step, or setting up
+        the session of the request being admitted): that request and every running one end with the error, and
+        a route whose stage is down is restarted."""
         traceback.print_exc()
-        job, handle = item
         down = self._down()
         error = f"{type(e).__name__}: {e}"
         if down is not None:
             self._begin_recovery(down)
             if self.state == "restarting":
                 error += "; the route is restarting: retry shortly"
-        self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=error))
+        if admitting is not None:
+            job, handle = admitting
+            self._conclude(job, handle, Finished("error", len(job.prompt), 0, Timings(), 0.0, 0.0, error=error))
         for stream in list(self._streams):
             self._fail(stream, error)
         if down is not None:
             self._recover(down)
-
-    # ---- one step of every running request ------------------------------------------------------------
-    def _step_guarded(self) -> None:
-        """A step; when the engine fails in a way that is not one request's own (a stage down, a batched step),
-        every running request ends with the error, and a route whose stage is down is restarted."""
-        try:
-            self._step()
-        except Exception as e:
-            traceback.print_exc()
-            down = self._down()
-            error = f"{type(e).__name__}: {e}"
-            if down is not None:
-                self._begin_recovery(down)
-                if self.state == "restarting":
-                    error += "; the route is restarting: retry shortly"
-            for stream in list(self._streams):
-                self._fail(stream, error)
-            if down is not None:
-                self._recover(down)
 
     def _step(self) -> None:
         """One scheduler step: cancelled requests leave; prompt pieces within the prefill budget (the
