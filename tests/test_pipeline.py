@@ -172,6 +172,31 @@ def test_rewind_brings_every_stage_back_to_the_prompt_checkpoint(pipe, reference
     assert session.rewind(p - 1 - 16) == -1  # further back than the checkpoint's margin: unchanged
 
 
+def test_a_disk_checkpoint_saves_and_restores_every_stage_in_its_own_process(pipe, reference, tmp_path: Path) -> None:
+    """Each stage writes and reads its own file (stage<R>.kv); a restored session gives the reference's steps
+    exactly; one stage's corrupt file fails the whole load (that worker logs why) and leaves the engine usable."""
+    from ds4station.engine.kvdisk import stage_file
+
+    session = pipe.new_session()
+    session.extend(PROMPT)
+    assert session.save_state(tmp_path / "e")
+    session.close()
+    assert all(stage_file(tmp_path / "e", r).is_file() for r in range(3))
+    restored = pipe.new_session()
+    assert restored.load_state(tmp_path / "e", PROMPT)
+    steps = [restored.extend([t]) for t in reference[0]]
+    assert all(torch.equal(g, w) for g, w in zip(steps, reference[1][1:], strict=True))
+    restored.close()
+    path = stage_file(tmp_path / "e", 1)
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 1
+    path.write_bytes(bytes(data))
+    broken = pipe.new_session()
+    assert not broken.load_state(tmp_path / "e", PROMPT)  # the worker's log line: test_kvdisk.py checks its form
+    tokens, _ = greedy(pipe.new_session(), 2)
+    assert tokens == reference[0][:2]
+
+
 def test_a_silent_worker_is_reported_down_by_its_missing_heartbeat(pipe) -> None:
     """A stopped (hung) worker: no exit, no broken connection, only missing heartbeats. This takes the shared
     3-stage pipeline down, so it is the last test to use `pipe`."""
@@ -446,3 +471,4 @@ def test_a_batched_decode_step_runs_through_the_stages(model_path: Path) -> None
         assert sorted(v["tokens"] for v in worker.values()) == sorted(lengths)
         with pytest.raises(ValueError, match="one token per session"):
             engine.decode_batch(sessions, [1, 2])
+

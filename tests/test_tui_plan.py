@@ -153,6 +153,13 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     console.print(live_view({**status, "running": [running], "batch": {"limit": 2, "mean_decode_batch": 1.5}},
                             Throughput(), []))
     assert "running 1/2: #4 decode 120 tok 21.5/s; batch mean 1.5" in console.export_text()  # while it runs
+    sessions = {"capacity": 2, "live": [], "prefix_hits": 7, "prefix_misses": 3, "checkpoint_hits": 2,
+                "disk": {"hits": 1, "entries": 4, "used_bytes": 3 * 2**29}}
+    console = Console(width=80, record=True)
+    console.print(live_view({**status, "sessions": sessions}, Throughput(), []))
+    text = console.export_text()
+    assert "sessions 0/2; reused 7/10" in text
+    assert "reuse   prompt checkpoints 2, disk 1 (4 saved, 1.50 GiB)" in text
 
 
 def test_charts_over_a_time_axis() -> None:

@@ -2,7 +2,7 @@
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
                      [--allow-host NAME] [--ctx N] [--sessions N] [--batch N] [--prefill-budget N] [--queue N]
-                     [--max-tokens N] [--device auto]
+                     [--max-tokens N] [--device auto] [--kv-disk-dir DIR [--kv-disk-budget SIZE] [--kv-disk-min N]]
                      [--restarts N] [--shutdown-grace S] [--trace FILE] ...
 
 With no --model it serves the built-in demo model (created on first use). It listens on 127.0.0.1 unless
@@ -66,6 +66,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback", type=token_count, default=None, metavar="N",
                    help=f"tokens a live session can roll back in place for prefix reuse (default "
                         f"{_FOOTPRINT.rollback}); further back, to the end of its last prompt, it always can")
+    p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
+                   help="save long prompts' KV states to DIR and restore them when a later prompt starts with one "
+                        "(after its live session was evicted, or after a restart); default: off")
+    p.add_argument("--kv-disk-budget", default="16GiB", metavar="SIZE",
+                   help="the most the --kv-disk-dir checkpoints take; the least recently used go first "
+                        "(default 16GiB)")
+    p.add_argument("--kv-disk-min", type=token_count, default=1024, metavar="N",
+                   help="save only prompts of at least N tokens to --kv-disk-dir (default 1024)")
     p.add_argument("--max-body-mb", type=float, default=32.0, help="largest request body accepted")
     p.add_argument("--keepalive", type=float, default=10.0, help="seconds between SSE keep-alives while silent")
     p.add_argument("--device", default="auto",
@@ -129,6 +137,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if budget > chunk:
         raise ValueError(f"--prefill-budget {budget} exceeds the prefill chunk {chunk}: a step prefills at most one "
                          "chunk; raise --prefill-chunk or lower the budget")
+    kv_disk = disk_settings(args)
     per_session = kv_bytes(cfg, None, ctx, "f32" if kv_dtype == "float32" else "f16", chunk=chunk,
                            rollback=rollback)
     print(f"ds4station serve: {path}: route {route}, ctx {ctx}, prefill chunk {chunk} (budget {budget} per step), "
@@ -144,7 +153,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                            progress=scheduler.report_load, **opts)
 
     scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx, batch=batch,
-                          prefill_budget=budget, max_restarts=args.restarts)
+                          prefill_budget=budget, max_restarts=args.restarts, kv_disk=kv_disk)
     trace = None
     if args.trace:
         trace = RequestTrace(args.trace, scheduler, max_bytes=max(1, int(args.trace_max_mb * 2**20)),
@@ -158,6 +167,29 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                      max_body_bytes=int(args.max_body_mb * 1024 * 1024), default_max_tokens=args.max_tokens,
                      keepalive_s=args.keepalive, trace=trace)
     return app, {"host": args.host, "port": args.port}
+
+
+def disk_settings(args: argparse.Namespace) -> Any:
+    """The disk KV checkpoint settings (None without --kv-disk-dir); the directory is created and must be
+    writable, checked before the port is bound."""
+    from ds4station.engine.kvdisk import DiskSettings
+    from ds4station.model.sizes import parse_size
+
+    if not args.kv_disk_dir:
+        return None
+    budget = parse_size(args.kv_disk_budget)
+    if budget <= 0 or args.kv_disk_min < 1:
+        raise ValueError("--kv-disk-budget must be positive and --kv-disk-min at least 1 token")
+    root = os.path.abspath(os.path.expanduser(args.kv_disk_dir))
+    try:
+        os.makedirs(root, exist_ok=True)
+        probe = os.path.join(root, f".probe{os.getpid()}")
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise ValueError(f"--kv-disk-dir {args.kv_disk_dir}: cannot write there ({e.strerror or e})") from None
+    return DiskSettings(root, budget, args.kv_disk_min)
 
 
 def available_ram() -> int:

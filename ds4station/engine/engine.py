@@ -51,8 +51,8 @@ from typing import Any
 import torch
 
 from ds4station.engine.weights import load_tensors
-from ds4station.model.footprint import kv_bytes
-from ds4station.model.gguf import GGUFFile
+from ds4station.model.footprint import kv_bytes, state_bytes
+from ds4station.model.gguf import GGUFFile, fingerprint
 from ds4station.model.route import Route, RouteError, Stage, parse_route, route_from_toml
 from ds4station.model.sizes import parse_size
 
@@ -61,6 +61,7 @@ from .kv import DEFAULT_CHUNK, dtype_name
 from .model import RoundTrips
 from .stage import (
     ACTIVATION_BITS,
+    FLAG_FAILED,
     FLAG_RESULT,
     HEADER_LEN,
     KV_DTYPES,
@@ -68,8 +69,10 @@ from .stage import (
     OP_CHECKPOINT,
     OP_EXTEND,
     OP_FREE,
+    OP_LOAD,
     OP_NEW,
     OP_REWIND,
+    OP_SAVE,
     OP_SHUTDOWN,
     OP_STATUS,
     OP_TRUNCATE,
@@ -180,6 +183,23 @@ class Session:
         if k >= 0:
             del self.tokens[k:]
         return k
+
+    def save_state(self, entry: str | os.PathLike[str]) -> bool:
+        """Every stage writes its layers' KV state at the current position into the directory `entry` (a disk
+        checkpoint, engine/kvdisk.py); False when one could not (its log line says why)."""
+        return self.engine._save_load(self, OP_SAVE, str(entry), len(self.tokens))
+
+    def load_state(self, entry: str | os.PathLike[str], tokens: Sequence[int]) -> bool:
+        """This fresh session becomes the one saved in `entry`, holding `tokens`; False when any stage's file is
+        missing, corrupt or saved for other layers: the session is then closed (other stages may hold their
+        part), take a new one."""
+        if self.tokens:
+            raise ValueError("a KV state loads into a fresh session only")
+        if not self.engine._save_load(self, OP_LOAD, str(entry), len(tokens)):
+            self.close()
+            return False
+        self.tokens = list(tokens)
+        return True
 
     def kv_bytes(self) -> int:
         """KV bytes of this session over all stages (each stage allocates the formula for its layers)."""
@@ -594,6 +614,37 @@ class Engine:
             if k >= 0:
                 self._broadcast(header(OP_REWIND, session.sid, arg=k))
             return k
+
+    def _save_load(self, session: Session, op: int, entry: str, n: int) -> bool:
+        assert self.runner is not None
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            ok = (self.runner.save_state(session.sid, entry) if op == OP_SAVE
+                  else self.runner.load_state(session.sid, entry, n))
+            if self.world > 1:  # every further stage does its part and ORs its failure into the header
+                body = torch.frombuffer(bytearray(entry.encode()), dtype=torch.uint8)
+                pending = [self._isend(t, 1) for t in (header(op, session.sid, arg=n, payload=body.numel()), body)]
+                done, ack = self._irecv((HEADER_LEN,), torch.int64, self.world - 1)
+                pending.append(done)
+                self._await(pending, self.world - 1)
+                ok = ok and not int(ack[4]) & FLAG_FAILED
+            return ok
+
+    def state_identity(self) -> dict[str, Any]:
+        """What a disk checkpoint must have been saved by to be loaded here: the model file's contents, each
+        stage's layers, compute and device kind, the KV dtype and activation bits."""
+        stats = self.stage_stats(refresh=False)
+        stages = [[s.first_layer, s.last_layer + 1, st.get("compute"), str(st.get("torch_device", "")).split(":")[0]]
+                  for s, st in zip(self.route.stages, stats, strict=True)]
+        return {"model": fingerprint(self.path), "stages": stages, "kv_dtype": self.kv_dtype_name,
+                "activation_bits": self.activation_bits}
+
+    def state_bytes(self, n: int) -> int:
+        """The most bytes a disk checkpoint of n positions takes over the route (state + file headers)."""
+        from .kvdisk import HEADER_MAX
+
+        return state_bytes(self.cfg, None, n, dtype_name(self.kv_dtype)) + self.world * (HEADER_MAX + 12)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def stage_stats(self, refresh: bool = True) -> list[dict[str, Any]]:

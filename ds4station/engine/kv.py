@@ -196,6 +196,11 @@ class KVCache:
         t = min(n, c)
         if t < c - CHECKPOINT_MARGIN:
             return -1
+        self._restore(t, c)
+        return t
+
+    def _restore(self, t: int, c: int) -> None:
+        """Write into the rings what position t needs, from the checkpoint taken at c (c - MARGIN <= t <= c)."""
         for i, kv in self.layers.items():
             for ring, saved, span in self._saved(i, kv):
                 base = max(c - span - CHECKPOINT_MARGIN, 0)  # the first position the checkpoint holds
@@ -209,7 +214,50 @@ class KVCache:
         self.length = self.written = t
         if t < c:
             self.saved_at = None  # its rows for positions after t are stale now
-        return t
+
+    # ---- the state as named tensors (disk checkpoints, engine/kvdisk.py) ---------------------------------
+    def state(self) -> list[tuple[str, torch.Tensor]]:
+        """Everything a fresh cache needs to continue from the current position: the checkpoint's rows (taken
+        now unless it is at this position already) and the closed blocks' compressed rows and indexer keys.
+        The tensors are views of the cache (copy them before the cache moves on)."""
+        if self.saved_at != self.length:
+            self.checkpoint()
+        return self._state_views(self.length)
+
+    def _state_views(self, n: int) -> list[tuple[str, torch.Tensor]]:
+        out: list[tuple[str, torch.Tensor]] = []
+        for i, kv in self.layers.items():
+            assert kv.saved_raw is not None
+            out.append((f"{i}.saved_raw", kv.saved_raw))
+            if kv.comp is not None and kv.saved_comp is not None:
+                out += [(f"{i}.comp", kv.comp[: n // self.cfg.ratio(i)]), (f"{i}.saved_comp.kv", kv.saved_comp.kv),
+                        (f"{i}.saved_comp.score", kv.saved_comp.score)]
+            if kv.index_keys is not None and kv.saved_index is not None:
+                out += [(f"{i}.index_keys", kv.index_keys[: n // 4]), (f"{i}.saved_index.kv", kv.saved_index.kv),
+                        (f"{i}.saved_index.score", kv.saved_index.score)]
+        return out
+
+    def load_state(self, n: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Make this cache the one `state()` was taken from at position n (its checkpoint included). Every
+        tensor must be there with the shape and dtype `state()` gives for n (ValueError otherwise, before
+        anything is written); the cache must hold at least n positions."""
+        if not 0 < n <= self.ctx:
+            raise ValueError(f"a state of {n} positions does not fit a cache of {self.ctx}")
+        targets = dict(self._state_views(n))  # where each tensor goes
+        if set(targets) != set(tensors):
+            missing, extra = sorted(set(targets) - set(tensors)), sorted(set(tensors) - set(targets))
+            raise ValueError(f"the state does not fit these layers: missing {missing[:3]}, unexpected {extra[:3]}")
+        for name, dst in targets.items():
+            src = tensors[name]
+            if tuple(src.shape) != tuple(dst.shape) or src.dtype != dst.dtype:
+                raise ValueError(f"state tensor {name}: {tuple(src.shape)} {src.dtype}, this cache holds "
+                                 f"{tuple(dst.shape)} {dst.dtype}")
+        for name, dst in targets.items():
+            dst.copy_(tensors[name])
+        self.reset()
+        self.length = self.written = n
+        self.saved_at = n
+        self._restore(n, n)
 
     def _saved(self, layer: int, kv: LayerKV) -> list[tuple[torch.Tensor | Frontier, torch.Tensor | Frontier, int]]:
         """(ring, its checkpoint copy, the positions before the current one it must keep) of a layer."""

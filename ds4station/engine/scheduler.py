@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .kvdisk import DiskKV, DiskSettings, common_prefix
 from .sampler import Sampler, SamplingParams, StopScanner
 
 # ---------------------------------------------------------------------------------------------------
@@ -206,7 +207,9 @@ class Text:
 class Reuse:
     """How the session pool served a prompt (SessionPool.acquire decides; the request trace records it)."""
 
-    outcome: str  # "hit" (a live prefix reused) | "miss" (prefilled from scratch) | "reset" (a rollback failed)
+    # "hit" (a live prefix reused) | "disk" (a disk checkpoint restored) | "miss" (prefilled from scratch) |
+    # "reset" (a rollback failed)
+    outcome: str
     why: str
     discarded: int = 0  # tokens of the chosen session's divergent tail thrown away
 
@@ -308,14 +311,6 @@ class LiveSession:
         return self.session.tokens
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class SessionPool:
     """Up to `capacity` live KV states and the policy that picks one for a prompt.
 
@@ -333,6 +328,11 @@ class SessionPool:
       kept as it is, for a later prompt that continues it (an agent's main conversation, when a side request
       edited it further back than the rollback allows), and the prompt is prefilled from scratch in a free
       slot, else in the least recently used other one; with a single slot, that slot starts again.
+    - With disk checkpoints (`disk`, engine/kvdisk.py): when a saved prompt starts this one and holds at least
+      `disk.min_gain` more tokens than the best live prefix, it is restored into a free slot, else into the
+      least recently used idle one, and only the rest is prefilled (a conversation evicted by other agents'
+      requests, or one from before a restart); an entry that fails to load is removed and the prompt served
+      as without it.
     """
 
     def __init__(self, engine: GenerationEngine, capacity: int) -> None:
@@ -345,6 +345,7 @@ class SessionPool:
         self.misses = 0
         self.resets = 0  # truncations that failed and fell back to a fresh prefill
         self.checkpoint_hits = 0  # hits served from a session's prompt checkpoint, beyond the rollback
+        self.disk: DiskKV | None = None  # disk checkpoints, when the server keeps them
 
     def available(self) -> bool:
         """A prompt can be served now: a slot is free or a live session is not held by a running request."""
@@ -358,6 +359,9 @@ class SessionPool:
         scored = [(min(common_prefix(s.tokens, prompt), limit), s.last_used, s) for s in idle]
         scored.sort(key=lambda t: (t[0], t[1]), reverse=True)
         free = len(self.slots) < self.capacity
+        restored = self._restore(prompt, limit, scored[0][0] if scored else 0, idle, free)
+        if restored is not None:
+            return restored
         chosen: tuple[int, LiveSession, str] | None = None
         taken = False  # the chosen session is given up (not kept for a prompt that continues it)
         if scored:
@@ -419,6 +423,35 @@ class SessionPool:
         live.last_used = time.monotonic()
         live.requests += 1
         return live, common, Reuse(outcome, why, discarded)
+
+    def _restore(self, prompt: Sequence[int], limit: int, common: int, idle: list[LiveSession],
+                 free: bool) -> tuple[LiveSession, int, Reuse] | None:
+        """A disk checkpoint restored for `prompt` when one beats the best live prefix `common` (see the class)."""
+        found = None if self.disk is None else self.disk.match(prompt, limit)
+        if found is None or found[1] < common + self.disk.min_gain:  # type: ignore[union-attr]
+            return None
+        assert self.disk is not None
+        entry, n = found
+        if free:
+            live = LiveSession(self.engine.new_session())
+            self.slots.append(live)
+            where = "a free slot"
+        else:
+            victim = min(idle, key=lambda s: s.last_used)
+            victim.session.close()  # give its KV back before taking a new one
+            live = self.slots[self.slots.index(victim)] = LiveSession(self.engine.new_session())
+            where = "the least recently used session's slot"
+        if not self.disk.restore(entry, live.session.load_state):  # type: ignore[attr-defined]
+            self.slots.remove(live)  # its session was closed and the entry removed: choose again without it
+            return self.acquire(prompt)
+        if n < entry.n and live.session.rewind(n) != n:  # within its checkpoint's margin: always can
+            raise RuntimeError(f"a session restored at {entry.n} tokens could not go back to {n}")
+        self.hits += 1
+        live.last_used = time.monotonic()
+        live.requests += 1
+        return live, n, Reuse("disk", f"restored {entry.n} tokens from a disk checkpoint into {where}"
+                                      + (f", back to {n}" if n < entry.n else "") + f" (the best live prefix held "
+                                      f"{common})", entry.n - n)
 
     def drop(self, live: LiveSession) -> None:
         """Forget a session whose state can no longer be trusted (the engine failed while extending it)."""
@@ -522,7 +555,7 @@ class Scheduler:
                  prefill_budget: int | None = None,
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
                  observers: Sequence[Callable[[Job, Finished], None]] = (), owns_engine: bool = True,
-                 max_restarts: int = 0, restart_backoff: float = 1.0) -> None:
+                 max_restarts: int = 0, restart_backoff: float = 1.0, kv_disk: DiskSettings | None = None) -> None:
         """`observers` are called from the worker thread with every finished request (metrics, the request
         trace; append to `observers` before `start`). `max_restarts`: attempts to load the engine again after a
         stage went down (0: the scheduler stays failed), the first after `restart_backoff` seconds, each
@@ -530,7 +563,8 @@ class Scheduler:
         the loaded engine open (tests share one between schedulers). `batch`: requests running at once (each
         holds a session; default and at most `sessions`); `prefill_budget`: prompt tokens prefilled per step
         over all prefilling requests, between two decode steps of the running ones (default `prefill_chunk`,
-        at most `prefill_chunk`)."""
+        at most `prefill_chunk`); `kv_disk`: keep disk KV checkpoints (engine/kvdisk.py; the engine must offer
+        `state_identity`, `state_bytes` and its sessions `save_state` / `load_state`)."""
         batch = sessions if batch is None else batch
         budget = prefill_chunk if prefill_budget is None else prefill_budget
         if not 1 <= batch <= sessions:
@@ -539,6 +573,7 @@ class Scheduler:
         if not 1 <= budget <= prefill_chunk:
             raise ValueError(f"prefill budget {budget}: use 1 to the prefill chunk, {prefill_chunk} tokens")
         self._loader = loader
+        self.kv_disk = kv_disk
         self.owns_engine = owns_engine
         self.capacity = sessions
         self.max_queue = max_queue
@@ -718,6 +753,8 @@ class Scheduler:
         self.pool = SessionPool(self.engine, min(self.capacity, getattr(self.engine, "sessions", self.capacity)))
         self.batch = min(self.batch, self.pool.capacity)
         self._warm()
+        if self.kv_disk is not None:  # after the warm-up: its prompts are neither saved nor restored
+            self.pool.disk = self.kv_disk.open(self.engine)
         # A full collection now, while nobody waits: the warm-up's garbage goes and the collector's counts
         # start from zero, so the next full pass (~75-80 ms over the demo model's ~250K live objects on a
         # CI CPU) does not land on the first requests. (gc.freeze() also made every later pass cheap, but
@@ -1077,6 +1114,9 @@ class Scheduler:
         stream.phase = "decode"
         # the prompt's end: the next turn comes back here however far beyond --rollback this answer runs
         stream.live.session.checkpoint()
+        disk = self.pool.disk if self.pool is not None else None
+        if disk is not None and job.kind != WARM and len(stream.live.tokens) >= disk.min_tokens:
+            disk.save(stream.live.tokens, stream.live.session.save_state)  # type: ignore[attr-defined]
         stream.detok = self._make_detok(self.engine)
         stream.sampler = Sampler(job.sampling)
         stream.scanner = StopScanner(job.stop)
@@ -1248,7 +1288,8 @@ class Scheduler:
                          "prefix_hits": self.pool.hits if self.pool else 0,
                          "prefix_misses": self.pool.misses if self.pool else 0,
                          "resets": self.pool.resets if self.pool else 0,
-                         "checkpoint_hits": self.pool.checkpoint_hits if self.pool else 0},
+                         "checkpoint_hits": self.pool.checkpoint_hits if self.pool else 0,
+                         "disk": self.pool.disk.describe() if self.pool and self.pool.disk else None},
             "recent": [r.__dict__ for r in self.recent],
             "totals": dict(self.totals),
         }

@@ -13,7 +13,9 @@ Shared by the engine (engine.py, rank 0, which runs stage 0 in its own process) 
   decode graphs), and warms up (`warm`: kernels compiled, decode graphs captured) before the stage is ready;
 - the wire protocol: every message is an int64 header [op, session, n, bits, flags, arg, payload bytes, 0]
   followed, when payload bytes > 0, by one uint8 payload (a batched decode step, OP_BATCH, carries n session
-  ids before its tokens and states). Messages flow down the chain rank 0 -> 1 -> ... ->
+  ids before its tokens and states; a disk checkpoint's save or load, OP_SAVE / OP_LOAD, the entry
+  directory's path, and each stage ORs FLAG_FAILED into the header it forwards when its own file failed).
+  Messages flow down the chain rank 0 -> 1 -> ... ->
   n-1, each worker applying and forwarding them, so a worker only ever listens to its predecessor; the last
   stage answers rank 0 directly (the logits when it holds the output head, else the last position's HC
   state, which rank 0 turns into logits; or a status acknowledgement);
@@ -53,12 +55,15 @@ from ds4station.model.route import Route, RouteError, Stage, parse_route
 
 from .experts import ExpertCache, ExpertCacheTooSmall
 from .gpu import MIN_BUCKET, GpuStage
-from .kv import KVCache
+from .kv import KVCache, dtype_name
+from .kvdisk import StateFileError, read_state_file, stage_file, write_state_file
 from .model import DS4Model, RoundTrips
 
 # ---- wire protocol -----------------------------------------------------------------------------------
-OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND, OP_BATCH = range(1, 10)
+(OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND, OP_BATCH, OP_SAVE,
+ OP_LOAD) = range(1, 12)
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
+FLAG_FAILED = 2  # OP_SAVE / OP_LOAD: a stage could not save or load its file (its log says why)
 HEADER_LEN = 8
 ACTIVATION_BITS = (16, 32)
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -362,6 +367,41 @@ class StageRunner:
 
     def rewind(self, sid: int, n: int) -> int:
         return self.kv[sid].rewind(n)
+
+    @torch.inference_mode()
+    def save_state(self, sid: int, entry: str) -> bool:
+        """Write this stage's part of session `sid` (its layers' `KVCache.state()`) to the entry directory;
+        False, with a log line, when it could not."""
+        cache = self.kv[sid]
+        try:
+            write_state_file(stage_file(entry, self.rank), self._state_info(entry, cache.length), cache.state())
+            return True
+        except (OSError, ValueError) as e:
+            print(f"ds4station: {stage_label(self.rank, self.stage)}: KV state not saved to {entry}: {e}",
+                  file=sys.stderr, flush=True)
+            return False
+
+    @torch.inference_mode()
+    def load_state(self, sid: int, entry: str, n: int) -> bool:
+        """Load this stage's part of an entry of n positions into session `sid` (a fresh slot); False, with a
+        log line, when the file is missing, corrupt or was saved for other layers (the slot is left empty)."""
+        cache = self.kv[sid]
+        try:
+            tensors = read_state_file(stage_file(entry, self.rank), self._state_info(entry, n), self.device)
+            cache.load_state(n, tensors)
+            return True
+        except (StateFileError, ValueError) as e:
+            cache.reset()
+            print(f"ds4station: {stage_label(self.rank, self.stage)}: KV state ignored: {e}", file=sys.stderr,
+                  flush=True)
+            return False
+
+    def _state_info(self, entry: str, n: int) -> dict[str, Any]:
+        """What a stage file records and a load checks: whose entry, how long, which layers, in what form."""
+        s = self.stage
+        return {"key": os.path.basename(os.path.normpath(entry)), "positions": n,
+                "layers": [s.first_layer, s.last_layer + 1], "kv_dtype": dtype_name(self.slots[0].dtype),
+                "compute": self.compute, "device_kind": self.device.type}
 
     # ---- compute -----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -667,6 +707,17 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
                 link.send(pack(tokens, out, bits), 0)
             if time.monotonic() - published > 1.0:
                 publish()
+            continue
+        if op in (OP_SAVE, OP_LOAD):  # arg: the positions to load; the payload: the entry directory
+            assert payload is not None
+            entry = payload.cpu().numpy().tobytes().decode()
+            ok = runner.save_state(sid, entry) if op == OP_SAVE else runner.load_state(sid, entry, arg)
+            hdr = header(op, sid, n, bits, flags | (0 if ok else FLAG_FAILED), arg, payload=nbytes)
+            if last:
+                link.send(hdr, 0)
+            else:
+                link.send(hdr, nxt)
+                link.send(payload, nxt)
             continue
         if op == OP_NEW:
             runner.new_session(sid)

@@ -117,6 +117,23 @@ def layer_kv_bytes(cfg: ModelConfig, layer: int, ctx: int, dtype: str = "f32", *
     return n
 
 
+def state_bytes(cfg: ModelConfig, layers: Iterable[int] | None, n: int, dtype: str = "f32") -> int:
+    """Bytes of a session's state at n positions over `layers` as a disk checkpoint saves it (engine/kv.py's
+    `KVCache.state()`: the checkpoint rows, and the closed blocks' compressed rows and indexer keys)."""
+    b = KV_DTYPE_BYTES[dtype]
+    total = 0
+    for i in range(cfg.n_layers) if layers is None else layers:
+        r = cfg.ratio(i)
+        total += (cfg.window + CHECKPOINT_MARGIN) * cfg.head_dim * b
+        if r:
+            total += n // r * cfg.head_dim * b + 2 * frontier_rows(r, CHECKPOINT_MARGIN) * cfg.compressor_width(i) \
+                * FRONTIER_BYTES
+        if cfg.has_indexer(i):
+            total += n // 4 * cfg.index_dim * b + 2 * frontier_rows(4, CHECKPOINT_MARGIN) * 2 * cfg.index_dim \
+                * FRONTIER_BYTES
+    return total
+
+
 def kv_bytes(cfg: ModelConfig, layers: Iterable[int] | None, ctx: int, dtype: str = "f32", *, chunk: int = 256,
              rollback: int = 0) -> int:
     """KV bytes of one session over `layers` (None: all of them)."""

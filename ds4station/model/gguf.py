@@ -10,6 +10,7 @@ one tensor's blocks; engine/weights.py turns those views into torch tensors for 
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -100,6 +101,23 @@ class GGUFFile:
     @property
     def total_bytes(self) -> int:
         return sum(s.n_bytes for s in self.specs.values())
+
+
+FINGERPRINT_SAMPLES = 16
+FINGERPRINT_SAMPLE_BYTES = 1 << 16
+
+
+def fingerprint(path: str | os.PathLike[str]) -> str:
+    """A cheap identity of a model file's contents: its size and a hash of 16 samples of 64 KiB spread over
+    it (the header and tensor data): files that differ in their weights differ here, a copy or a rename of the
+    same file does not (what disk KV checkpoints are keyed by)."""
+    size = os.path.getsize(path)
+    h = hashlib.blake2b(str(size).encode(), digest_size=16)
+    with open(path, "rb") as f:
+        for i in range(FINGERPRINT_SAMPLES):
+            f.seek(max(0, size - FINGERPRINT_SAMPLE_BYTES) * i // (FINGERPRINT_SAMPLES - 1))
+            h.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return f"{size}:{h.hexdigest()}"
 
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}

@@ -100,6 +100,17 @@ class _SchedulerCollector(Collector):
                                   sessions["prefix_misses"])
         yield CounterMetricFamily("ds4_prefix_checkpoint_hits", "Prefix hits served from a session's prompt "
                                   "checkpoint, further back than --rollback", sessions["checkpoint_hits"])
+        disk = sessions.get("disk")
+        if disk:  # serve --kv-disk-dir
+            yield CounterMetricFamily("ds4_kv_disk_hits", "Prompts served from a disk KV checkpoint", disk["hits"])
+            yield CounterMetricFamily("ds4_kv_disk_saves", "Prompts' KV states saved to the disk", disk["saves"])
+            yield CounterMetricFamily("ds4_kv_disk_failures", "Disk KV checkpoints that failed to save or load "
+                                      "(each logged)", disk["failures"])
+            yield GaugeMetricFamily("ds4_kv_disk_bytes", "Bytes the disk KV checkpoints take (at most)",
+                                    disk["used_bytes"])
+            yield GaugeMetricFamily("ds4_kv_disk_budget_bytes", "The disk KV checkpoints' budget", disk["budget_bytes"])
+            yield GaugeMetricFamily("ds4_kv_disk_entries", "Disk KV checkpoints of this model and route",
+                                    disk["entries"])
         yield GaugeMetricFamily("ds4_ready", "1 when the model is loaded and serving", 1 if st["state"] == "ready"
                                 else 0)
         cache = _engine_status(self.scheduler).get("expert_cache")

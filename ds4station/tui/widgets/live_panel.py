@@ -100,10 +100,20 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
     frac = (kv.get("tokens") or 0) / ctx if ctx else 0.0
     stages = status.get("stages") or []
     per_stage = "; ".join(f"{i} {st.get('device', '?')} {gib(st.get('kv_bytes') or 0)}" for i, st in enumerate(stages))
+    reuse, detail = "", ""
+    if "prefix_hits" in sessions:  # prompts that reused a prefix, of all; how, when not only from live sessions
+        hits, disk = sessions["prefix_hits"], sessions.get("disk")
+        reuse = f"; reused {hits}/{hits + sessions.get('prefix_misses', 0)}"
+        if sessions.get("checkpoint_hits") or isinstance(disk, dict):
+            detail = f"prompt checkpoints {sessions.get('checkpoint_hits', 0)}" + (
+                f", disk {disk.get('hits', 0)} ({disk.get('entries', 0)} saved, {gib(disk.get('used_bytes') or 0)})"
+                if isinstance(disk, dict) else "")
     parts.append(Text.assemble(("KV      ", "bold"), (bar(frac, 10), "magenta"),
                                f" {kv.get('tokens', 0)}/{ctx} tok, {gib(kv.get('bytes') or 0)}; "
-                               f"sessions {len(live)}/{sessions.get('capacity', '?')}",
+                               f"sessions {len(live)}/{sessions.get('capacity', '?')}{reuse}",
                                (f"  (stages {per_stage})" if len(stages) > 1 else "", "dim")))
+    if detail:
+        parts.append(Text.assemble(("reuse   ", "bold"), detail))
     queue = status.get("queue") or {}
     running = running_requests(status)
     batch = status.get("batch") or {}
