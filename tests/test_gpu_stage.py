@@ -305,3 +305,15 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
         assert not any(k[0] == "batch" for k in stage._graphs)
     with pytest.raises(ValueError, match="each sequence once"):
         stage.decode_batch(ids[:2], [batched[0], batched[0]], None if xs is None else xs[:2], logits=not middle)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, device: str) -> None:
+    """prefill(all_logits=True), a draft's verification, gives the reference's logits at each position."""
+    tokens, want, rt = reference
+    stage = GpuStage(tiny.config, load_tensors(tiny), device=device, round_trips=rt, int_dot=False)
+    cache = stage.new_cache(256, chunk=32)
+    stage.prefill(tokens[:90], cache)
+    rows = stage.prefill(tokens[90:95], cache, logits=True, all_logits=True)
+    assert rows.shape == (5, tiny.config.vocab_size) and cache.length == 95
+    _close(rows, want[90:95], 2e-5 if device == "cpu" and rt == OFF else 2e-2 if rt == OFF else 0.3)

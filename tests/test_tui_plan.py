@@ -160,6 +160,12 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     text = console.export_text()
     assert "sessions 0/2; reused 7/10" in text
     assert "reuse   prompt checkpoints 2, disk 1 (4 saved, 1.50 GiB)" in text
+    draft = {"source": "lookup", "drafted": 40, "accepted": 30, "tokens_per_verify": 3.5}
+    console = Console(width=120, record=True)
+    console.print(live_view({**status, "running": [running], "batch": {"limit": 2}, "draft": draft},
+                            Throughput(), []))
+    assert "running 1/2: #4 decode 120 tok 21.5/s; drafts 30/40 accepted, 3.50 tok per verify" \
+        in console.export_text()
 
 
 def test_charts_over_a_time_axis() -> None:

@@ -2,7 +2,8 @@
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
                      [--allow-host NAME] [--ctx N] [--sessions N] [--batch N] [--prefill-budget N] [--queue N]
-                     [--max-tokens N] [--device auto] [--kv-disk-dir DIR [--kv-disk-budget SIZE] [--kv-disk-min N]]
+                     [--max-tokens N] [--device auto] [--draft off|lookup] [--draft-tokens K]
+                     [--kv-disk-dir DIR [--kv-disk-budget SIZE] [--kv-disk-min N]]
                      [--restarts N] [--shutdown-grace S] [--trace FILE] ...
 
 With no --model it serves the built-in demo model (created on first use). It listens on 127.0.0.1 unless
@@ -66,6 +67,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback", type=token_count, default=None, metavar="N",
                    help=f"tokens a live session can roll back in place for prefix reuse (default "
                         f"{_FOOTPRINT.rollback}); further back, to the end of its last prompt, it always can")
+    p.add_argument("--draft", choices=("off", "lookup"), default="off",
+                   help="speculative decoding: 'lookup' drafts the next tokens from earlier occurrences of the "
+                        "last ones in the prompt and output (prompt lookup) and verifies them in one forward; the "
+                        "output is unchanged (default off)")
+    p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
+                   help="tokens drafted per step with --draft (default 4, at most 16)")
     p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
                    help="save long prompts' KV states to DIR and restore them when a later prompt starts with one "
                         "(after its live session was evicted, or after a restart); default: off")
@@ -153,7 +160,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                            progress=scheduler.report_load, **opts)
 
     scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx, batch=batch,
-                          prefill_budget=budget, max_restarts=args.restarts, kv_disk=kv_disk)
+                          prefill_budget=budget, max_restarts=args.restarts, kv_disk=kv_disk, draft=args.draft,
+                          draft_tokens=args.draft_tokens)
     trace = None
     if args.trace:
         trace = RequestTrace(args.trace, scheduler, max_bytes=max(1, int(args.trace_max_mb * 2**20)),

@@ -61,6 +61,7 @@ from .kv import DEFAULT_CHUNK, dtype_name
 from .model import RoundTrips
 from .stage import (
     ACTIVATION_BITS,
+    FLAG_ALL,
     FLAG_FAILED,
     FLAG_RESULT,
     HEADER_LEN,
@@ -164,6 +165,12 @@ class Session:
         """Append tokens to the KV (prefill pieces of at most `chunk` pipelined through the stages);
         -> logits of the last one [vocab] (float32, on stage 0's device or the CPU)."""
         return self.engine._extend(self, list(tokens), chunk)
+
+    def verify(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Append tokens (at most one prefill chunk: a token and its drafts) -> the logits after each of them
+        [T, vocab]: row i is what `extend` of tokens[:i + 1] would return. The caller truncates what it
+        rejects."""
+        return self.engine._extend(self, list(tokens), None, every=True)
 
     def truncate(self, n: int) -> bool:
         """Keep only the first n tokens; False (state unchanged) when the KV cannot roll back that far."""
@@ -498,9 +505,11 @@ class Engine:
             return []
         return [self._isend(hdr, 1)]
 
-    def _extend(self, session: Session, tokens: list[int], chunk: int | None) -> torch.Tensor:
+    def _extend(self, session: Session, tokens: list[int], chunk: int | None, every: bool = False) -> torch.Tensor:
         if not tokens:
             raise ValueError("extend needs at least one token")
+        if every and len(tokens) > self.chunk:
+            raise ValueError(f"a verification of {len(tokens)} tokens exceeds the prefill chunk {self.chunk}")
         runner = self.runner
         assert runner is not None
         with self._lock:
@@ -518,17 +527,17 @@ class Engine:
             for s in range(0, len(tokens), step):
                 piece = ids[s: s + step]
                 final = s + step >= len(tokens)
-                out = runner.step(session.sid, piece, None)
+                out = runner.step(session.sid, piece, None, all_logits=every)
                 if self.world == 1:  # the stage holds the head: `out` is the last position's logits
                     logits = out if final else None
                     continue
                 payload = pack(piece, out, bits)
-                hdr = header(OP_EXTEND, session.sid, piece.numel(), bits, FLAG_RESULT if final else 0,
-                             payload=payload.numel())
+                flags = (FLAG_RESULT if final else 0) | (FLAG_ALL if every else 0)
+                hdr = header(OP_EXTEND, session.sid, piece.numel(), bits, flags, payload=payload.numel())
                 for t in (hdr, payload):
                     pending.append(self._isend(t, 1))
             if self.world > 1:
-                logits = self._result(bits, pending)
+                logits = self._result(bits, pending, len(tokens) if every else None)
             session.tokens += tokens
         assert logits is not None
         return logits

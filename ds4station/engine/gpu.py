@@ -523,17 +523,18 @@ class GpuStage:
     # ---- the backend interface (engine/stage.py drives it) ---------------------------------------------------
     @torch.inference_mode()
     def prefill(self, tokens: Tensor | list[int], cache: KVCache, X: Tensor | None = None, *,
-                logits: bool = False, graph: bool | None = None) -> Tensor:
+                logits: bool = False, graph: bool | None = None, all_logits: bool = False) -> Tensor:
         """Append tokens [T] at positions cache.length.. to the cache. X: their HC state [T, C, dim] coming
         from the previous stage (None: embedded here). -> the HC state [T, C, dim] out of this stage's layers,
-        or with `logits` the head's logits of the last position [vocab].
+        or with `logits` the head's logits of the last position [vocab] (with `all_logits` too, of every
+        position [T, vocab]: a draft's verification, eager launches for now).
         A short prompt (2..32 tokens, see `short_rows`) runs as one static-shape step padded to its row class,
         on CUDA from a captured graph (as decode does), and anywhere with `graph=True` (eager launches of the
         same ops where graphs are off). Longer prompts, short ones on a CPU by default, and any with
         `graph=False` run in pieces of at most cache.chunk with eager launches."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
         rows = self.short_rows(tokens.numel(), cache)  # the padded rows fit the chunk and the context
-        if rows and (graph if graph is not None else self._graphs_on()):
+        if rows and not all_logits and (graph if graph is not None else self._graphs_on()):
             return self._static(tokens, cache, X, logits, rows, graph)
         outs = []
         for s in range(0, tokens.numel(), cache.chunk):
@@ -546,7 +547,7 @@ class GpuStage:
             outs.append(self._run_layers(x, t, cache, st))
             cache.advance(T)
         if logits:
-            return self.head(outs[-1][-1:])[0]
+            return self.head(torch.cat(outs)) if all_logits else self.head(outs[-1][-1:])[0]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()

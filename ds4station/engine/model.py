@@ -305,11 +305,12 @@ class DS4Model:
     # ---- the backend interface (the same as engine/gpu.py's kernel stage; engine/stage.py drives both) ------
     @torch.inference_mode()
     def prefill(self, tokens: Tensor | list[int], cache: KVCache, X: Tensor | None = None, *,
-                logits: bool = False) -> Tensor:
+                logits: bool = False, all_logits: bool = False) -> Tensor:
         """Append tokens [T] at positions cache.length.. to the cache, in pieces of at most cache.chunk. X:
         their HC state [T, C, dim] from the previous stage (None: embedded here). -> the HC state [T, C, dim]
-        out of this slice's layers, or with `logits` the head's logits of the last position [vocab]. Token
-        ids are needed by the hash-routed layers."""
+        out of this slice's layers, or with `logits` the head's logits of the last position [vocab] (with
+        `all_logits` too, of every position [T, vocab]: a draft's verification). Token ids are needed by the
+        hash-routed layers."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
         outs = []
         for s in range(0, tokens.numel(), cache.chunk):
@@ -323,7 +324,7 @@ class DS4Model:
             cache.advance(T)
             outs.append(x)
         if logits:
-            return self.head(outs[-1][-1:])[0]
+            return self.head(torch.cat(outs)) if all_logits else self.head(outs[-1][-1:])[0]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def decode(self, token: int, cache: KVCache, X: Tensor | None = None, *, logits: bool = False) -> Tensor:

@@ -107,6 +107,24 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
+    def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
+        """A drafted token against the target's logits at its position -> (the token to emit, accepted).
+        Greedy: accepted when it is the argmax, which is emitted either way. Sampled, by the standard
+        speculative rule for a draft that is certain of its token (prompt lookup: q(draft) = 1): accepted with
+        probability p(draft), else a token drawn from p with the draft removed, so the emitted token is
+        distributed exactly as `self(logits)` would draw it."""
+        logits = logits.reshape(-1)
+        if self.params.greedy:
+            token = host_int(torch.argmax(logits))
+            return token, token == draft
+        probs = filtered_probs(logits.float().cpu(), self.params)
+        if float(torch.rand((), generator=self.generator)) < float(probs[draft]):
+            return draft, True
+        rest = probs.clone()
+        rest[draft] = 0.0
+        return int(torch.multinomial(rest / rest.sum(), 1, generator=self.generator)), False
+
+
 class StopScanner:
     """Feed text pieces; get back what may be shown. After a stop string is seen, `stopped` is True and
     nothing from the stop string on is ever returned."""

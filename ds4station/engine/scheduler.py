@@ -53,6 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .draft import DRAFT_SOURCES, MAX_DRAFT_TOKENS, LookupDrafter
 from .kvdisk import DiskKV, DiskSettings, common_prefix
 from .sampler import Sampler, SamplingParams, StopScanner
 
@@ -151,10 +152,13 @@ class Timings:
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
+    draft_n: int = 0  # drafted tokens verified (speculative decoding)
+    draft_n_accepted: int = 0
 
     def as_dict(self) -> dict[str, float | int]:
-        """llama.cpp's `timings` object."""
-        return {
+        """llama.cpp's `timings` object (with its draft counters when the request was drafted for)."""
+        drafts = {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}
+        return {**drafts,
             "cache_n": self.cache_n,
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
@@ -505,6 +509,9 @@ class _Stream:
     ttft_ms: float = 0.0
     ended: str | None = None  # why it ends at the end of this step
     matched: str | None = None  # the stop string that ended it
+    drafter: LookupDrafter | None = None  # speculative decoding's draft source, when the server drafts
+    drafts: list[int] = field(default_factory=list)  # the drafts verified at the last step, after its token
+    rows: torch.Tensor | None = None  # that verification's logits [1 + drafts, vocab]
 
     @property
     def generated(self) -> int:
@@ -555,7 +562,8 @@ class Scheduler:
                  prefill_budget: int | None = None,
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
                  observers: Sequence[Callable[[Job, Finished], None]] = (), owns_engine: bool = True,
-                 max_restarts: int = 0, restart_backoff: float = 1.0, kv_disk: DiskSettings | None = None) -> None:
+                 max_restarts: int = 0, restart_backoff: float = 1.0, kv_disk: DiskSettings | None = None,
+                 draft: str = "off", draft_tokens: int = 4) -> None:
         """`observers` are called from the worker thread with every finished request (metrics, the request
         trace; append to `observers` before `start`). `max_restarts`: attempts to load the engine again after a
         stage went down (0: the scheduler stays failed), the first after `restart_backoff` seconds, each
@@ -564,7 +572,9 @@ class Scheduler:
         holds a session; default and at most `sessions`); `prefill_budget`: prompt tokens prefilled per step
         over all prefilling requests, between two decode steps of the running ones (default `prefill_chunk`,
         at most `prefill_chunk`); `kv_disk`: keep disk KV checkpoints (engine/kvdisk.py; the engine must offer
-        `state_identity`, `state_bytes` and its sessions `save_state` / `load_state`)."""
+        `state_identity`, `state_bytes` and its sessions `save_state` / `load_state`); `draft`: speculative
+        decoding's draft source ("off", "lookup": engine/draft.py), up to `draft_tokens` drafted tokens verified
+        per step for each request without a guide (the engine's sessions must offer `verify`)."""
         batch = sessions if batch is None else batch
         budget = prefill_chunk if prefill_budget is None else prefill_budget
         if not 1 <= batch <= sessions:
@@ -572,6 +582,11 @@ class Scheduler:
                              f"{sessions} KV session(s))")
         if not 1 <= budget <= prefill_chunk:
             raise ValueError(f"prefill budget {budget}: use 1 to the prefill chunk, {prefill_chunk} tokens")
+        if draft not in DRAFT_SOURCES:
+            raise ValueError(f"draft source {draft!r}: use one of {', '.join(DRAFT_SOURCES)}")
+        if not 1 <= draft_tokens <= min(MAX_DRAFT_TOKENS, prefill_chunk - 1):
+            raise ValueError(f"draft tokens {draft_tokens}: use 1 to {min(MAX_DRAFT_TOKENS, prefill_chunk - 1)}")
+        self.draft, self.draft_tokens = draft, draft_tokens
         self._loader = loader
         self.kv_disk = kv_disk
         self.owns_engine = owns_engine
@@ -584,6 +599,7 @@ class Scheduler:
         self._fence: Any = None  # a CUDA event after the last step's unfinished prompt pieces
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
         self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
+        self.draft_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verifications, drafted / accepted tokens
         self.ctx = ctx
         self._make_detok = detokenizer or _default_detokenizer
         self.observers = list(observers)
@@ -1073,6 +1089,13 @@ class Scheduler:
         """Feed every request its accepted tokens: one batched decode step for those with one token (the
         engine's `decode_batch` when it has one, else one after another); -> the ids of the batched ones."""
         singles = [s for s in feed if len(s.feed) == 1]
+        for stream in [s for s in singles if s.drafter is not None]:
+            drafts = self._drafts(stream)
+            if drafts:  # the token and its drafts in one forward, every position's logits back
+                rows = self._engine_call([stream], lambda s=stream, d=drafts: s.live.session.verify(s.feed + d))
+                singles.remove(stream)
+                if rows is not None:
+                    stream.rows, stream.drafts, stream.logits = rows, drafts, rows[0]
         for stream in feed:
             if len(stream.feed) > 1:  # a run of forced tokens is a prefill
                 logits = self._engine_call([stream], lambda s=stream: s.live.session.extend(s.feed,
@@ -1103,6 +1126,16 @@ class Scheduler:
             stream.feed = []
         return ids
 
+    def _drafts(self, stream: _Stream) -> list[int]:
+        """The drafts to verify with the request's next token: no more than it may still generate beyond that
+        token, nor than the context has room for."""
+        assert stream.drafter is not None
+        room = (getattr(self.engine, "ctx", None) or self.ctx or 0) - len(stream.live.session.tokens) - 1
+        k = min(self.draft_tokens, stream.job.max_tokens - stream.generated - 1, room)
+        if k <= 0:
+            return []
+        return stream.drafter.propose(k)  # its sequence ends with the token about to be fed (see _choose)
+
     def _begin_decode(self, stream: _Stream) -> None:
         """The prompt is in the KV: time it, checkpoint it, and set up sampling and the text."""
         assert self.engine is not None and stream.logits is not None
@@ -1119,6 +1152,9 @@ class Scheduler:
             disk.save(stream.live.tokens, stream.live.session.save_state)  # type: ignore[attr-defined]
         stream.detok = self._make_detok(self.engine)
         stream.sampler = Sampler(job.sampling)
+        if self.draft == "lookup" and job.guide is None and job.kind != WARM:
+            stream.drafter = LookupDrafter()
+            stream.drafter.extend(stream.live.tokens)
         stream.scanner = StopScanner(job.stop)
         if job.banned_tokens or job.logit_bias:  # banned tokens (-inf) and the client's logit_bias, built once
             bias = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
@@ -1148,7 +1184,10 @@ class Scheduler:
                 logits = logits.float() + stream.bias if stream.bias is not None else logits.float().clone()
                 if isinstance(directive, Allowed):
                     logits[~directive.mask.to(logits.device)] = float("-inf")
-            tokens = [stream.sampler(logits)]
+            tokens = self._accept(stream) if stream.rows is not None else [stream.sampler(logits)]
+        tokens = tokens[:max(0, job.max_tokens - stream.generated)]
+        if stream.drafter is not None:
+            stream.drafter.extend(tokens)
         for token in tokens:
             if job.guide is not None:
                 job.guide.accept(token)
@@ -1162,6 +1201,35 @@ class Scheduler:
             stream.unshown.append(token)
         if stream.ended is None and stream.generated >= job.max_tokens:
             stream.ended = "length"
+        if stream.drafts:  # the accepted drafts are in the KV already: only the last token is fed
+            stream.feed = stream.feed[-1:]
+            stream.drafts, stream.rows = [], None
+
+    def _accept(self, stream: _Stream) -> list[int]:
+        """The tokens a verification gives: each draft the sampler accepts at its position, then the token
+        the first rejection drew instead, or after the last draft one more from its row; the KV rows of the
+        rejected drafts are dropped."""
+        assert stream.rows is not None and stream.sampler is not None
+        rows, drafts, out = stream.rows, stream.drafts, []
+        for i in range(len(drafts) + 1):
+            row = rows[i] if stream.bias is None else rows[i].float() + stream.bias
+            if i == len(drafts):
+                out.append(stream.sampler(row))
+                break
+            token, ok = stream.sampler.verify(row, drafts[i])
+            out.append(token)
+            if not ok:
+                break
+        accepted = len(out) - 1
+        session = stream.live.session
+        if accepted < len(drafts) and not session.truncate(len(session.tokens) - (len(drafts) - accepted)):
+            raise RuntimeError("the KV could not drop the rejected drafts")  # within one chunk it always can
+        stream.timings.draft_n += len(drafts)
+        stream.timings.draft_n_accepted += accepted
+        self.draft_totals["drafted"] += len(drafts)
+        self.draft_totals["accepted"] += accepted
+        self.draft_totals["steps"] += 1
+        return out
 
     def _show(self, stream: _Stream) -> None:
         """Text of the tokens accepted at this step, through the stop-string scanner, to the client. A stop
@@ -1283,6 +1351,11 @@ class Scheduler:
                       if totals["decode_steps"] else 0.0,
                       "last_step": {"decoded": len(last.decoded), "prefill_tokens": sum(last.prefilled.values())}
                       if last else None},
+            "draft": {"source": self.draft, "tokens": self.draft_tokens, **self.draft_totals,
+                      "acceptance": round(self.draft_totals["accepted"] / self.draft_totals["drafted"], 4)
+                      if self.draft_totals["drafted"] else None,
+                      "tokens_per_verify": round(1 + self.draft_totals["accepted"] / self.draft_totals["steps"], 3)
+                      if self.draft_totals["steps"] else None},
             "sessions": {"capacity": self.capacity, "live": sessions,
                          "kv_bytes": sum(s["kv_bytes"] for s in sessions),
                          "prefix_hits": self.pool.hits if self.pool else 0,

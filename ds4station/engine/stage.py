@@ -64,6 +64,7 @@ from .model import DS4Model, RoundTrips
  OP_LOAD) = range(1, 12)
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 FLAG_FAILED = 2  # OP_SAVE / OP_LOAD: a stage could not save or load its file (its log says why)
+FLAG_ALL = 4  # an extend whose result is every position's (a draft's verification), not only the last one's
 HEADER_LEN = 8
 ACTIVATION_BITS = (16, 32)
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -405,15 +406,16 @@ class StageRunner:
 
     # ---- compute -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self, sid: int, tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
+    def step(self, sid: int, tokens: torch.Tensor, X: torch.Tensor | None, all_logits: bool = False) -> torch.Tensor:
         """Tokens [T] (and, on a stage that does not embed, their HC state X) through this stage -> the HC
-        state for the next stage, or on the last stage holding the head the last position's logits. One
-        token decodes (static shapes, a graph replay on a GPU); more prefill."""
+        state for the next stage, or on the last stage holding the head the last position's logits (with
+        `all_logits`, every position's [T, vocab]). One token decodes (static shapes, a graph replay on a
+        GPU); more prefill."""
         cache = self.kv[sid]
-        if tokens.numel() == 1:  # the token id as the caller holds it: no device round trip
+        if tokens.numel() == 1 and not all_logits:  # the token id as the caller holds it: no device round trip
             out = self.model.decode(int(tokens[0]), cache, X, logits=self.logits)
             return out.clone()  # the graph reuses its output buffer
-        return self.model.prefill(tokens, cache, X, logits=self.logits)
+        return self.model.prefill(tokens, cache, X, logits=self.logits, all_logits=all_logits)
 
     @torch.inference_mode()
     def step_batch(self, sids: list[int], tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
@@ -680,14 +682,17 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
         if op == OP_EXTEND:
             assert payload is not None
             tokens, X = unpack(payload, n, bits, cfg.hc_mult, cfg.dim)
-            out = runner.step(sid, tokens, X)
+            every = bool(flags & FLAG_ALL)
+            out = runner.step(sid, tokens, X, all_logits=every)
             if not last:
                 link.send(hdr, nxt)
                 link.send(pack(tokens, out, bits), nxt)
             elif flags & FLAG_RESULT:
                 if runner.logits:  # the head is here: only the logits travel back
                     link.send(out.float(), 0)
-                else:  # the head is on rank 0: send the last position's state back
+                elif every:  # the head is on rank 0: every position's state
+                    link.send(pack(tokens, out, bits), 0)
+                else:  # the last position's state
                     link.send(pack(tokens[-1:], out[-1:], bits), 0)
             if time.monotonic() - published > 1.0:
                 publish()

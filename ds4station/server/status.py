@@ -89,6 +89,11 @@ class _SchedulerCollector(Collector):
                                   "batch)", batch["decode_rows"])
         yield CounterMetricFamily("ds4_step_prefill_tokens_sum", "Prompt tokens prefilled by the steps",
                                   batch["prefill_tokens"])
+        draft = st.get("draft") or {}
+        if draft.get("source", "off") != "off":  # serve --draft
+            yield CounterMetricFamily("ds4_draft_verify_steps", "Steps that verified drafted tokens", draft["steps"])
+            yield CounterMetricFamily("ds4_draft_tokens", "Drafted tokens verified", draft["drafted"])
+            yield CounterMetricFamily("ds4_draft_accepted", "Drafted tokens accepted", draft["accepted"])
         sessions = st["sessions"]
         yield GaugeMetricFamily("ds4_live_sessions", "Live KV sessions held", len(sessions["live"]))
         yield GaugeMetricFamily("ds4_kv_bytes", "Bytes of KV held by the live sessions", sessions["kv_bytes"])
@@ -194,6 +199,7 @@ async def status(request: Request) -> dict[str, Any]:
         "kv": {"bytes": s["sessions"]["kv_bytes"], "tokens": sum(x["tokens"] for x in s["sessions"]["live"]),
                "ctx": st.ctx},
         "sessions": s["sessions"], "queue": s["queue"], "running": s["running"], "batch": s["batch"],
+        "draft": s["draft"],
         "throughput": {
             "recent": recent,
             "prompt_tokens_per_second": _mean(r["prompt_per_second"] for r in recent if r["prompt_per_second"]),

@@ -131,6 +131,10 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
         mean = batch.get("mean_decode_batch")
         if isinstance(mean, (int, float)) and mean:
             now_text += f"; batch mean {mean:.1f}"
+    draft = status.get("draft") or {}
+    if draft.get("source", "off") != "off" and draft.get("drafted"):  # speculative decoding, when on
+        now_text += f"; drafts {draft['accepted']}/{draft['drafted']} accepted, " \
+                    f"{draft.get('tokens_per_verify') or 0:.2f} tok per verify"
     parts.append(Text.assemble(("queue   ", "bold"), f"{queue.get('length', 0)}/{queue.get('capacity', '?')}",
                                now_text or "  idle"))
     cache = status.get("expert_cache")

@@ -1,0 +1,49 @@
+"""Draft sources for speculative decoding (serve --draft): tokens guessed ahead, which one forward over them
+verifies (engine `Session.verify`) and the sampler accepts or rejects (`Sampler.verify`), so the output is
+exactly what plain decoding gives (greedy) or distributed exactly as it (sampled).
+
+- `LookupDrafter` (--draft lookup): prompt lookup. The sequence so far (the prompt and what was generated)
+  is indexed by its n-grams (n = 1..`ngram`); the draft is what followed the most recent earlier occurrence
+  of the longest suffix that occurred before. Coding agents rewrite code that is in their prompt, where these
+  drafts run long; elsewhere they are short or absent and cost nothing. Indexing is incremental: O(ngram)
+  dictionary updates per token, O(ngram) lookups per draft.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+DRAFT_SOURCES = ("off", "lookup")
+DEFAULT_DRAFT_TOKENS = 4
+MAX_DRAFT_TOKENS = 16
+DEFAULT_NGRAM = 3
+
+
+class LookupDrafter:
+    """Prompt-lookup drafts over one growing token sequence."""
+
+    def __init__(self, ngram: int = DEFAULT_NGRAM) -> None:
+        if ngram < 1:
+            raise ValueError("the lookup n-gram must be at least 1 token")
+        self.ngram = ngram
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> where its most recent indexed occurrence ends
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append tokens to the sequence. An n-gram is indexed once a token follows it (a draft needs a
+        continuation), so the current suffix is never its own match."""
+        for t in tokens:
+            end = len(self.tokens) - 1  # the n-grams ending here get their continuation now
+            for n in range(1, self.ngram + 1):
+                if end - n + 1 < 0:
+                    break
+                self._last[tuple(self.tokens[end - n + 1:end + 1])] = end
+            self.tokens.append(int(t))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+        for n in range(min(self.ngram, len(self.tokens)), 0, -1):
+            end = self._last.get(tuple(self.tokens[-n:]))
+            if end is not None:
+                return self.tokens[end + 1:end + 1 + k]
+        return []
