@@ -62,7 +62,16 @@ def test_slots_hold_exactly_the_resident_packed_experts(gguf: GGUFFile) -> None:
                     assert torch.equal(a[s], b[e]), (layer, part, e)
 
 
-def test_streaming_generation_matches_resident_exactly(gguf: GGUFFile) -> None:
+@pytest.fixture(scope="module")
+def gguf_q4(tmp_path_factory: pytest.TempPathFactory) -> GGUFFile:
+    return GGUFFile.open(make_model(tmp_path_factory.mktemp("experts4") / "tiny-q4.gguf", seed=3, quant="q4"))
+
+
+@pytest.mark.parametrize("experts", ["q2", "q4"])
+def test_streaming_generation_matches_resident_exactly(gguf: GGUFFile, gguf_q4: GGUFFile, experts: str) -> None:
+    """Resident and streamed experts give the same logits bit for bit, for the q2 file's IQ2_XXS / Q2_K
+    experts and for Q4_K ones (the q4 file)."""
+    gguf = gguf_q4 if experts == "q4" else gguf
     path = gguf.path
     resident = Engine.load(path, ctx=CTX, device="cpu", chunk=CHUNK, compute="kernels")
     need = min_cache_bytes(load_tensors(gguf), range(gguf.config.n_layers))

@@ -219,12 +219,22 @@ def test_random_weights_do_not_depend_on_access_order() -> None:
                            first["blk.2.attn_q_b.weight"].data)
 
 
+@pytest.fixture(scope="module")
+def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> GGUFFile:
+    """The tiny shape in the q4 recipe: Q4_K routed experts in every layer (as the q4-imatrix Flash file)."""
+    return GGUFFile.open(make_model(tmp_path_factory.mktemp("g4") / "tiny-q4.gguf", seed=11, quant="q4"))
+
+
 @pytest.mark.skipif(not dispatch.interpreting(), reason="on a GPU the cuda cases above run the same kernels")
-def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile) -> None:
+@pytest.mark.parametrize("experts", ["q2", "q4"])
+def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUFFile, experts: str) -> None:
     """The GPU code path itself, every Triton launch (Q8_0 matvec and tl.dot matmul, fused MoE decode and
     grouped prefill, hyper-connections, router, decode attention), run by the Triton interpreter on a slice
-    with a hash-routed ratio-4 + indexer layer and a biased ratio-16 layer, against the reference slice."""
-
+    with a hash-routed ratio-4 + indexer layer and a biased ratio-16 layer, against the reference slice; with
+    the q2 file's IQ2_XXS / Q2_K experts and with Q4_K experts (the q4 file)."""
+    tiny = tiny_q4 if experts == "q4" else tiny
+    assert {tiny.specs[f"blk.2.ffn_{p}_exps.weight"].qtype.name for p in ("gate", "down")} == \
+        ({"Q4_K"} if experts == "q4" else {"IQ2_XXS", "Q2_K"})
     cfg, layers = tiny.config, range(2, 4)
     tokens = torch.randint(0, cfg.vocab_size, (13,), generator=torch.Generator().manual_seed(9))
     ref = DS4Model(cfg, {n: q.dequantize() for n, q in load_tensors(tiny, layers).items()}, layers, round_trips=OFF)

@@ -167,3 +167,51 @@ def test_prefill_schedule_covers_every_row_once() -> None:
             seen.append(pos)
     assert sorted(seen) == list(range(flat.numel()))  # 3 + 2 + 3 tiles used, the rest empty
     assert t_exp.numel() >= 8
+
+
+_REPACK = {Q.IQ2_XXS: repack_iq2_xxs, Q.Q2_K: repack_q2_k}
+
+
+def _repack(raw: torch.Tensor, qtype: Q, k: int):  # type: ignore[no-untyped-def]
+    from ds4station.kernels.q4_k import repack_q4_k
+
+    return (repack_q4_k if qtype == Q.Q4_K else _REPACK[qtype])(raw.to(DEVICE), k)
+
+
+def _expected(x, gate_f, up_f, down_f, ids, weights, clamp):  # type: ignore[no-untyped-def]
+    want = torch.zeros(x.shape[0], down_f.shape[1], dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for s in range(ids.shape[1]):
+            e = int(ids[t, s])
+            g, u = gate_f[e] @ x[t].double(), up_f[e] @ x[t].double()
+            if clamp is not None:
+                g, u = g.clamp(max=clamp), u.clamp(-clamp, clamp)
+            want[t] += down_f[e] @ (torch.nn.functional.silu(g) * u * float(weights[t, s]))
+    return want
+
+
+@pytest.mark.parametrize(("gate_type", "down_type"), [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q2_K), (Q.IQ2_XXS, Q.Q4_K)],
+                         ids=["q4_k/q4_k", "q4_k/q2_k", "iq2_xxs/q4_k"])
+def test_q4_k_experts_in_the_decode_and_prefill_kernels(gate_type: Q, down_type: Q) -> None:
+    """Q4_K routed experts (the q2-q4 and q4 files) through both fused MoE paths, mixed with the 2-bit types,
+    against float64 from gguf-py's dequantisation of the raw blocks. On CUDA the default (integer-dot)
+    dispatch takes the fp32 kernels for them."""
+    n_exp, d_model, d_ff, clamp = 5, 256, 512, 10.0
+    gate_raw = raw_experts(gate_type, n_exp, d_ff, d_model, seed=31, scale=0.6)
+    up_raw = raw_experts(gate_type, n_exp, d_ff, d_model, seed=32, scale=0.6)
+    down_raw = raw_experts(down_type, n_exp, d_model, d_ff, seed=33, scale=0.05)
+    gen = torch.Generator().manual_seed(4)
+    gate_f, up_f, down_f = oracle(gate_raw, gate_type), oracle(up_raw, gate_type), oracle(down_raw, down_type)
+    packed = [_repack(gate_raw, gate_type, d_model), _repack(up_raw, gate_type, d_model),
+              _repack(down_raw, down_type, d_ff)]
+    for tokens, slots in ((2, 3), (9, 2)):  # decode rows, then a prefill's grouped tiles
+        x = torch.randn(tokens, d_model, generator=gen)
+        ids = torch.stack([torch.randperm(n_exp, generator=gen)[:slots] for _ in range(tokens)]).to(torch.int32)
+        weights = torch.rand(tokens, slots, generator=gen) + 0.1
+        want = _expected(x, gate_f, up_f, down_f, ids, weights, clamp)
+        args = (x.to(DEVICE), *packed, ids.to(DEVICE), weights.to(DEVICE))
+        if tokens <= 8:
+            assert rel_err(moe_decode(*args, clamp=clamp, int_dot=False), want) < 1e-5
+            assert rel_err(moe_decode(*args, clamp=clamp), want) < 1e-5  # the default dispatch
+            assert rel_err(moe_decode_ref(*args, clamp=clamp), want) < 1e-5
+        assert rel_err(moe_prefill(*args, clamp=clamp), want) < 3e-3

@@ -10,8 +10,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "small test shape) or flash (the full 284B shape)")
     p.add_argument("--out", required=True, help="path of the GGUF file to write")
     p.add_argument("--seed", type=int, default=0, help="random seed (same seed, same file)")
-    p.add_argument("--quant", default="q2", choices=["q2", "f16", "f32"],
-                   help="q2: the quant types of the common q2 file (default); f16/f32: float weights")
+    p.add_argument("--quant", default="q2", choices=["q2", "q2-q4", "q4", "f16", "f32"],
+                   help="q2: the quant types of the common q2 file (default); q2-q4: as q2 with Q4_K routed experts "
+                        "in the last layers (Flash: 37-42, as the q2-q4-imatrix file); q4: Q4_K routed experts "
+                        "everywhere (as q4-imatrix); f16/f32: float weights")
     p.add_argument("--device", default="cpu", help="where the random weights are drawn: cpu (default) or cuda "
                    "(much faster for the flash shape; the file differs from the CPU one)")
 

@@ -110,17 +110,36 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "moe_gate_up iq2_xxs 6x2048x4096", moe._moe_gate_up_kernel,
         {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
-         "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
-         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
-         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+         "g0": "*i64", "g1": ptr16, "g2": ptr16, "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
+         "u3": ptr16, "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr",
+         "H_SUB": "constexpr", "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
         {"S": 6, "QT": 0, "H_SUB": 16, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n,
          "BLOCK_U": mo.gate_up.block_k // 32},
         ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2", "F", "D"),
         mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
+    m4 = dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend)  # the q2-q4 / q4 files' experts
+    q4_ptrs = {"0": "*i32", "1": "*u8", "2": "*u8", "3": "*i32"}
+    specs.append(KernelSpec(
+        "moe_gate_up q4_k 6x2048x4096", moe._moe_gate_up_kernel,
+        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
+         **{f"g{i}": t for i, t in q4_ptrs.items()}, **{f"u{i}": t for i, t in q4_ptrs.items()},
+         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
+         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"S": 6, "QT": 2, "H_SUB": 8, "CLAMP": True, "BLOCK_N": m4.gate_up.block_n, "BLOCK_U": m4.gate_up.block_k // 8},
+        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3", "F", "D"),
+        m4.gate_up.num_warps, m4.gate_up.num_stages, decode=True))
+    specs.append(KernelSpec(
+        "moe_down q4_k 6x4096x2048", moe._moe_down_kernel,
+        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64",
+         **{f"d{i}": t for i, t in q4_ptrs.items()}, "F": i32, "D": i32, "stride_yt": i32,
+         "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"S": 6, "QT": 2, "BLOCK_N": m4.down.block_n, "BLOCK_U": m4.down.block_k // 8},
+        ("ht_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "d3", "F", "D", "stride_yt"),
+        m4.down.num_warps, m4.down.num_stages, decode=True))
     specs.append(KernelSpec(
         "moe_down q2_k 6x4096x2048", moe._moe_down_kernel,
         {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8",
-         "d2": "*i32", "F": i32, "D": i32, "stride_yt": i32,
+         "d2": "*i32", "d3": "*i32", "F": i32, "D": i32, "stride_yt": i32,
          "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
         {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16},
         ("ht_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D", "stride_yt"),
@@ -138,16 +157,27 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         "moe_prefill_gate_up iq2_xxs 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
         {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
          "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i64", "g0": "*i64", "g1": ptr16, "g2": ptr16,
-         "u0": "*i64", "u1": ptr16, "u2": ptr16, **common, "stride_xt": i32, "clamp": "fp32",
-         "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-         "BLOCK_K": "constexpr"},
+         "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16, "u3": ptr16, **common, "stride_xt": i32,
+         "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr",
+         "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("x_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2", "F", "D", "stride_xt"),
+        pt.num_warps, pt.num_stages, wants_dot=True))
+    q4_bytes = {"0": "*u8", "1": "*u8", "2": "*u8", "3": "*i32"}  # the prefill tile reads the quants as bytes
+    specs.append(KernelSpec(
+        "moe_prefill_gate_up q4_k 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
+        {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
+         "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i64", **{f"g{i}": t for i, t in q4_bytes.items()},
+         **{f"u{i}": t for i, t in q4_bytes.items()}, **common, "stride_xt": i32, "clamp": "fp32",
+         "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+         "BLOCK_K": "constexpr"},
+        {"S": 6, "QT": 2, "CLAMP": True, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
+        ("x_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3", "F", "D", "stride_xt"),
         pt.num_warps, pt.num_stages, wants_dot=True))
     specs.append(KernelSpec(
         "moe_prefill_down q2_k 4096x2048", moe_prefill._moe_prefill_down_kernel,
         {"h_ptr": ptr32, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-         "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8", "d2": "*i32", **common,
+         "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8", "d2": "*i32", "d3": "*i32", **common,
          "QT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
@@ -178,7 +208,8 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
             "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,
              "h_ptr": ptr32, "grid_ptr": "*i32",
-             "g0": "*i64", "g1": ptr16, "g2": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16, "last_ptr": "*i64",
+             "g0": "*i64", "g1": ptr16, "g2": ptr16, "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
+             "u3": ptr16, "last_ptr": "*i64",
              "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr",
              "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "PADDED": "constexpr"},
             {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n, "BLOCK_U": mo.gate_up.block_k // 32,
@@ -189,7 +220,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         specs.append(KernelSpec(
             "moe_down_i8 q2_k 6x4096x2048", moe._moe_down_i8_kernel,
             {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32,
-             "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", "last_ptr": "*i64",
+             "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", "d3": "*i32", "last_ptr": "*i64",
              "F": i32, "D": i32, "stride_yt": i32,
              "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
              "PADDED": "constexpr"},

@@ -15,7 +15,9 @@ Two paths, chosen by `int_dot` (default: dispatch.use_int_dot, i.e. CUDA):
   values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do.
 For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot).
 
-Supported weight types: gate/up IQ2_XXS or Q2_K, down Q2_K or IQ2_XXS (the q2 file: IQ2_XXS / Q2_K).
+Supported weight types: gate/up IQ2_XXS, Q2_K or Q4_K, down Q2_K, IQ2_XXS or Q4_K (the q2 file: IQ2_XXS / Q2_K;
+the q2-q4 and q4 files: Q4_K experts). Q4_K has no integer-dot path yet: a layer with Q4_K experts runs the
+fp32-math kernels.
 Stacked expert weights have a leading expert dim: gate/up [E, F, D], down [E, D, F].
 """
 
@@ -39,10 +41,12 @@ from ds4station.kernels.iq2_xxs import (
     transpose_groups,
 )
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
+from ds4station.kernels.q4_k import PackedQ4K, _q4_k_dot, dequantize_q4_k
 
-PackedExperts = PackedIQ2XXS | PackedQ2K
-_QT_CODE = {"iq2_xxs": 0, "q2_k": 1}
-_UNIT = {"iq2_xxs": 32, "q2_k": 16}  # weights per packed unit = the transposed activation layout's row count
+PackedExperts = PackedIQ2XXS | PackedQ2K | PackedQ4K
+_QT_CODE = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2}
+_UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 8}  # weights per packed unit = the transposed activation's row count
+INT_DOT_QTYPES = ("iq2_xxs", "q2_k")  # the integer-dot kernels' types
 
 
 def _expert(w: PackedExperts, e: int) -> PackedExperts:
@@ -50,6 +54,8 @@ def _expert(w: PackedExperts, e: int) -> PackedExperts:
 
 
 def _dequantize(w: PackedExperts) -> torch.Tensor:
+    if isinstance(w, PackedQ4K):
+        return dequantize_q4_k(w)
     return dequantize_iq2_xxs(w) if isinstance(w, PackedIQ2XXS) else dequantize_q2_k(w)
 
 
@@ -58,6 +64,8 @@ def _matvec(w: PackedExperts, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
     except Q2_K's min term, which uses the exact x."""
     if not act_quant:
         return _dequantize(w) @ x
+    if isinstance(w, PackedQ4K):
+        raise ValueError("Q4_K experts have no integer-dot path (act_quant)")
     xq, xs, _ = quantize_act_ref(x.unsqueeze(0), w.qtype)
     xd = dequantize_act(xq, xs, w.qtype)[0]
     if isinstance(w, PackedIQ2XXS):
@@ -93,23 +101,26 @@ def moe_decode_ref(
 
 
 @triton.jit
-def _rows_dot(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xt_ptr, K,
+def _rows_dot(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, xt_ptr, K,
               BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
     """[BLOCK_N] fp32 dot products of quantised rows with one transposed activation row.
 
     QT 0: IQ2_XXS (p0 int64 words, p1 d; xt [32, K/32]); QT 1: Q2_K (p0 int32 words, p1 scales, p2 (d, dmin)
-    pairs; xt [16, K/16]). BLOCK_U packed units per chunk."""
+    pairs; xt [16, K/16]); QT 2: Q4_K (p0 int32 words, p1 scales, p2 mins, p3 (d, dmin) pairs; xt [8, K/8]).
+    BLOCK_U packed units per chunk."""
     if QT == 0:
         acc = _iq2_xxs_dot(p0, p1, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
-    else:
+    elif QT == 1:
         acc = _q2_k_dot(p0, p1, p2, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
+    else:
+        acc = _q4_k_dot(p0, p1, p2, p3, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
     return acc
 
 
 @triton.jit
 def _moe_gate_up_kernel(
     xt_ptr, ids_ptr, wts_ptr, ht_ptr, grid_ptr,
-    g0, g1, g2, u0, u1, u2,
+    g0, g1, g2, g3, u0, u1, u2, u3,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, H_SUB: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
@@ -123,8 +134,8 @@ def _moe_gate_up_kernel(
     n_mask = offs_n < F
     rows = e * F + offs_n.to(tl.int64)
     xt = xt_ptr + t.to(tl.int64) * D
-    g = _rows_dot(QT, g0, g1, g2, grid_ptr, rows, n_mask, xt, D, BLOCK_N, BLOCK_U)
-    u = _rows_dot(QT, u0, u1, u2, grid_ptr, rows, n_mask, xt, D, BLOCK_N, BLOCK_U)
+    g = _rows_dot(QT, g0, g1, g2, g3, grid_ptr, rows, n_mask, xt, D, BLOCK_N, BLOCK_U)
+    u = _rows_dot(QT, u0, u1, u2, u3, grid_ptr, rows, n_mask, xt, D, BLOCK_N, BLOCK_U)
     if CLAMP:
         g = tl.minimum(g, clamp)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -137,7 +148,7 @@ def _moe_gate_up_kernel(
 @triton.jit
 def _moe_down_kernel(
     ht_ptr, ids_ptr, y_ptr, grid_ptr,
-    d0, d1, d2,
+    d0, d1, d2, d3,
     F, D, stride_yt,
     S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
 ):
@@ -150,7 +161,7 @@ def _moe_down_kernel(
         slot = t * S + s
         e = tl.load(ids_ptr + slot).to(tl.int64)
         rows = e * D + offs_n.to(tl.int64)
-        acc += _rows_dot(QT, d0, d1, d2, grid_ptr, rows, n_mask, ht_ptr + slot.to(tl.int64) * F, F,
+        acc += _rows_dot(QT, d0, d1, d2, d3, grid_ptr, rows, n_mask, ht_ptr + slot.to(tl.int64) * F, F,
                          BLOCK_N, BLOCK_U)
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -169,7 +180,7 @@ def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xq_ptr, x
 @triton.jit
 def _moe_gate_up_i8_kernel(
     xq_ptr, xs_ptr, xsum_ptr, ids_ptr, wts_ptr, h_ptr, grid_ptr,
-    g0, g1, g2, u0, u1, u2, last_ptr,
+    g0, g1, g2, g3, u0, u1, u2, u3, last_ptr,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     PADDED: tl.constexpr,
@@ -196,7 +207,7 @@ def _moe_gate_up_i8_kernel(
 @triton.jit
 def _moe_down_i8_kernel(
     xq_ptr, xs_ptr, xsum_ptr, ids_ptr, y_ptr, grid_ptr,
-    d0, d1, d2, last_ptr,
+    d0, d1, d2, d3, last_ptr,
     F, D, stride_yt,
     S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
     PADDED: tl.constexpr,
@@ -218,10 +229,15 @@ def _moe_down_i8_kernel(
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
 
-def _ptrs(w: PackedExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ptrs(w: PackedExperts, words: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four kernel pointers of an expert stack (unused ones repeat one); `words`: Q4_K's quants as int32
+    words (the decode dot) rather than bytes (the prefill tile)."""
     if isinstance(w, PackedIQ2XXS):
-        return w.qs.view(torch.int64), w.d, w.d  # third pointer unused by the IQ2_XXS path
-    return w.qs.view(torch.int32), w.sc, w.dm.view(torch.int32)
+        return w.qs.view(torch.int64), w.d, w.d, w.d
+    if isinstance(w, PackedQ4K):
+        return w.qs.view(torch.int32) if words else w.qs, w.sc, w.mn, w.dm.view(torch.int32)
+    dm = w.dm.view(torch.int32)
+    return w.qs.view(torch.int32), w.sc, dm, dm
 
 
 def moe_decode(
@@ -260,7 +276,7 @@ def moe_decode(
                                         dispatch.launch_backend(x))
     if int_dot is None:
         int_dot = dispatch.use_int_dot(dispatch.launch_backend(x))
-    if int_dot:
+    if int_dot and gate.qtype in INT_DOT_QTYPES and down.qtype in INT_DOT_QTYPES:
         return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles, last)
     sub_in, sub_h = _UNIT[gate.qtype], _UNIT[down.qtype]
     ht = torch.empty((t_count, n_slots, d_ff), device=x.device, dtype=torch.float32)

@@ -20,6 +20,7 @@ from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import _iq2_xxs_tile, grid_words
 from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs
 from ds4station.kernels.q2_k import _q2_k_tile
+from ds4station.kernels.q4_k import _q4_k_tile
 
 
 def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -43,18 +44,20 @@ def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Te
 
 
 @triton.jit
-def _dequant_tile(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+def _dequant_tile(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     if QT == 0:
         w = _iq2_xxs_tile(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
-    else:
+    elif QT == 1:
         w = _q2_k_tile(p0, p1, p2, rows, n_mask, k0, K, BLOCK_K)
+    else:
+        w = _q4_k_tile(p0, p1, p2, p3, rows, n_mask, k0, K, BLOCK_K)
     return w.to(tl.float16)
 
 
 @triton.jit
 def _moe_prefill_gate_up_kernel(
     x_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, wts_ptr, h_ptr, grid_ptr,
-    g0, g1, g2, u0, u1, u2,
+    g0, g1, g2, g3, u0, u1, u2, u3,
     F, D, stride_xt, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -78,9 +81,9 @@ def _moe_prefill_gate_up_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & (kk < D)[None, :],
                      other=0.0).to(tl.float16)
-        wg = _dequant_tile(QT, g0, g1, g2, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
+        wg = _dequant_tile(QT, g0, g1, g2, g3, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
         acc_g = tl.dot(xt, tl.trans(wg), acc_g)
-        wu = _dequant_tile(QT, u0, u1, u2, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
+        wu = _dequant_tile(QT, u0, u1, u2, u3, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
         acc_u = tl.dot(xt, tl.trans(wu), acc_u)
     if CLAMP:
         acc_g = tl.minimum(acc_g, clamp)
@@ -93,7 +96,7 @@ def _moe_prefill_gate_up_kernel(
 @triton.jit
 def _moe_prefill_down_kernel(
     h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, y_ptr, grid_ptr,
-    d0, d1, d2,
+    d0, d1, d2, d3,
     F, D,
     QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -114,7 +117,7 @@ def _moe_prefill_down_kernel(
         kk = k0 + tl.arange(0, BLOCK_K)
         ht = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * F + kk[None, :],
                      mask=m_mask[:, None] & (kk < F)[None, :], other=0.0).to(tl.float16)
-        w = _dequant_tile(QT, d0, d1, d2, grid_ptr, rows, n_mask, k0, F, BLOCK_K)
+        w = _dequant_tile(QT, d0, d1, d2, d3, grid_ptr, rows, n_mask, k0, F, BLOCK_K)
         acc = tl.dot(ht, tl.trans(w), acc)
     tl.store(y_ptr + slot[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
 
@@ -149,13 +152,13 @@ def moe_prefill(
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     opts = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     _moe_prefill_gate_up_kernel[(t_exp.numel(), triton.cdiv(d_ff, tiles.block_n))](
-        x, order, t_exp, t_start, t_end, weights, h, grid_tab, *_ptrs(gate), *_ptrs(up),
+        x, order, t_exp, t_start, t_end, weights, h, grid_tab, *_ptrs(gate, words=False), *_ptrs(up, words=False),
         d_ff, d_model, x.stride(0), float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts)
     y_slots = torch.empty((t_count * n_slots, d_model), device=x.device, dtype=torch.float32)
     _moe_prefill_down_kernel[(t_exp.numel(), triton.cdiv(d_model, tiles.block_n))](
-        h, order, t_exp, t_start, t_end, y_slots, grid_tab, *_ptrs(down), d_ff, d_model,
+        h, order, t_exp, t_start, t_end, y_slots, grid_tab, *_ptrs(down, words=False), d_ff, d_model,
         QT=_QT_CODE[down.qtype], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts)
     return y_slots.view(t_count, n_slots, d_model).sum(1)
 

@@ -240,6 +240,8 @@ DEMO_SHAPE = "demo-q2"  # the built-in demo model's shape (engine.demo makes exa
 SHAPES: dict[str, tuple[ModelConfig, str]] = {
     "demo-q2": (DEMO, "q2"),
     "flash-q2": (FLASH, "q2"),
+    "flash-q2-q4": (FLASH, "q2-q4"),
+    "flash-q4": (FLASH, "q4"),
     "flash-f16": (FLASH, "f16"),
     "tiny-q2": (TINY, "q2"),
     "tiny-f16": (TINY, "f16"),

@@ -24,7 +24,21 @@ _Q2 = {
     "ffn_gate_shexp": Q.Q8_0, "ffn_up_shexp": Q.Q8_0, "ffn_down_shexp": Q.Q8_0,
     "ffn_gate_exps": Q.IQ2_XXS, "ffn_up_exps": Q.IQ2_XXS, "ffn_down_exps": Q.Q2_K,
 }
-RECIPES = ("q2", "f16", "f32")
+# q2-q4: as the published "q2-q4-imatrix" Flash file, the routed experts of the last layers in Q4_K (Flash: 37-42,
+# 6 of 43; a smaller model: the same share, at least one layer); q4: as "q4-imatrix", Q4_K routed experts in
+# every layer. The other tensors are the q2 recipe's.
+RECIPES = ("q2", "q2-q4", "q4", "f16", "f32")
+_ROUTED = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def q4_expert_layers(cfg: ModelConfig, recipe: str) -> range:
+    """The layers whose routed experts the recipe stores in Q4_K."""
+    n = cfg.n_layers
+    if recipe == "q4":
+        return range(n)
+    if recipe == "q2-q4":
+        return range(n - -(-6 * n // 43), n)
+    return range(0)
 
 # Tensors that hold norms, scales, biases and sinks stay F32 in every recipe.
 F32_ROLES = {
@@ -84,15 +98,16 @@ def tensor_bytes(shape: tuple[int, ...], qtype: Q) -> int:
     return n // block * size
 
 
-def quant_type(role: str, recipe: str) -> Q:
+def quant_type(role: str, recipe: str, q4_experts: bool = False) -> Q:
+    """The recipe's type for a tensor role; `q4_experts`: the layer is one of `q4_expert_layers`."""
     if recipe not in RECIPES:
         raise ValueError(f"unknown quant recipe {recipe!r}; choose one of {', '.join(RECIPES)}")
     if role == "ffn_gate_tid2eid":
         return Q.I32
     if role in F32_ROLES or recipe == "f32":
         return Q.F32
-    if recipe == "q2":
-        return _Q2.get(role, Q.F16)
+    if recipe in ("q2", "q2-q4", "q4"):
+        return Q.Q4_K if q4_experts and role in _ROUTED else _Q2.get(role, Q.F16)
     return Q.F16
 
 
@@ -130,9 +145,10 @@ def layer_tensors(cfg: ModelConfig, layer: int, recipe: str = "q2") -> list[Tens
     if cfg.n_shared_experts:
         fs = f * cfg.n_shared_experts
         shapes |= {"ffn_gate_shexp": (d, fs), "ffn_up_shexp": (d, fs), "ffn_down_shexp": (fs, d)}
+    q4 = layer in q4_expert_layers(cfg, recipe)
     return [
         TensorSpec(f"blk.{layer}.{role}.{'bias' if role == 'exp_probs_b' else 'weight'}", shape,
-                   quant_type(role, recipe), layer)
+                   quant_type(role, recipe, q4), layer)
         for role, shape in shapes.items()
     ]
 
