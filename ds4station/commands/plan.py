@@ -13,8 +13,8 @@ from ds4station.model.sizes import token_count
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", metavar="PATH", help="a DS4 GGUF file (its tensor table gives the weights)")
-    src.add_argument("--shape", metavar="NAME", help="a named shape instead of a file: flash-q2 (default), flash-q2-q4, "
-                     "flash-q4, demo-q2 (the built-in demo model), tiny-q2, flash-f16, tiny-f16")
+    src.add_argument("--shape", metavar="NAME", help="a named shape instead of a file: flash-q2 (default), "
+                     "flash-q2-q4, flash-q4, demo-q2 (the built-in demo model), tiny-q2, flash-f16, tiny-f16")
     p.add_argument("--gpus", default="auto", metavar="auto|SPEC|PROFILE",
                    help="auto (detected GPUs), a SPEC of cards in stage order such as 32GiB,16GiB:desktop,16GiBx4 "
                         "(flags :desktop, :apu; cpu adds a CPU stage), or a host profile name from presets/")
