@@ -124,12 +124,13 @@ def test_verify_through_worker_processes(model_path: Path) -> None:
 
 # ---- the scheduler's draft-and-verify decode ----------------------------------------------------------------
 def generate(engine: Engine, prompt: list[int], n: int, sampling: SamplingParams | None = None,
-             **kw) -> tuple[list[int], Finished, dict]:
+             stop: list[str] | None = None, **kw) -> tuple[list[int], Finished, dict]:
     s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=1, **kw).start()
     assert s.ready.wait(60) and s.state == "ready", s.error
 
     async def go() -> Finished:
-        handle = s.submit(Job(prompt=prompt, max_tokens=n, sampling=sampling or SamplingParams(temperature=0.0)))
+        handle = s.submit(Job(prompt=prompt, max_tokens=n, sampling=sampling or SamplingParams(temperature=0.0),
+                              stop=stop or []))
         fin = None
         async for ev in handle.events():
             if isinstance(ev, Finished):
@@ -193,6 +194,23 @@ def test_an_oracle_draft_is_accepted_whole_and_garbage_never(engine: Engine, pla
         assert draft["accepted"] == draft["drafted"] > 0
         # the first token comes from the prompt; then each verification gives k + 1 (the last ones fewer)
         assert draft["steps"] <= -(-(N_NEW - 1) // (k + 1)) + 1 and draft["tokens_per_verify"] > k
+
+
+def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(engine: Engine, plain: list[int],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop string completed by a token in the middle of a verification's accepted drafts: the output ends
+    as plain decoding's does (same tokens, same count), not with the rest of the step's tokens."""
+    text = [engine.tokenizer.decode([t]) for t in plain]
+    i = next(i for i in range(12, N_NEW - 8) if text[i].strip() and text[i] not in "".join(text[:i]))
+    stop = [text[i]]
+    want, want_fin, _ = generate(engine, PROMPT, N_NEW, stop=stop)
+    assert want_fin.reason == "stop" and len(want) < N_NEW
+    monkeypatch.setattr(_Known, "answer", plain)
+    monkeypatch.setattr(_Known, "wrong", False)
+    monkeypatch.setattr(scheduler_module, "LookupDrafter", _Known)
+    got, fin, draft = generate(engine, PROMPT, N_NEW, stop=stop, draft="lookup", draft_tokens=4)
+    assert draft["accepted"] > 0
+    assert got == want and fin.completion_tokens == want_fin.completion_tokens and fin.stop_string == stop[0]
 
 
 def test_sampled_drafting_runs_and_counts(engine: Engine) -> None:

@@ -174,8 +174,9 @@ _REPACK = {Q.IQ2_XXS: repack_iq2_xxs, Q.Q2_K: repack_q2_k}
 
 def _repack(raw: torch.Tensor, qtype: Q, k: int):  # type: ignore[no-untyped-def]
     from ds4station.kernels.q4_k import repack_q4_k
+    from ds4station.kernels.q8_0 import repack_q8_0
 
-    return (repack_q4_k if qtype == Q.Q4_K else _REPACK[qtype])(raw.to(DEVICE), k)
+    return ({Q.Q4_K: repack_q4_k, Q.Q8_0: repack_q8_0} | _REPACK)[qtype](raw.to(DEVICE), k)
 
 
 def _expected(x, gate_f, up_f, down_f, ids, weights, clamp):  # type: ignore[no-untyped-def]
@@ -190,12 +191,13 @@ def _expected(x, gate_f, up_f, down_f, ids, weights, clamp):  # type: ignore[no-
     return want
 
 
-@pytest.mark.parametrize(("gate_type", "down_type"), [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q2_K), (Q.IQ2_XXS, Q.Q4_K)],
-                         ids=["q4_k/q4_k", "q4_k/q2_k", "iq2_xxs/q4_k"])
-def test_q4_k_experts_in_the_decode_and_prefill_kernels(gate_type: Q, down_type: Q) -> None:
-    """Q4_K routed experts (the q2-q4 and q4 files) through both fused MoE paths, mixed with the 2-bit types,
-    against float64 from gguf-py's dequantisation of the raw blocks. On CUDA the default (integer-dot)
-    dispatch takes the fp32 kernels for them."""
+@pytest.mark.parametrize(("gate_type", "down_type"), [(Q.Q4_K, Q.Q4_K), (Q.Q4_K, Q.Q2_K), (Q.IQ2_XXS, Q.Q4_K),
+                                                      (Q.Q8_0, Q.Q8_0), (Q.IQ2_XXS, Q.Q8_0)],
+                         ids=["q4_k/q4_k", "q4_k/q2_k", "iq2_xxs/q4_k", "q8_0/q8_0", "iq2_xxs/q8_0"])
+def test_q4_k_and_q8_0_experts_in_the_decode_and_prefill_kernels(gate_type: Q, down_type: Q) -> None:
+    """Q4_K routed experts (the q2-q4 and q4 files) and Q8_0 ones (some conversions) through both fused MoE
+    paths, mixed with the 2-bit types, against float64 from gguf-py's dequantisation of the raw blocks. On
+    CUDA the default (integer-dot) dispatch takes the fp32 kernels for them."""
     n_exp, d_model, d_ff, clamp = 5, 256, 512, 10.0
     gate_raw = raw_experts(gate_type, n_exp, d_ff, d_model, seed=31, scale=0.6)
     up_raw = raw_experts(gate_type, n_exp, d_ff, d_model, seed=32, scale=0.6)

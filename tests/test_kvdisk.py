@@ -87,6 +87,39 @@ def test_a_restored_session_continues_bit_for_bit(engine: Engine, tmp_path: Path
     b.close()
 
 
+def test_a_restored_session_goes_back_before_its_end_only_through_its_checkpoint(engine: Engine,
+                                                                                tmp_path: Path) -> None:
+    """Restored at n, a prompt that shares d <= CHECKPOINT_MARGIN fewer tokens goes back to n - d from the
+    checkpoint's rows (a truncate would read ring rows the restore did not write: they hold a slot's older
+    data): the steps from there equal those of the saved session rolled back in place, bit for bit."""
+    n = 300
+    prompt = tokens(n + 20, seed=11)
+    a = engine.new_session()
+    a.extend(prompt[:n])
+    assert a.save_state(tmp_path / "e")
+    a.close()
+    for d in (1, 2, 7, 16):
+        stale = engine.new_session()  # the slot the restore reuses holds another sequence's rows
+        stale.extend(tokens(n + 40, seed=d))
+        stale.close()
+        b = engine.new_session()
+        assert b.load_state(tmp_path / "e", prompt[:n])
+        assert not b.truncate(n - d)
+        assert b.rewind(n - d) == n - d
+        b.close()  # (a slot of its own for the comparison: a and b must not share one)
+        b2 = engine.new_session()
+        assert b2.load_state(tmp_path / "e", prompt[:n]) and b2.rewind(n - d) == n - d
+        same = engine.new_session()  # the saved session's own prefill, rolled back in place
+        same.extend(prompt[:n])
+        assert same.truncate(n - d)
+        assert torch.equal(b2.extend(prompt[n - d:n + 5]), same.extend(prompt[n - d:n + 5]))
+        same.close()
+        b2.close()
+    b = engine.new_session()
+    assert b.load_state(tmp_path / "e", prompt[:n]) and b.rewind(n - 17) == -1  # beyond the margin
+    b.close()
+
+
 def test_corrupt_truncated_and_missing_files_are_refused_with_a_log_line(engine: Engine, tmp_path: Path,
                                                                          capfd: pytest.CaptureFixture[str]) -> None:
     prompt = tokens(200, seed=3)
@@ -282,3 +315,15 @@ def test_serve_flags_status_and_metrics(engine: Engine, model_path: Path, tmp_pa
         assert "ds4_kv_disk_entries 2.0" in metrics
     finally:
         srv.stop()
+
+
+def test_common_prefix_at_every_kind_of_boundary() -> None:
+    from ds4station.engine.kvdisk import common_prefix
+
+    base = tokens(5000, seed=1)
+    for cut in (0, 1, 1023, 1024, 1025, 2048, 4999):
+        other = base[:cut] + [base[cut] + 1] + base[cut + 1:] if cut < 5000 else list(base)
+        assert common_prefix(base, other) == cut
+    assert common_prefix(base, base[:3000]) == 3000 and common_prefix(base[:2048], base) == 2048
+    assert common_prefix([], base) == 0 and common_prefix(base, base) == 5000
+    assert common_prefix(tuple(base), base[:10] + [0]) == 10  # (tokens are 5..499)

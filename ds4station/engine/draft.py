@@ -6,7 +6,8 @@ exactly what plain decoding gives (greedy) or distributed exactly as it (sampled
   is indexed by its n-grams (n = 1..`ngram`); the draft is what followed the most recent earlier occurrence
   of the longest suffix that occurred before. Coding agents rewrite code that is in their prompt, where these
   drafts run long; elsewhere they are short or absent and cost nothing. Indexing is incremental: O(ngram)
-  dictionary updates per token, O(ngram) lookups per draft.
+  dictionary updates per token, O(ngram) lookups per draft; a request indexes the last LOOKUP_CONTEXT tokens
+  of its prompt, so a long prompt does not hold the other running requests while it is indexed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ DRAFT_SOURCES = ("off", "lookup")
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 16
 DEFAULT_NGRAM = 3
+LOOKUP_CONTEXT = 32768  # prompt tokens a request's drafter indexes (the last ones: ~10 ms of indexing)
 
 
 class LookupDrafter:

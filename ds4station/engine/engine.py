@@ -68,6 +68,7 @@ from .stage import (
     KV_DTYPES,
     OP_BATCH,
     OP_CHECKPOINT,
+    OP_DROP,
     OP_EXTEND,
     OP_FREE,
     OP_LOAD,
@@ -639,6 +640,18 @@ class Engine:
                 self._await(pending, self.world - 1)
                 ok = ok and not int(ack[4]) & FLAG_FAILED
             return ok
+
+    def drop_state(self, entry: str | os.PathLike[str]) -> None:
+        """Every stage removes its file of a disk checkpoint (each stage's directory may be on its own machine)."""
+        assert self.runner is not None
+        with self._lock:
+            if self.down or self._closed:
+                return
+            self.runner.drop_state(str(entry))
+            if self.world > 1:
+                body = torch.frombuffer(bytearray(str(entry).encode()), dtype=torch.uint8)
+                for t in (header(OP_DROP, payload=body.numel()), body):
+                    self._isend(t, 1)
 
     def state_identity(self) -> dict[str, Any]:
         """What a disk checkpoint must have been saved by to be loaded here: the model file's contents, each

@@ -135,17 +135,17 @@ class Linear:
                           out_dtype=torch.float32)
 
 
-def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K | PackedQ4K | Tensor:
-    """A layer's routed experts [E, N, K] in the form the MoE reads: IQ2_XXS / Q2_K / Q4_K packed for the
-    fused kernels; float types (F32 / F16 / BF16 files) dense, fp16 on a GPU, exact fp32 on the CPU."""
+def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K | PackedQ4K | PackedQ8_0 | Tensor:
+    """A layer's routed experts [E, N, K] in the form the MoE reads: IQ2_XXS / Q2_K / Q4_K / Q8_0 packed for
+    the fused kernels; float types (F32 / F16 / BF16 files) dense, fp16 on a GPU, exact fp32 on the CPU."""
     q = _q(w)
     k = q.shape[-1]
-    if q.qtype in (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K):
+    if q.qtype in (Q.IQ2_XXS, Q.Q2_K, Q.Q4_K, Q.Q8_0):
         return ops.repack(q.data.view(*q.shape[:-1], -1), q.qtype.name, k, device)  # raw [E, N, row bytes]
     if q.qtype in (Q.F32, Q.F16, Q.BF16):
         return _kept(q, device)
-    raise NotImplementedError(f"the kernel stage has routed-expert kernels for IQ2_XXS, Q2_K and Q4_K (and "
-                              f"float experts), not {q.qtype.name}")
+    raise NotImplementedError(f"the kernel stage has routed-expert kernels for IQ2_XXS, Q2_K, Q4_K and Q8_0 "
+                              f"(and float experts), not {q.qtype.name}")
 
 
 class Experts:

@@ -210,8 +210,11 @@ class KVCache:
                     ring.write(pos, saved.kv[rows], saved.score[rows])  # type: ignore[union-attr]
                 else:
                     ring[pos % ring.shape[0]] = saved[rows]  # type: ignore[index]
-        # the rings hold position t's state again; what any later position wrote is overwritten before it is read
-        self.length = self.written = t
+        # the rings hold position t's state again; what any later position wrote is overwritten before it is read.
+        # Only what t needs was restored: the rows before t's window are stale, so `truncate` must not go below
+        # t (the high-water mark says the slack is used up); further back only a checkpoint serves.
+        self.length = t
+        self.written = t + self.slack
         if t < c:
             self.saved_at = None  # its rows for positions after t are stale now
 
@@ -255,7 +258,7 @@ class KVCache:
         for name, dst in targets.items():
             dst.copy_(tensors[name])
         self.reset()
-        self.length = self.written = n
+        self.length = n
         self.saved_at = n
         self._restore(n, n)
 

@@ -140,9 +140,13 @@ def read_state_file(path: Path, expect: dict[str, Any], device: torch.device | s
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Tokens two sequences share from the start."""
+    """Tokens two sequences share from the start (slices compared 1,024 at a time, then one by one: a 100K-token
+    prompt against a live session or a saved one costs a few C-speed compares, not 100K Python steps)."""
+    a, b = list(a), list(b)
     n = min(len(a), len(b))
-    i = 0
+    i, step = 0, 1024
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -165,7 +169,7 @@ class DiskSettings:
     def open(self, engine: Any) -> DiskKV:
         """The directory for this engine (its identity and byte formula)."""
         return DiskKV(self.root, self.budget, engine.state_identity(), entry_bytes=engine.state_bytes,
-                      min_tokens=self.min_tokens, min_gain=self.min_gain)
+                      min_tokens=self.min_tokens, min_gain=self.min_gain, drop=getattr(engine, "drop_state", None))
 
 @dataclass
 class DiskEntry:
@@ -191,7 +195,7 @@ class DiskKV:
 
     def __init__(self, root: str | os.PathLike[str], budget: int, identity: dict[str, Any], *,
                  entry_bytes: Callable[[int], int], min_tokens: int = DEFAULT_MIN_TOKENS, min_gain: int = 256,
-                 log: Callable[[str], None] | None = None) -> None:
+                 log: Callable[[str], None] | None = None, drop: Callable[[Path], None] | None = None) -> None:
         if budget <= 0 or min_tokens < 1:
             raise ValueError("the KV disk budget must be positive and the least prompt saved at least 1 token")
         self.root = Path(root)
@@ -199,6 +203,7 @@ class DiskKV:
         self.budget, self.identity, self.min_tokens = budget, identity, min_tokens
         self.min_gain = min_gain  # restore only when the entry holds this many more tokens than a live session
         self.entry_bytes = entry_bytes
+        self.drop = drop  # removes an entry's stage files on every stage (a route over several machines)
         self.log = log or (lambda msg: print(f"ds4station: kv-disk: {msg}", file=sys.stderr, flush=True))
         self.entries: dict[str, DiskEntry] = {}  # this engine's
         self.foreign: dict[str, DiskEntry] = {}  # other models' or routes' (kept, within the budget)
@@ -217,7 +222,7 @@ class DiskKV:
             entry, why = self._read_meta(d)
             if entry is None:
                 self.log(f"removed {d.name}: {why}")
-                shutil.rmtree(d, ignore_errors=True)
+                self._rmtree(d)
                 continue
             (self.entries if why == "" else self.foreign)[entry.key] = entry
         self._evict(0)
@@ -254,7 +259,16 @@ class DiskKV:
     def _remove(self, entry: DiskEntry) -> None:
         self.entries.pop(entry.key, None)
         self.foreign.pop(entry.key, None)
-        shutil.rmtree(self.root / entry.key, ignore_errors=True)
+        self._rmtree(self.root / entry.key)
+
+    def _rmtree(self, d: Path) -> None:
+        """An entry's directory, here and (through `drop`) on every stage's machine."""
+        if self.drop is not None:
+            try:
+                self.drop(d)
+            except Exception as e:  # the local copy still goes; a stage that is down has its own cleanup
+                self.log(f"stage files of {d.name} not removed: {type(e).__name__}: {e}")
+        shutil.rmtree(d, ignore_errors=True)
 
     def match(self, prompt: Sequence[int], limit: int) -> tuple[DiskEntry, int] | None:
         """The entry that serves the most of `prompt` (at most `limit` of its tokens), and how many: an entry
@@ -290,7 +304,8 @@ class DiskKV:
                      f"({self.budget / 2**20:.1f} MiB)")
             return False
         d = self.root / key
-        shutil.rmtree(d, ignore_errors=True)
+        self.foreign.pop(key, None)  # the same tokens saved by another model or route: replaced
+        self._rmtree(d)
         try:
             ok = write(d)
             if ok:
@@ -306,7 +321,7 @@ class DiskKV:
             ok = False
         if not ok:
             self.failures += 1
-            shutil.rmtree(d, ignore_errors=True)
+            self._rmtree(d)
             return False
         self.entries[key] = DiskEntry(key, tokens, nbytes, (d / "meta.json").stat().st_mtime)
         self.saves += 1

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .draft import DRAFT_SOURCES, MAX_DRAFT_TOKENS, LookupDrafter
+from .draft import DRAFT_SOURCES, LOOKUP_CONTEXT, MAX_DRAFT_TOKENS, LookupDrafter
 from .kvdisk import DiskKV, DiskSettings, common_prefix
 from .sampler import Sampler, SamplingParams, StopScanner
 
@@ -512,6 +512,7 @@ class _Stream:
     drafter: LookupDrafter | None = None  # speculative decoding's draft source, when the server drafts
     drafts: list[int] = field(default_factory=list)  # the drafts verified at the last step, after its token
     rows: torch.Tensor | None = None  # that verification's logits [1 + drafts, vocab]
+    step_start: int = 0  # len(outputs) before this step's tokens
 
     @property
     def generated(self) -> int:
@@ -1154,7 +1155,7 @@ class Scheduler:
         stream.sampler = Sampler(job.sampling)
         if self.draft == "lookup" and job.guide is None and job.kind != WARM:
             stream.drafter = LookupDrafter()
-            stream.drafter.extend(stream.live.tokens)
+            stream.drafter.extend(stream.live.tokens[-LOOKUP_CONTEXT:])
         stream.scanner = StopScanner(job.stop)
         if job.banned_tokens or job.logit_bias:  # banned tokens (-inf) and the client's logit_bias, built once
             bias = torch.zeros(logits.numel(), dtype=torch.float32, device=logits.device)
@@ -1188,6 +1189,7 @@ class Scheduler:
         tokens = tokens[:max(0, job.max_tokens - stream.generated)]
         if stream.drafter is not None:
             stream.drafter.extend(tokens)
+        stream.step_start = stream.generated
         for token in tokens:
             if job.guide is not None:
                 job.guide.accept(token)
@@ -1236,7 +1238,7 @@ class Scheduler:
         string ends the request; when the step was already queued its last token is in the KV one step early,
         which settling rolls back like any other divergence."""
         assert stream.detok is not None and stream.scanner is not None
-        for token in stream.unshown:
+        for j, token in enumerate(stream.unshown):
             piece = stream.detok.push(token)
             stream.raw.append(piece)
             shown = stream.scanner.feed(piece)
@@ -1246,6 +1248,8 @@ class Scheduler:
                 text = "".join(stream.raw)
                 stream.matched = min((s for s in stream.job.stop if s and s in text), key=text.find)
                 stream.ended = "stop"
+                # a step of several tokens (drafts, forced ones): those after the stop string are not output
+                del stream.outputs[stream.step_start + j + 1:]
                 break
         stream.unshown = []
 

@@ -34,6 +34,7 @@ answering), so an interrupted server never leaves workers behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -61,7 +62,7 @@ from .model import DS4Model, RoundTrips
 
 # ---- wire protocol -----------------------------------------------------------------------------------
 (OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND, OP_BATCH, OP_SAVE,
- OP_LOAD) = range(1, 12)
+ OP_LOAD, OP_DROP) = range(1, 13)
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 FLAG_FAILED = 2  # OP_SAVE / OP_LOAD: a stage could not save or load its file (its log says why)
 FLAG_ALL = 4  # an extend whose result is every position's (a draft's verification), not only the last one's
@@ -397,6 +398,14 @@ class StageRunner:
                   flush=True)
             return False
 
+    def drop_state(self, entry: str) -> None:
+        """Remove this stage's file of an entry (and the entry's directory once it is empty)."""
+        path = stage_file(entry, self.rank)
+        for p in (path, path.with_name(f"{path.name}.tmp{os.getpid()}")):
+            p.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()
+
     def _state_info(self, entry: str, n: int) -> dict[str, Any]:
         """What a stage file records and a load checks: whose entry, how long, which layers, in what form."""
         s = self.stage
@@ -713,9 +722,15 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
             if time.monotonic() - published > 1.0:
                 publish()
             continue
-        if op in (OP_SAVE, OP_LOAD):  # arg: the positions to load; the payload: the entry directory
+        if op in (OP_SAVE, OP_LOAD, OP_DROP):  # arg: the positions to load; the payload: the entry directory
             assert payload is not None
             entry = payload.cpu().numpy().tobytes().decode()
+            if op == OP_DROP:
+                runner.drop_state(entry)
+                if not last:
+                    link.send(hdr, nxt)
+                    link.send(payload, nxt)
+                continue
             ok = runner.save_state(sid, entry) if op == OP_SAVE else runner.load_state(sid, entry, arg)
             hdr = header(op, sid, n, bits, flags | (0 if ok else FLAG_FAILED), arg, payload=nbytes)
             if last:

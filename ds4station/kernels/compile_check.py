@@ -128,6 +128,17 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         {"S": 6, "QT": 2, "H_SUB": 8, "CLAMP": True, "BLOCK_N": m4.gate_up.block_n, "BLOCK_U": m4.gate_up.block_k // 8},
         ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3", "F", "D"),
         m4.gate_up.num_warps, m4.gate_up.num_stages, decode=True))
+    m8 = dispatch.moe_tiles("q8_0", "q8_0", 4096, 2048, 6, backend)  # Q8_0 experts (some conversions)
+    q8_ptrs = {"0": "*i32", "1": ptr16, "2": ptr16, "3": ptr16}
+    specs.append(KernelSpec(
+        "moe_gate_up q8_0 6x2048x4096", moe._moe_gate_up_kernel,
+        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
+         **{f"g{i}": t for i, t in q8_ptrs.items()}, **{f"u{i}": t for i, t in q8_ptrs.items()},
+         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
+         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"S": 6, "QT": 3, "H_SUB": 4, "CLAMP": True, "BLOCK_N": m8.gate_up.block_n, "BLOCK_U": m8.gate_up.block_k // 4},
+        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "u0", "u1", "F", "D"),
+        m8.gate_up.num_warps, m8.gate_up.num_stages, decode=True))
     specs.append(KernelSpec(
         "moe_down q4_k 6x4096x2048", moe._moe_down_kernel,
         {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64",

@@ -15,9 +15,9 @@ Two paths, chosen by `int_dot` (default: dispatch.use_int_dot, i.e. CUDA):
   values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do.
 For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot).
 
-Supported weight types: gate/up IQ2_XXS, Q2_K or Q4_K, down Q2_K, IQ2_XXS or Q4_K (the q2 file: IQ2_XXS / Q2_K;
-the q2-q4 and q4 files: Q4_K experts). Q4_K has no integer-dot path yet: a layer with Q4_K experts runs the
-fp32-math kernels.
+Supported weight types: IQ2_XXS, Q2_K, Q4_K or Q8_0 for gate/up and for down, independently (the q2 file:
+IQ2_XXS / Q2_K; the q2-q4 and q4 files: Q4_K experts; some conversions: Q8_0). Q4_K and Q8_0 have no
+integer-dot path yet: a layer with such experts runs the fp32-math kernels.
 Stacked expert weights have a leading expert dim: gate/up [E, F, D], down [E, D, F].
 """
 
@@ -42,10 +42,12 @@ from ds4station.kernels.iq2_xxs import (
 )
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
 from ds4station.kernels.q4_k import PackedQ4K, _q4_k_dot, dequantize_q4_k
+from ds4station.kernels.q8_0 import PackedQ8_0, _q8_0_dot, dequantize_q8_0
 
-PackedExperts = PackedIQ2XXS | PackedQ2K | PackedQ4K
-_QT_CODE = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2}
-_UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 8}  # weights per packed unit = the transposed activation's row count
+PackedExperts = PackedIQ2XXS | PackedQ2K | PackedQ4K | PackedQ8_0
+_QT_CODE = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2, "q8_0": 3}
+# weights per packed unit = the transposed activation's row count
+_UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 8, "q8_0": 4}
 INT_DOT_QTYPES = ("iq2_xxs", "q2_k")  # the integer-dot kernels' types
 
 
@@ -56,6 +58,8 @@ def _expert(w: PackedExperts, e: int) -> PackedExperts:
 def _dequantize(w: PackedExperts) -> torch.Tensor:
     if isinstance(w, PackedQ4K):
         return dequantize_q4_k(w)
+    if isinstance(w, PackedQ8_0):
+        return dequantize_q8_0(w)
     return dequantize_iq2_xxs(w) if isinstance(w, PackedIQ2XXS) else dequantize_q2_k(w)
 
 
@@ -64,8 +68,8 @@ def _matvec(w: PackedExperts, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
     except Q2_K's min term, which uses the exact x."""
     if not act_quant:
         return _dequantize(w) @ x
-    if isinstance(w, PackedQ4K):
-        raise ValueError("Q4_K experts have no integer-dot path (act_quant)")
+    if isinstance(w, PackedQ4K | PackedQ8_0):
+        raise ValueError(f"{w.qtype} experts have no integer-dot path (act_quant)")
     xq, xs, _ = quantize_act_ref(x.unsqueeze(0), w.qtype)
     xd = dequantize_act(xq, xs, w.qtype)[0]
     if isinstance(w, PackedIQ2XXS):
@@ -106,14 +110,16 @@ def _rows_dot(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, xt_ptr, 
     """[BLOCK_N] fp32 dot products of quantised rows with one transposed activation row.
 
     QT 0: IQ2_XXS (p0 int64 words, p1 d; xt [32, K/32]); QT 1: Q2_K (p0 int32 words, p1 scales, p2 (d, dmin)
-    pairs; xt [16, K/16]); QT 2: Q4_K (p0 int32 words, p1 scales, p2 mins, p3 (d, dmin) pairs; xt [8, K/8]).
-    BLOCK_U packed units per chunk."""
+    pairs; xt [16, K/16]); QT 2: Q4_K (p0 int32 words, p1 scales, p2 mins, p3 (d, dmin) pairs; xt [8, K/8]);
+    QT 3: Q8_0 (p0 int32 words of 4 weights, p1 d; xt [4, K/4]). BLOCK_U packed units per chunk."""
     if QT == 0:
         acc = _iq2_xxs_dot(p0, p1, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
     elif QT == 1:
         acc = _q2_k_dot(p0, p1, p2, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
-    else:
+    elif QT == 2:
         acc = _q4_k_dot(p0, p1, p2, p3, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
+    else:
+        acc = _q8_0_dot(p0, p1, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
     return acc
 
 
@@ -230,12 +236,14 @@ def _moe_down_i8_kernel(
 
 
 def _ptrs(w: PackedExperts, words: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four kernel pointers of an expert stack (unused ones repeat one); `words`: Q4_K's quants as int32
-    words (the decode dot) rather than bytes (the prefill tile)."""
+    """The four kernel pointers of an expert stack (unused ones repeat one); `words`: Q4_K's and Q8_0's quants
+    as int32 words (the decode dot) rather than bytes (the prefill tile)."""
     if isinstance(w, PackedIQ2XXS):
         return w.qs.view(torch.int64), w.d, w.d, w.d
     if isinstance(w, PackedQ4K):
         return w.qs.view(torch.int32) if words else w.qs, w.sc, w.mn, w.dm.view(torch.int32)
+    if isinstance(w, PackedQ8_0):
+        return w.qs.view(torch.int32) if words else w.qs, w.d, w.d, w.d
     dm = w.dm.view(torch.int32)
     return w.qs.view(torch.int32), w.sc, dm, dm
 

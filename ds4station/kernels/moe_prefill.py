@@ -21,6 +21,7 @@ from ds4station.kernels.iq2_xxs import _iq2_xxs_tile, grid_words
 from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs
 from ds4station.kernels.q2_k import _q2_k_tile
 from ds4station.kernels.q4_k import _q4_k_tile
+from ds4station.kernels.q8_0 import _q8_0_tile
 
 
 def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Tensor, ...]:
@@ -49,8 +50,10 @@ def _dequant_tile(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, k0, 
         w = _iq2_xxs_tile(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
     elif QT == 1:
         w = _q2_k_tile(p0, p1, p2, rows, n_mask, k0, K, BLOCK_K)
-    else:
+    elif QT == 2:
         w = _q4_k_tile(p0, p1, p2, p3, rows, n_mask, k0, K, BLOCK_K)
+    else:
+        w = _q8_0_tile(p0, p1, rows, n_mask, k0, K, BLOCK_K)
     return w.to(tl.float16)
 
 

@@ -132,6 +132,45 @@ def _q8_0_matvec_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & (cols[None, :] < M))
 
 
+@triton.jit
+def _q8_0_dot(qs_ptr, d_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+    """[BLOCK_N] fp32 dot products of Q8_0 rows `rows` (int64; qs_ptr int32 words of 4 weights, d_ptr fp16
+    per 32) with one activation row TRANSPOSED as [4, K/4] (xt[e, u] = x[4 u + e]): the fused MoE's layout,
+    one lane per word as its 2-bit and Q4_K dots (Q8_0 routed experts of some conversions)."""
+    U = K // 4
+    offs_u = tl.arange(0, BLOCK_U)
+    acc = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+    for u0 in range(0, U, BLOCK_U):
+        uu = u0 + offs_u
+        u_mask = uu < U
+        wmask = n_mask[:, None] & u_mask[None, :]
+        word = tl.load(qs_ptr + rows[:, None] * U + uu[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+        d = tl.load(d_ptr + rows[:, None] * (K // 32) + (uu // 8)[None, :], mask=wmask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        dot = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
+        for e in tl.static_range(4):
+            q = ((word << (24 - 8 * e)) >> 24).to(tl.float32)  # signed byte e of the word
+            xv = tl.load(xt_ptr + e * U + uu, mask=u_mask, other=0.0).to(tl.float32)
+            dot += q * xv[None, :]
+        acc += d * dot
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q8_0_tile(qs_ptr, d_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Dequantised [rows, BLOCK_K] fp32 tile of Q8_0 weights k0 .. k0 + BLOCK_K (qs_ptr int8, d_ptr fp16 per
+    32): the grouped MoE prefill's operand for Q8_0 experts."""
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    KB: tl.constexpr = BLOCK_K // 32
+    kk = k0 + tl.arange(0, BLOCK_K)
+    q = tl.load(qs_ptr + rows[:, None] * K + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0)
+    sb = k0 // 32 + tl.arange(0, KB)
+    d = tl.load(d_ptr + rows[:, None] * (K // 32) + sb[None, :], mask=n_mask[:, None] & (sb < K // 32)[None, :],
+                other=0.0).to(tl.float32)
+    scale = tl.reshape(tl.broadcast_to(d[:, :, None], (BLOCK_N, KB, 32)), (BLOCK_N, BLOCK_K))
+    return q.to(tl.float32) * scale
+
+
 def q8_0_matvec(
     x: torch.Tensor,
     w: PackedQ8_0,
