@@ -107,54 +107,14 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         ("xt_ptr", "qs_ptr", "sc_ptr", "dm_ptr", "y_ptr", "N", "K", "stride_ym"),
         t.num_warps, t.num_stages, decode=True))
     mo = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
-    specs.append(KernelSpec(
-        "moe_gate_up iq2_xxs 6x2048x4096", moe._moe_gate_up_kernel,
-        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
-         "g0": "*i64", "g1": ptr16, "g2": ptr16, "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
-         "u3": ptr16, "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr",
-         "H_SUB": "constexpr", "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
-        {"S": 6, "QT": 0, "H_SUB": 16, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n,
-         "BLOCK_U": mo.gate_up.block_k // 32},
-        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2", "F", "D"),
-        mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
-    m4 = dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend)  # the q2-q4 / q4 files' experts
-    q4_ptrs = {"0": "*i32", "1": "*u8", "2": "*u8", "3": "*i32"}
-    specs.append(KernelSpec(
-        "moe_gate_up q4_k 6x2048x4096", moe._moe_gate_up_kernel,
-        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
-         **{f"g{i}": t for i, t in q4_ptrs.items()}, **{f"u{i}": t for i, t in q4_ptrs.items()},
-         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
-         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
-        {"S": 6, "QT": 2, "H_SUB": 8, "CLAMP": True, "BLOCK_N": m4.gate_up.block_n, "BLOCK_U": m4.gate_up.block_k // 8},
-        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "g2", "g3", "u0", "u1", "u2", "u3", "F", "D"),
-        m4.gate_up.num_warps, m4.gate_up.num_stages, decode=True))
-    m8 = dispatch.moe_tiles("q8_0", "q8_0", 4096, 2048, 6, backend)  # Q8_0 experts (some conversions)
-    q8_ptrs = {"0": "*i32", "1": ptr16, "2": ptr16, "3": ptr16}
-    specs.append(KernelSpec(
-        "moe_gate_up q8_0 6x2048x4096", moe._moe_gate_up_kernel,
-        {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64",
-         **{f"g{i}": t for i, t in q8_ptrs.items()}, **{f"u{i}": t for i, t in q8_ptrs.items()},
-         "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "H_SUB": "constexpr",
-         "CLAMP": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
-        {"S": 6, "QT": 3, "H_SUB": 4, "CLAMP": True, "BLOCK_N": m8.gate_up.block_n, "BLOCK_U": m8.gate_up.block_k // 4},
-        ("xt_ptr", "ht_ptr", "grid_ptr", "g0", "g1", "u0", "u1", "F", "D"),
-        m8.gate_up.num_warps, m8.gate_up.num_stages, decode=True))
-    specs.append(KernelSpec(
-        "moe_down q4_k 6x4096x2048", moe._moe_down_kernel,
-        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64",
-         **{f"d{i}": t for i, t in q4_ptrs.items()}, "F": i32, "D": i32, "stride_yt": i32,
-         "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
-        {"S": 6, "QT": 2, "BLOCK_N": m4.down.block_n, "BLOCK_U": m4.down.block_k // 8},
-        ("ht_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "d3", "F", "D", "stride_yt"),
-        m4.down.num_warps, m4.down.num_stages, decode=True))
-    specs.append(KernelSpec(
-        "moe_down q2_k 6x4096x2048", moe._moe_down_kernel,
-        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64", "d0": "*i32", "d1": "*u8",
-         "d2": "*i32", "d3": "*i32", "F": i32, "D": i32, "stride_yt": i32,
-         "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
-        {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16},
-        ("ht_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D", "stride_yt"),
-        mo.down.num_warps, mo.down.num_stages, decode=True))
+    # the fused MoE decode per expert type: the q2 file's IQ2_XXS gate/up and Q2_K down, the q2-q4 / q4 files'
+    # Q4_K, some conversions' Q8_0 (the kernels' four weight pointers; the ones a type does not use repeat)
+    ptrs = {"iq2_xxs": ("*i64", ptr16, ptr16, ptr16), "q2_k": ("*i32", "*u8", "*i32", "*i32"),
+            "q4_k": ("*i32", "*u8", "*u8", "*i32"), "q8_0": ("*i32", ptr16, ptr16, ptr16)}
+    for qtype in ("iq2_xxs", "q4_k", "q8_0"):
+        specs.append(_moe_spec("gate_up", qtype, ptrs[qtype], dispatch.moe_tiles(qtype, qtype, 4096, 2048, 6, backend)))
+    for qtype in ("q2_k", "q4_k"):
+        specs.append(_moe_spec("down", qtype, ptrs[qtype], dispatch.moe_tiles(qtype, qtype, 4096, 2048, 6, backend)))
     rt = dispatch.row_tiles(4096 // 32, backend)
     specs.append(KernelSpec(
         "act_quant q2_k 4096", act_quant._quant_act_kernel,
@@ -350,6 +310,33 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
         {"CLAMP": True, "BLOCK": t.block}, ("gu_ptr", "y_ptr", "F", "stride_gu", "stride_y"), t.num_warps, 1,
         decode=True))
     return out
+
+
+def _moe_spec(part: str, qtype: str, ptrs: tuple[str, ...], tiles: dispatch.MoeTiles) -> KernelSpec:
+    """A fused MoE decode launch (fp32 math) for one expert weight type, at the Flash shape (6 slots)."""
+    from ds4station.kernels import moe
+
+    ptr16, ptr32, i32 = "*fp16", "*fp32", "i32"
+    unit = moe._UNIT[qtype]
+    qt = {"S": 6, "QT": moe._QT_CODE[qtype]}
+    tail = {"S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"}
+    if part == "gate_up":
+        t = tiles.gate_up
+        weights = {f"{w}{i}": p for w in "gu" for i, p in enumerate(ptrs)}
+        return KernelSpec(
+            f"moe_gate_up {qtype} 6x2048x4096", moe._moe_gate_up_kernel,
+            {"xt_ptr": ptr16, "ids_ptr": "*i32", "wts_ptr": ptr32, "ht_ptr": ptr32, "grid_ptr": "*i64", **weights,
+             "F": i32, "D": i32, "clamp": "fp32", **tail, "H_SUB": "constexpr", "CLAMP": "constexpr"},
+            {**qt, "H_SUB": unit, "CLAMP": True, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // unit},
+            ("xt_ptr", "ht_ptr", "grid_ptr", *weights, "F", "D"), t.num_warps, t.num_stages, decode=True)
+    t = tiles.down
+    weights = {f"d{i}": p for i, p in enumerate(ptrs)}
+    return KernelSpec(
+        f"moe_down {qtype} 6x4096x2048", moe._moe_down_kernel,
+        {"ht_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32, "grid_ptr": "*i64", **weights, "F": i32, "D": i32,
+         "stride_yt": i32, **tail},
+        {**qt, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // unit},
+        ("ht_ptr", "y_ptr", "grid_ptr", *weights, "F", "D", "stride_yt"), t.num_warps, t.num_stages, decode=True)
 
 
 def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
