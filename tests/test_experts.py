@@ -232,3 +232,26 @@ def test_a_streaming_server_reports_its_cache_in_status_and_metrics(gguf: GGUFFi
         assert metrics["ds4_expert_cache_capacity_bytes"] == need
     finally:
         srv.stop()
+
+
+def test_a_streaming_stage_across_expert_types_is_refused_and_split_it_streams(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The q2-q4 layout (tiny: layer 5's experts Q4_K, the others IQ2_XXS / Q2_K): one streaming stage over
+    both forms is refused before anything starts, naming the layer to split at; split there, both stages
+    stream (two stages on one device) and give the resident tokens."""
+    from ds4station.model.route import RouteError
+
+    path = make_model(tmp_path / "tiny-q2-q4.gguf", seed=3, quant="q2-q4")
+    g = GGUFFile.open(path)
+    need = min_cache_bytes(load_tensors(g), range(g.config.n_layers))
+    with pytest.raises(RouteError, match="split the stage at layer 5"):
+        Engine.load(path, CTX, device="cpu", expert_cache=need, chunk=CHUNK)
+    route = f"cpu=embed,0-4,cache={need}; cpu=5,output,cache={need}"
+    with Engine.load(path, CTX, route, chunk=CHUNK, activation_bits=32) as split, \
+            Engine.load(path, CTX, device="cpu", chunk=CHUNK, compute="kernels") as resident:
+        a, b = split.new_session(), resident.new_session()
+        la, lb = a.extend(PROMPT), b.extend(PROMPT)
+        for _ in range(3):
+            assert int(la.argmax()) == int(lb.argmax())
+            t = int(lb.argmax())
+            la, lb = a.extend([t]), b.extend([t])
+        assert all(s["expert_cache"]["misses"] > 0 for s in split.stage_stats())

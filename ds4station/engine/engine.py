@@ -56,7 +56,7 @@ from ds4station.model.gguf import GGUFFile, fingerprint
 from ds4station.model.route import Route, RouteError, Stage, parse_route, route_from_toml
 from ds4station.model.sizes import parse_size
 
-from .experts import ExpertCacheTooSmall, min_cache_bytes, too_small_message
+from .experts import PARTS, ExpertCacheTooSmall, expert_name, min_cache_bytes, too_small_message
 from .kv import DEFAULT_CHUNK, dtype_name
 from .model import RoundTrips
 from .stage import (
@@ -798,11 +798,19 @@ def resolve_route(route: str | Route | None, n_layers: int, expert_cache: int | 
 
 
 def check_expert_caches(gguf: GGUFFile, route: Route) -> None:
-    """Refuse, before anything starts, a streaming stage whose cache cannot hold one layer's expert table."""
+    """Refuse, before anything starts, a streaming stage whose cache cannot hold one layer's expert table, or
+    whose layers store their experts in different types (one pool of slots holds one form)."""
     cfg = gguf.config
     for rank, stage in enumerate(route.stages):
         if not stage.streaming:
             continue
+        kinds = {i: tuple(gguf.specs[expert_name(i, p)].qtype.name for p in PARTS) for i in stage.layers}
+        if len(set(kinds.values())) > 1:
+            first = next(i for i in stage.layers if kinds[i] != kinds[stage.first_layer])
+            raise RouteError(f"{stage_label(rank, stage)} streams experts of layers {stage.first_layer}-"
+                             f"{stage.last_layer}, stored as {'/'.join(kinds[stage.first_layer])} up to layer "
+                             f"{first - 1} and {'/'.join(kinds[first])} from layer {first}: one expert cache holds "
+                             f"one form; split the stage at layer {first} (two stages may share a device)")
         tensors = load_tensors(gguf, stage.layers, embed=False, output=False)
         need = min_cache_bytes(tensors, stage.layers)
         if stage.expert_cache_bytes < need:
