@@ -28,6 +28,7 @@ PROMPT = [1] + [17, 23, 99, 5, 61, 7, 300, 42] * 6 + [17, 23, 99]
 N_NEW = 40
 
 
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("draft") / "tiny-q2.gguf", preset="tiny", seed=0, quant="q2")
@@ -211,6 +212,68 @@ def test_a_stop_string_inside_accepted_drafts_ends_the_output_there(engine: Engi
     got, fin, draft = generate(engine, PROMPT, N_NEW, stop=stop, draft="lookup", draft_tokens=4)
     assert draft["accepted"] > 0
     assert got == want and fin.completion_tokens == want_fin.completion_tokens and fin.stop_string == stop[0]
+
+
+class _Fixed:
+    """A draft source that always proposes one token (right or wrong by chance): sampled verification."""
+
+    token = 0
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def propose(self, k: int) -> list[int]:
+        return [self.token]
+
+
+def test_sampled_tokens_at_drafted_positions_keep_plain_sampling_distribution(engine: Engine,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the scheduler, the second generated token (the first one a verification decides) of 240 seeded
+    requests (temperature 0.3: the tiny random model's logits are flat) with a fixed draft, against 240
+    without drafts: a two-sample chi-square test over the tokens seen at least 10 times in all (the rest
+    pooled) stays below its critical value at significance 0.001 (measured: 11.0 at 11 degrees of freedom,
+    critical 31.26)."""
+    sampling = [SamplingParams(temperature=0.3, seed=s) for s in range(240)]
+    prompt = [1] + [17, 23, 99, 5] * 3 + [42]
+
+    def second_tokens(**kw) -> list[int]:  # type: ignore[no-untyped-def]
+        s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=1, **kw).start()
+        assert s.ready.wait(60)
+
+        async def go() -> list[int]:
+            out = []
+            for p in sampling:
+                fin = None
+                # 3 tokens: the first from the prompt, the second decided by verifying the draft after it
+                async for ev in s.submit(Job(prompt=prompt, max_tokens=3, sampling=p)).events():
+                    fin = ev if isinstance(ev, Finished) else fin
+                assert fin is not None and len(fin.output) == 3
+                out.append(fin.output[1])
+            return out
+
+        try:
+            return asyncio.run(go())
+        finally:
+            s.stop()
+
+    plain = second_tokens()
+    common = max(set(plain), key=plain.count)
+    monkeypatch.setattr(_Fixed, "token", common)  # a draft the target often accepts, and often rejects
+    monkeypatch.setattr(scheduler_module, "LookupDrafter", _Fixed)
+    drafted = second_tokens(draft="lookup", draft_tokens=1)
+    assert drafted != plain  # the verification drew from its own random stream
+    cells = sorted(t for t in set(plain + drafted) if plain.count(t) + drafted.count(t) >= 10)
+    a = [plain.count(t) for t in cells] + [sum(t not in cells for t in plain)]
+    b = [drafted.count(t) for t in cells] + [sum(t not in cells for t in drafted)]
+    chi2 = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b, strict=True) if x + y)  # equal sample sizes
+    dof = sum(1 for x, y in zip(a, b, strict=True) if x + y) - 1
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+                10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25}
+    assert 1 <= dof <= 16, (dof, cells)
+    assert chi2 < critical[dof], (chi2, dof, a, b)
 
 
 def test_sampled_drafting_runs_and_counts(engine: Engine) -> None:
