@@ -488,9 +488,10 @@ def test_big_bodies_in_flight_hold_up_neither_health_nor_a_stream(server) -> Non
     assert max(health) - typical < 0.25, (max(health), typical, sorted(health)[-5:])
     ttft = max(t for t, _ in baseline)
     worst_gap = max(max(gaps) for _, gaps in baseline)
-    # A stream may wait for one body's parse (pydantic holds the GIL while it parses 20 MiB: 0.1-0.2 s on this
-    # 2-core class of machine, under load), never for the uploads themselves (seconds): 0.25 s tells them apart.
+    # A stream may wait for a body's parse (pydantic holds the GIL while it parses 20 MiB: 0.1-0.2 s on this
+    # 2-core class of machine, under load; two back to back measured 0.29 s over the baseline in CI, with the
+    # other test worker busy), never for the uploads themselves (seconds): 0.5 s tells them apart.
     for first, gaps in streams:
-        assert first - ttft < 0.25, (first, ttft)
-        assert max(gaps) - worst_gap < 0.25, (max(gaps), worst_gap)
+        assert first - ttft < 0.5, (first, ttft)
+        assert max(gaps) - worst_gap < 0.5, (max(gaps), worst_gap)
     assert "Traceback" not in server.new_log()

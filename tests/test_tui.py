@@ -26,6 +26,7 @@ from rich.console import Console
 from textual.pilot import Pilot
 from textual.widget import Widget
 
+from ds4station.commands.tui import serve_extra
 from ds4station.hardware import detect_devices
 from ds4station.planner import named_shape
 from ds4station.tui.app import Ds4StationApp
@@ -328,7 +329,8 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
     pids: list[int] = []
 
     async def flow() -> None:
-        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=0.2)
+        app = Ds4StationApp(sysfs_root=str(tmp_path), use_nvml=False, host_ram=32 * GiB, poll_interval=0.2,
+                            serve_extra=serve_extra("--draft lookup --draft-tokens 3"))
         async with app.run_test(size=(160, 48)) as pilot:
             await until(pilot, lambda: app.polls >= 1)
             await pilot.press("l")
@@ -336,6 +338,7 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             server = app.server
             assert server.argv[-2:] == ["--parent-pid", str(os.getpid())]  # it dies with the panel
             assert "--plan" in server.argv  # launched through the plan's launch file
+            assert server.argv[-6:-2] == ["--draft", "lookup", "--draft-tokens", "3"]  # --serve-args
             pids.append(server.pid)  # type: ignore[arg-type]
             await until(pilot, lambda: app.last_view is not None and app.last_view.state == "ready", timeout=90)
             shown = text_of(app.dashboard.query_one(ServerPanel))
@@ -357,6 +360,7 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
                                             timeout=120)
             assert reply.status_code == 200, reply.text
             await until(pilot, lambda: len(app.requests) == 1, timeout=10)
+            assert app.last_view.status["draft"]["source"] == "lookup"  # type: ignore[union-attr, index]
             live = text_of(app.dashboard.query_one(LivePanel))
             decode = app.last_view.status["throughput"]["decode_tokens_per_second"]  # type: ignore[union-attr, index]
             assert decode and f"{decode:.2f} tok/s mean of the recent requests" in live and "TTFT" in live
@@ -528,3 +532,16 @@ def test_the_cards_list_drops_a_card_and_adds_it_back() -> None:
             assert ed.plan.stages[0].budget.device == first
 
     asyncio.run(flow())
+
+
+def test_serve_args_are_checked_by_serves_own_parser() -> None:
+    assert serve_extra("") == [] and serve_extra("--kv-disk-dir '/tmp/a b' --batch 2") == [
+        "--kv-disk-dir", "/tmp/a b", "--batch", "2"]
+    with pytest.raises(ValueError, match="has no --nope"):
+        serve_extra("--nope 1")
+    with pytest.raises(ValueError, match="--port is set by the panel"):
+        serve_extra("--port 9000")
+    with pytest.raises(ValueError, match="--ctx is set by the panel or its plan"):
+        serve_extra("--ctx=8K")
+    with pytest.raises(ValueError, match="invalid choice"):
+        serve_extra("--draft mtp")

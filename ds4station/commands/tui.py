@@ -26,6 +26,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("DS4_API_KEY"),
                    help="API key launched servers require (default $DS4_API_KEY; none on 127.0.0.1 is fine)")
     p.add_argument("--refresh", type=float, default=1.0, metavar="SECONDS", help="refresh interval (default 1)")
+    p.add_argument("--serve-args", default="", metavar="'FLAGS'",
+                   help="more `ds4station serve` flags for the servers the panel launches, e.g. '--draft lookup "
+                        "--kv-disk-dir ~/.cache/ds4station/kv' (the plan sets the route, context, sessions, chunk, "
+                        "rollback and KV dtype; --host, --port and --api-key are the panel's own)")
+
+
+# serve flags the panel sets itself (from its own options and the plan's launch file)
+PANEL_FLAGS = ("--plan", "--model", "--host", "--port", "--api-key", "--parent-pid", "--route", "--ctx", "--sessions",
+               "--prefill-chunk", "--rollback", "--expert-cache")
+
+
+def serve_extra(text: str) -> list[str]:
+    """The --serve-args words, checked against `serve`'s own parser (a bad flag is said now, not when the
+    launched server exits); flags the panel or the plan set are refused by name."""
+    import shlex
+
+    from ds4station.commands import serve
+
+    words = shlex.split(text)
+    taken = [w.split("=", 1)[0] for w in words if w.split("=", 1)[0] in PANEL_FLAGS]
+    if taken:
+        raise ValueError(f"--serve-args: {', '.join(taken)} is set by the panel or its plan; leave it out")
+    parser = argparse.ArgumentParser(prog="ds4station serve", add_help=False, exit_on_error=False)
+    serve.add_arguments(parser)
+    try:
+        _, unknown = parser.parse_known_args(words)
+    except (argparse.ArgumentError, SystemExit) as e:
+        raise ValueError(f"--serve-args {text!r}: {e}") from None
+    if unknown:
+        raise ValueError(f"--serve-args: `ds4station serve` has no {' '.join(unknown)}")
+    return words
 
 
 def _exit_on(signum: int, frame: object) -> None:
@@ -53,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
             GGUFFile.open(args.model)
         host_ram = getattr(args, "host_ram", None)
         host_ram_bytes = parse_size(host_ram) if host_ram else None
+        extra = serve_extra(getattr(args, "serve_args", "") or "")
     except (PresetError, ValueError, OSError) as e:
         print(f"ds4station: {e}", file=sys.stderr)
         return 2
@@ -65,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         host_ram=host_ram_bytes, model_path=getattr(args, "model", None), model_shape=getattr(args, "shape", None),
         preset=getattr(args, "preset", "speed"), poll_interval=getattr(args, "refresh", 1.0),
         host=getattr(args, "host", "127.0.0.1"), port=getattr(args, "port", None),
-        api_key=getattr(args, "api_key", None) or os.environ.get("DS4_API_KEY"),
+        api_key=getattr(args, "api_key", None) or os.environ.get("DS4_API_KEY"), serve_extra=extra,
     )
     app.run()
     return int(app.return_code or 0)

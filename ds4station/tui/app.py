@@ -12,7 +12,7 @@ import collections
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from textual import work
@@ -84,8 +84,11 @@ class Ds4StationApp(App[None]):
                  model_path: str | None = None, preset: str = "speed", poll_interval: float = 1.0,
                  model_shape: str | None = None,
                  host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
-                 clock: Callable[[], float] = time.time, host_probe: Callable[[], HostSample] = host_sample) -> None:
+                 clock: Callable[[], float] = time.time, host_probe: Callable[[], HostSample] = host_sample,
+                 serve_extra: Sequence[str] = ()) -> None:
+        """`serve_extra`: more `ds4station serve` flags for the servers it launches (--serve-args)."""
         super().__init__()
+        self.serve_extra = list(serve_extra)
         self.sysfs_root, self.use_nvml, self.nvml = sysfs_root, use_nvml, nvml
         self.host_ram, self.model_path, self.preset = host_ram, model_path, preset
         self.model_shape = model_shape  # a named shape planned without its file (--shape)
@@ -311,6 +314,7 @@ class Ds4StationApp(App[None]):
             return
         if self.api_key:
             args += ["--api-key", self.api_key]
+        args += self.serve_extra
         # --parent-pid: the server (and with it its workers) dies with this panel, even killed with -9
         server = ServerProcess(serve_command([*args, "--parent-pid", str(os.getpid())]), self.host, port,
                                self.api_key)
