@@ -18,6 +18,7 @@ from typing import Any
 from textual import work
 from textual.app import App
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.timer import Timer
 
 from ds4station.cache import cache_dir
@@ -228,14 +229,22 @@ class Ds4StationApp(App[None]):
                                  view.state == "ready" or i in self._stages_loaded))
         return out
 
+    def _shutting_down(self) -> bool:
+        return not self.dashboard.is_attached or self._closing or self.dashboard._closing
+
     def on_collected(self, message: Collected) -> None:
         self._polling = False
-        if not self.dashboard.is_attached:  # the app is shutting down
+        if self._shutting_down():
             return
         self.polls += 1
         if message.error:
             self.notify(message.error, severity="warning")
-        self.render_collected(message)
+        try:
+            self.render_collected(message)
+        except NoMatches:  # a poll's result that arrived while the dashboard's widgets were being torn down
+            if self._shutting_down():
+                return
+            raise
         self._timer = self.set_timer(self.poll_interval, self._start_poll)
 
     def render_collected(self, message: Collected) -> None:
