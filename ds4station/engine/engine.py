@@ -633,7 +633,7 @@ class Engine:
             ok = (self.runner.save_state(session.sid, entry) if op == OP_SAVE
                   else self.runner.load_state(session.sid, entry, n))
             if self.world > 1:  # every further stage does its part and ORs its failure into the header
-                body = torch.frombuffer(bytearray(entry.encode()), dtype=torch.uint8)
+                body = _path_payload(entry)
                 pending = [self._isend(t, 1) for t in (header(op, session.sid, arg=n, payload=body.numel()), body)]
                 done, ack = self._irecv((HEADER_LEN,), torch.int64, self.world - 1)
                 pending.append(done)
@@ -649,7 +649,7 @@ class Engine:
                 return
             self.runner.drop_state(str(entry))
             if self.world > 1:
-                body = torch.frombuffer(bytearray(str(entry).encode()), dtype=torch.uint8)
+                body = _path_payload(entry)
                 for t in (header(OP_DROP, payload=body.numel()), body):
                     self._isend(t, 1)
 
@@ -751,6 +751,11 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _path_payload(entry: str | os.PathLike[str]) -> torch.Tensor:
+    """A disk checkpoint's directory as the uint8 payload of OP_SAVE / OP_LOAD / OP_DROP."""
+    return torch.frombuffer(bytearray(str(entry).encode()), dtype=torch.uint8)
 
 
 def _stop_processes(procs: dict[int, subprocess.Popen[bytes]], grace: float) -> None:

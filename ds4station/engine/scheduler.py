@@ -385,8 +385,7 @@ class SessionPool:
                           "no free slot: the least recently used session was taken")
                 taken = True
         if chosen is None:
-            live = LiveSession(self.engine.new_session())
-            self.slots.append(live)
+            live = self._fresh()
             why = "no live session shares a prefix worth keeping: a free slot" if scored else "no live session"
             chosen = (0, live, why)
         common, live, why = chosen
@@ -412,12 +411,7 @@ class SessionPool:
                 kept = "the live session kept, the least recently used other one replaced"
             else:
                 victim, kept = live, "its only slot started again"
-            if victim is None:
-                live = LiveSession(self.engine.new_session())
-                self.slots.append(live)
-            else:
-                victim.session.close()  # give its KV back before taking a new one
-                live = self.slots[self.slots.index(victim)] = LiveSession(self.engine.new_session())
+            live = self._fresh(victim)
             outcome, why, common = "reset", f"{why}, but it cannot roll back {discarded} tokens: prefilled from " \
                 f"scratch ({kept})", 0
         if common > 0:
@@ -431,20 +425,14 @@ class SessionPool:
     def _restore(self, prompt: Sequence[int], limit: int, common: int, idle: list[LiveSession],
                  free: bool) -> tuple[LiveSession, int, Reuse] | None:
         """A disk checkpoint restored for `prompt` when one beats the best live prefix `common` (see the class)."""
-        found = None if self.disk is None else self.disk.match(prompt, limit)
-        if found is None or found[1] < common + self.disk.min_gain:  # type: ignore[union-attr]
+        if self.disk is None:
             return None
-        assert self.disk is not None
+        found = self.disk.match(prompt, limit)
+        if found is None or found[1] < common + self.disk.min_gain:
+            return None
         entry, n = found
-        if free:
-            live = LiveSession(self.engine.new_session())
-            self.slots.append(live)
-            where = "a free slot"
-        else:
-            victim = min(idle, key=lambda s: s.last_used)
-            victim.session.close()  # give its KV back before taking a new one
-            live = self.slots[self.slots.index(victim)] = LiveSession(self.engine.new_session())
-            where = "the least recently used session's slot"
+        live = self._fresh(None if free else min(idle, key=lambda s: s.last_used))
+        where = "a free slot" if free else "the least recently used session's slot"
         if not self.disk.restore(entry, live.session.load_state):  # type: ignore[attr-defined]
             self.slots.remove(live)  # its session was closed and the entry removed: choose again without it
             return self.acquire(prompt)
@@ -456,6 +444,16 @@ class SessionPool:
         return live, n, Reuse("disk", f"restored {entry.n} tokens from a disk checkpoint into {where}"
                                       + (f", back to {n}" if n < entry.n else "") + f" (the best live prefix held "
                                       f"{common})", entry.n - n)
+
+    def _fresh(self, victim: LiveSession | None = None) -> LiveSession:
+        """A new, empty session: in a free slot, or in `victim`'s (its KV given back first)."""
+        if victim is None:
+            live = LiveSession(self.engine.new_session())
+            self.slots.append(live)
+            return live
+        victim.session.close()
+        live = self.slots[self.slots.index(victim)] = LiveSession(self.engine.new_session())
+        return live
 
     def drop(self, live: LiveSession) -> None:
         """Forget a session whose state can no longer be trusted (the engine failed while extending it)."""
