@@ -253,6 +253,34 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUF
     assert short.written == 16 and cache.written == 13
 
 
+@pytest.mark.skipif(not dispatch.interpreting(), reason="on a GPU the cuda case of the batched test runs them")
+def test_batched_decode_kernels_in_the_interpreter(tiny: GGUFFile) -> None:
+    """The batched decode step's own launches (ring writes, compressor updates, indexer scores and decode
+    attention of several sequences in one launch each, every row reaching its sequence through its pool slot)
+    run by the Triton interpreter: each row equals that sequence decoded alone by the same kernels, across a
+    ratio-4 block end and with the indexer choosing among blocks."""
+    cfg, layers = tiny.config, range(2, 4)
+    stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device="cpu", round_trips=OFF, int_dot=False)
+    stage.graphs = False
+    gen = torch.Generator().manual_seed(5)
+    lengths = (13, 22, 27)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=gen)
+    pool = stage.new_caches(4, 64, chunk=32)
+    batched = [pool[2], pool[0], pool[3]]
+    alone = [stage.new_cache(64, chunk=32) for _ in lengths]
+    for b, n in enumerate(lengths):  # the prompts through the torch references (fast), the steps in Triton
+        for c in (batched[b], alone[b]):
+            stage.prefill(tokens[b, :n], c)
+    with dispatch.interpreted_kernels():
+        for step in range(2):  # positions 23 and 27 close ratio-4 blocks
+            ids = [int(tokens[b, n + step]) for b, n in enumerate(lengths)]
+            got = stage.decode_batch(ids, batched, logits=True).clone()
+            for b, c in enumerate(alone):
+                _close(got[b], stage.decode(ids[b], c, logits=True, graph=False), 1e-4)
+    for a, b in zip(batched, alone, strict=True):
+        assert torch.equal(a[2].raw, b[2].raw) and torch.equal(a[2].index_keys, b[2].index_keys)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_pipeline_stage_decode_equals_its_prefill_path(tiny: GGUFFile, device: str) -> None:
     """A middle slice (no embedding, no head) as a pipeline stage runs it: decode from an HC state (static
@@ -279,8 +307,9 @@ def test_pipeline_stage_decode_equals_its_prefill_path(tiny: GGUFFile, device: s
 @pytest.mark.parametrize("form", ["full", "middle"])
 def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: str, form: str) -> None:
     """One decode step of three sequences at different lengths (crossing compressor block ends and past the
-    window, the indexer choosing blocks) gives each sequence what its own decode step gives, and leaves every
-    cache as its own steps do; on a GPU from the graph captured for the tuple of caches."""
+    window, the indexer choosing blocks), slots 3, 0 and 2 of a pool of four, gives each sequence what its own
+    decode step gives, and leaves every cache as its own steps do; on a GPU from the graph captured for
+    (pool, batch size, bucket), which a different set of the pool's sessions then replays."""
     cfg = tiny.config
     middle = form == "middle"
     layers = range(1, 5) if middle else None
@@ -290,7 +319,8 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
     lengths = (30, 57, 93)
     tokens = torch.randint(0, cfg.vocab_size, (3, 110), generator=gen)
     X = torch.randn(3, 110, cfg.hc_mult, cfg.dim, generator=gen).to(device) if middle else None
-    batched = [stage.new_cache(256, chunk=64) for _ in lengths]
+    pool = stage.new_caches(4, 256, chunk=64)
+    batched = [pool[3], pool[0], pool[2]]
     alone = [stage.new_cache(256, chunk=64) for _ in lengths]
     for b, n in enumerate(lengths):
         for c in (batched[b], alone[b]):
@@ -310,7 +340,19 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
         for x, y in ((a[4].raw, b[4].raw), (a[4].comp, b[4].comp)):
             assert torch.allclose(x, y, rtol=0, atol=tol * y.abs().max().item())
     if device == "cuda":
-        assert any(k[0] == "batch" for k in stage._graphs)
+        assert [k[2] for k in stage._graphs if k[0] == "batch"] == [3]  # one graph: one size, one bucket
+    # another set of the pool's sessions, of the same size: slot 1 (empty until now) in the place of slot 3
+    stage.prefill(tokens[0, :30], pool[1], None if X is None else X[0, :30])
+    again = stage.new_cache(256, chunk=64)
+    stage.prefill(tokens[0, :30], again, None if X is None else X[0, :30])
+    trio = [pool[1], pool[0], pool[2]]
+    ids = [int(tokens[0, 30]), 7, 9]
+    xs = None if X is None else torch.stack([X[0, 30], X[1, 0], X[2, 0]])
+    got = stage.decode_batch(ids, trio, xs, logits=not middle).clone()
+    want = stage.decode(ids[0], again, None if xs is None else xs[:1], logits=not middle).reshape(got[0].shape)
+    assert torch.allclose(got[0], want, rtol=0, atol=tol * want.abs().max().item())
+    if device == "cuda":
+        assert len([k for k in stage._graphs if k[0] == "batch"]) == 1  # the same graph replayed
         stage.drop_graphs(batched[1])
         assert not any(k[0] == "batch" for k in stage._graphs)
     with pytest.raises(ValueError, match="each sequence once"):

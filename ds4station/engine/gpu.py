@@ -51,7 +51,7 @@ from ds4station.model.config import ModelConfig
 from ds4station.model.layout import model_tensors
 
 from .experts import ExpertCache
-from .kv import DEFAULT_CHUNK, Frontier, KVCache
+from .kv import DEFAULT_CHUNK, Frontier, KVCache, KVPool
 from .model import RoundTrips
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,6 @@ SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score bloc
 MIN_BUCKET = 4096  # smallest decode position bucket
 # Row classes of the static-shape short prefill: a prompt of 2..32 tokens runs padded to the next class.
 SHORT_ROWS = (4, 8, 16, 24, 32)
-# A batched decode step's graph is captured once its tuple of caches has decoded together this many times.
-BATCH_CAPTURE_AFTER = 8
 
 
 def _q(w: Weight) -> QTensor:
@@ -284,14 +282,22 @@ class Step:
     p1: int | None
     bucket: int = 0
     last: Tensor | None = None  # a padded static step: the index of its last real row, [1] on the device
+    slots: Tensor | None = None  # a batched decode step: row b's KV is slot slots[b] of a KVPool, [B] on the device
 
     @property
     def static(self) -> bool:
         return self.bucket > 0
 
-    def row(self, b: int) -> Step:
-        """Row b of a batched decode step, as the one-token step of its own sequence."""
-        return Step(self.pos[b:b + 1], None, None, self.bucket, None)
+
+@dataclass
+class _Pooled:
+    """A batched decode step's KV: the pool its sequences' caches are slots of (layer i: the pool's [S, ...]
+    tensors, which the kernels index by Step.slots)."""
+
+    pool: KVPool
+
+    def __getitem__(self, layer: int):  # noqa: ANN204 (LayerKV)
+        return self.pool.layers[layer]
 
 
 class GpuStage:
@@ -323,7 +329,6 @@ class GpuStage:
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
         self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph] = {}
-        self._batch_seen: dict[tuple, int] = {}  # batched steps run per key before its graph is captured
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -332,9 +337,15 @@ class GpuStage:
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
                   dtype: torch.dtype = torch.float32) -> KVCache:
         """KV rows in float32 or float16 (the kernels read both; the frontiers stay float32)."""
+        return self.new_caches(1, ctx, chunk=chunk, rollback=rollback, dtype=dtype)[0]
+
+    def new_caches(self, n: int, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
+                   dtype: torch.dtype = torch.float32) -> list[KVCache]:
+        """n caches, the slots of one KVPool: any of them decode together in one batched step (decode_batch)."""
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"the kernel stage keeps KV in float32 or float16, not {dtype}")
-        return KVCache(self.cfg, self.layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=self.device)
+        return KVPool(self.cfg, self.layers, n, ctx, dtype=dtype, chunk=chunk, rollback=rollback,
+                      device=self.device).caches
 
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.token_embd[tokens].float()
@@ -349,8 +360,8 @@ class GpuStage:
         """Write these positions' projections into the frontier and pool the blocks they close (one kernel for
         decode; a static step decides on the device which blocks its positions close)."""
         kv, sc = proj[:, c.offset:c.offset + c.width], proj[:, c.offset + c.width:c.offset + 2 * c.width]
-        if st.static and kv.shape[0] == 1:
-            compress_decode(kv, sc, c.ape, st.pos, frontier.kv, frontier.score, rows, c.ratio, c.fin)
+        if st.static and (kv.shape[0] == 1 or st.slots is not None):
+            compress_decode(kv, sc, c.ape, st.pos, frontier.kv, frontier.score, rows, c.ratio, c.fin, slots=st.slots)
             return
         frontier.write(st.pos, kv, sc + c.ape[st.pos % c.ratio])
         if st.static:
@@ -374,13 +385,13 @@ class GpuStage:
         w = proj[:, L.index_w:L.index_w + cfg.index_heads] * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
         # fp16 dot operands are exact for FP4-round-tripped queries and keys, and only then
         return index_topk(q.view(T, cfg.index_heads, cfg.index_dim), w, kv.index_keys, n_blocks, st.pos, 4,
-                          cfg.index_topk, fp16_dot=fp4)
+                          cfg.index_topk, fp16_dot=fp4, slots=st.slots)
 
     def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
         """Attention of rows xn [T, dim]. `kv`: the layer's LayerKV of the sequence they extend, or for a
-        batched decode step a list of T (row b is one token of sequence b, with its own KV). The projections
-        run over all rows at once (the weights are read once for the batch); what touches a KV runs per
-        sequence."""
+        batched decode step (st.slots) the pool's (row b is one token of sequence slots[b]). The projections
+        run over all rows at once (the weights are read once for the batch), and so does what touches the KV:
+        each kernel reaches a row's sequence through its slot."""
         cfg, T = self.cfg, xn.shape[0]
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
         q_kv = L.q_kv(xn)
@@ -388,23 +399,19 @@ class GpuStage:
         q = finish_rows(L.q_b(qr).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
         proj = L.proj(xn) if L.comp is not None else None
         iq = L.index_q_b(qr) if L.index_comp is not None else None
-        if isinstance(kv, list):
-            o = torch.cat([self._attend_kv(L, q_kv[b:b + 1], q[b * H:(b + 1) * H],
-                                           None if proj is None else proj[b:b + 1], None if iq is None else iq[b:b + 1],
-                                           st.row(b), kv_b) for b, kv_b in enumerate(kv)])
-        else:
-            o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
+        o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
         o = _rope(L.rope, o, st.pos, inverse=True)
         return L.out_b(L.out_a(o.reshape(T, -1)))
 
     def _attend_kv(self, L: GpuLayer, q_kv: Tensor, q: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
                    kv) -> Tensor:
-        """The part of attention that reads and writes one sequence's KV: its K=V rows into the ring, the
-        compressors and the indexer, then attention of its queries q [T * H, D] -> [T, H, D]."""
+        """The part of attention that reads and writes the KV: the K=V rows into the ring, the compressors and
+        the indexer, then attention of the queries q [T * H, D] -> [T, H, D] (one sequence's, or with st.slots
+        one row of each sequence of a batch, kv the pool's)."""
         cfg, T = self.cfg, q_kv.shape[0]
         H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
         finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=eps, inv_freq=L.rope.inv_freq,
-                    rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw)
+                    rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw, slots=st.slots)
         if L.comp is not None:
             self._compress(L.comp, proj, st, kv.comp_frontier, kv.comp)
         indexed = L.index_comp is not None
@@ -413,10 +420,10 @@ class GpuStage:
             ids, valid = self._index(L, proj, iq, st, kv)  # per-query row ids into kv.comp
         if st.static:  # split-K over the keys, per query; window and visible rows derived from the positions
             n_blocks = st.bucket // L.ratio if L.ratio else 0
-            kc = kv.comp if indexed else kv.comp[:n_blocks] if n_blocks else None
+            kc = kv.comp if indexed else kv.comp[..., :n_blocks, :] if n_blocks else None
             o = attention_decode(q.view(T, H, D), kv.raw, None, kc, valid if indexed else None, L.sinks, D ** -0.5,
                                  ids=ids if indexed else None, pos=st.pos, window=W,
-                                 ratio=0 if indexed else L.ratio)
+                                 ratio=0 if indexed else L.ratio, slots=st.slots)
         elif dispatch.use_triton(q):  # prefill kernel: each query's own window and rows, online softmax
             kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
             o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
@@ -470,10 +477,10 @@ class GpuStage:
             out.append(o)
         return torch.cat(out)
 
-    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache | list[KVCache], st: Step) -> Tensor:
+    def _run_layers(self, X: Tensor, tokens: Tensor, cache: KVCache | _Pooled, st: Step) -> Tensor:
         """The stage's layers over X [T, C, dim] -> [T, C, dim]: segment after segment (see _segment), a
         streaming stage loading each routed layer's selected experts in between (and the hash-routed layers'
-        ahead, from the tokens). `cache`: the sequence's KV, or a batched decode step's list (one per row)."""
+        ahead, from the tokens). `cache`: the sequence's KV, or a batched decode step's pool (rows by st.slots)."""
         n = len(self.blocks)
         if self.experts is not None:
             self.experts.prefetch(tokens)
@@ -486,7 +493,7 @@ class GpuStage:
         assert isinstance(state, Tensor)
         return state
 
-    def _segment(self, k: int, state: Tensor | _Routed, tokens: Tensor, cache: KVCache | list[KVCache],
+    def _segment(self, k: int, state: Tensor | _Routed, tokens: Tensor, cache: KVCache | _Pooled,
                  st: Step) -> Tensor | _Routed:
         """Segment k of the layer loop, cut at the routers: the FFN of layer k-1 (from its routed state; k = 0
         starts from the HC state X) and then layer k up to its router (-> its routed state; k = n ends with the
@@ -508,8 +515,7 @@ class GpuStage:
             return X
         L = self.blocks[k]  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
         x, post, comb = self._hc_pre(L.hc_attn, X)
-        kv = [c[L.layer] for c in cache] if isinstance(cache, list) else cache[L.layer]
-        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
+        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
         x, post, comb = self._hc_pre(L.hc_ffn, X)
         xn = rms_norm(x, L.ffn_norm, eps)
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
@@ -568,12 +574,12 @@ class GpuStage:
         """One decode step of B sequences at once: tokens[b] at position caches[b].length of caches[b] (X:
         their HC states [B, C, dim], or None to embed here) -> [B, C, dim], or with `logits` [B, vocab]. Row b
         equals `decode(tokens[b], caches[b])`: the projections, router and experts run over the B rows together
-        (each weight read once for all of them), what reads or writes a KV runs per sequence. On CUDA it
-        replays a graph captured for this tuple of caches and the position bucket of the longest, once the tuple
-        has decoded together BATCH_CAPTURE_AFTER times (before that each sequence replays its own decode graph;
-        the capture's warm-up writes each cache's next position, which the step itself then overwrites). A
-        streaming stage decodes the sequences one after another (its segmented graphs are per sequence). The
-        result is the graph's output buffer: read it before the next step."""
+        (each weight read once for all of them), and so does what reads or writes a KV, each row reaching its
+        own sequence through its slot of the caches' KVPool (`new_caches`). On CUDA it replays the graph
+        captured for (pool, B, the position bucket of the longest), whichever sessions of the pool take part
+        (captured on first use, or ahead by `capture_batches`). Caches of different pools, and a streaming
+        stage (its segmented graphs are per sequence), decode one after another. The result is the graph's
+        output buffer: read it before the next step."""
         if len(tokens) != len(caches) or not caches:
             raise ValueError(f"a batched step needs one token per sequence ({len(tokens)} tokens, {len(caches)} "
                              "caches)")
@@ -581,28 +587,49 @@ class GpuStage:
             raise ValueError("a batched step holds each sequence once")
         for c in caches:
             c.check_room(1)
-        if len(caches) == 1 or self.experts is not None:
+        pool = caches[0].pool
+        if len(caches) == 1 or self.experts is not None or pool is None or any(c.pool is not pool for c in caches):
             return self._decode_each(tokens, caches, X, logits, graph)
         if X is not None:
             X = X.to(self.device, torch.float32)
         bucket = max(self.bucket(c) for c in caches)
-        key = ("batch", tuple(id(c) for c in caches), bucket, X is None, logits)
-        if key not in self._graphs and self._graphs_on() and graph is not False:
-            # A capture costs 0.3-0.6 s at full shape (H200); until this set of sequences has decoded together
-            # for BATCH_CAPTURE_AFTER steps, each replays its own decode graph (what it costs alone).
-            seen = self._batch_seen[key] = self._batch_seen.get(key, 0) + 1
-            if seen < BATCH_CAPTURE_AFTER:
-                return self._decode_each(tokens, caches, X, logits, graph)
-        g = self._graph(graph, key, lambda: _BatchGraph(self, caches, bucket, X is None, logits))
+        key = ("batch", id(pool), len(caches), bucket, X is None, logits)
+        g = self._graph(graph, key, lambda: _BatchGraph(self, pool, caches, bucket, X is None, logits))
         if g is None:
-            g = _BatchInputs(self, caches, X is None)
-            g.set(tokens, X)
+            g = _BatchInputs(self, pool, len(caches), X is None)
+            g.set(tokens, caches, X)
             out = self._batch_step(g, bucket, logits)
         else:
-            out = g.run(tokens, X)
+            out = g.run(tokens, caches, X)
         for c in caches:
             c.advance(1)
         return out
+
+    def capture_batches(self, caches: list[KVCache], *, embedded: bool, logits: bool, positions: int) -> int:
+        """Capture, ahead of use, the batched decode graphs of every batch size 2..len(caches) (empty caches of
+        one pool) for each position bucket up to `positions`. -> graphs held."""
+        if any(c.length for c in caches):
+            raise ValueError("batched step graphs are captured ahead on empty caches only")
+        if len(caches) < 2 or not self._graphs_on() or self.experts is not None:
+            return 0
+        pool, n, first = caches[0].pool, 0, 0
+        assert pool is not None and all(c.pool is pool for c in caches)
+        while True:
+            for c in caches:
+                c.length = first
+            bucket = self.bucket(caches[0])
+            for b in range(2, len(caches) + 1):
+                key = ("batch", id(pool), b, bucket, embedded, logits)
+                if self._graph(True, key, lambda b=b, bucket=bucket: _BatchGraph(
+                        self, pool, caches[:b], bucket, embedded, logits)) is None:
+                    break
+                n += 1
+            if bucket >= min(positions, caches[0].ctx):
+                break
+            first = bucket
+        for c in caches:
+            c.reset()
+        return n
 
     def _decode_each(self, tokens: list[int], caches: list[KVCache], X: Tensor | None, logits: bool,
                      graph: bool | None) -> Tensor:
@@ -613,8 +640,8 @@ class GpuStage:
 
     def _batch_step(self, inp: _BatchInputs, bucket: int, logits: bool) -> Tensor:
         """The batched decode step (what its graph captures): layers over the B rows, the head over all."""
-        st = Step(inp.pos, None, None, bucket, None)
-        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, inp.caches, st)
+        st = Step(inp.pos, None, None, bucket, None, inp.slots)
+        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, _Pooled(inp.pool), st)
         return self.head(X) if logits else X
 
     def short_rows(self, n: int, cache: KVCache) -> int:
@@ -725,11 +752,11 @@ class GpuStage:
         return g
 
     def drop_graphs(self, cache: KVCache) -> None:
-        """Release the step graphs captured for a cache (when the cache itself goes), batched ones included."""
-        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] == "batch" and id(cache) in k[1])]:
+        """Release the step graphs captured for a cache (when the cache itself goes), and the batched ones of
+        its pool (they write into every slot's tensors)."""
+        pool = id(cache.pool) if cache.pool is not None else None
+        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] == "batch" and k[1] == pool)]:
             del self._graphs[key]
-        for key in [k for k in self._batch_seen if id(cache) in k[1]]:
-            del self._batch_seen[key]
 
 
 def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
@@ -799,30 +826,35 @@ class _StepGraph(_StepInputs):
 
 
 class _BatchInputs:
-    """The device inputs of a batched decode step: one token and one position per sequence (set by small
-    fills, never a host-to-device copy, which would wait for the queued steps), and for a stage that does
-    not embed the HC states."""
+    """The device inputs of a batched decode step of B rows: one token, one position and one pool slot per
+    row (set by small fills, never a host-to-device copy, which would wait for the queued steps), and for a
+    stage that does not embed the HC states."""
 
-    def __init__(self, stage: GpuStage, caches: list[KVCache], embedded: bool) -> None:
-        dev, cfg, B = stage.device, stage.cfg, len(caches)
-        self.caches = list(caches)  # a graph writes into these caches' tensors: keep them alive with it
-        self.tok = torch.zeros(B, dtype=torch.long, device=dev)
-        self.pos = torch.tensor([c.length for c in caches], dtype=torch.long, device=dev)
-        self.x = None if embedded else torch.zeros(B, cfg.hc_mult, cfg.dim, device=dev)
+    def __init__(self, stage: GpuStage, pool: KVPool, rows: int, embedded: bool) -> None:
+        dev, cfg = stage.device, stage.cfg
+        self.pool = pool  # a graph writes into the pool's tensors: keep them alive with it
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.x = None if embedded else torch.zeros(rows, cfg.hc_mult, cfg.dim, device=dev)
 
-    def set(self, tokens: list[int], X: Tensor | None) -> None:
-        for b, (t, c) in enumerate(zip(tokens, self.caches, strict=True)):
+    def set(self, tokens: list[int], caches: list[KVCache], X: Tensor | None) -> None:
+        for b, (t, c) in enumerate(zip(tokens, caches, strict=True)):
             self.tok[b].fill_(int(t))
             self.pos[b].fill_(c.length)
+            self.slots[b].fill_(c.slot)
         if self.x is not None:
             self.x.copy_(X)
 
 
 class _BatchGraph(_BatchInputs):
-    """A batched decode step over a fixed tuple of caches captured in a CUDA graph, as _StepGraph does it."""
+    """A batched decode step of B rows over a pool captured in a CUDA graph, as _StepGraph does it; the
+    capture's warm-up runs on `caches` (it writes their next positions' rows, which a real step overwrites)."""
 
-    def __init__(self, stage: GpuStage, caches: list[KVCache], bucket: int, embedded: bool, logits: bool) -> None:
-        super().__init__(stage, caches, embedded)
+    def __init__(self, stage: GpuStage, pool: KVPool, caches: list[KVCache], bucket: int, embedded: bool,
+                 logits: bool) -> None:
+        super().__init__(stage, pool, len(caches), embedded)
+        self.set([0] * len(caches), caches, None if self.x is None else self.x)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -835,8 +867,8 @@ class _BatchGraph(_BatchInputs):
             self.out = stage._batch_step(self, bucket, logits)
         self.graph.replay()
 
-    def run(self, tokens: list[int], X: Tensor | None = None) -> Tensor:
-        self.set(tokens, X)
+    def run(self, tokens: list[int], caches: list[KVCache], X: Tensor | None = None) -> Tensor:
+        self.set(tokens, caches, X)
         self.graph.replay()
         return self.out
 

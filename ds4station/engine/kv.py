@@ -17,6 +17,11 @@ client, an edited answer). Compressed rows and indexer keys are kept per block f
 
 Sizes follow model/footprint.py's `kv_bytes`, the one formula the planner and the engine use;
 `KVCache.nbytes()` equals it (tested).
+
+A server's sessions come from a `KVPool`: every tensor a decode step reads or writes (rings, compressed rows,
+indexer keys, frontiers) is allocated once for all of them, [sessions, ...], and session s's cache holds
+slot s of each; a batched decode step then reaches each of its sequences' KV through one slot index per row
+(kernels take the pool and `slots`), so one captured graph serves any set of sessions of a batch size.
 Raw/compressed rows and indexer keys are stored in `dtype`; frontiers always in float32 because the
 compressor pools in fp32 (DeepSeek's reference: "compression need fp32").
 """
@@ -44,12 +49,17 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class Frontier:
-    """Ring of a compressor's per-position projections (kv [width] and gate score + ape [width])."""
+    """Ring of a compressor's per-position projections (kv [width] and gate score + ape [width]); in a pool,
+    kv and score are [sessions, rows, width]."""
 
-    def __init__(self, rows: int, width: int, device: torch.device | str | None) -> None:
-        self.rows = rows
-        self.kv = torch.zeros(rows, width, dtype=torch.float32, device=device)
-        self.score = torch.zeros(rows, width, dtype=torch.float32, device=device)
+    def __init__(self, kv: torch.Tensor, score: torch.Tensor) -> None:
+        self.rows = kv.shape[-2]
+        self.kv, self.score = kv, score
+
+    @classmethod
+    def zeros(cls, rows: int, width: int, device: torch.device | str | None, lead: tuple[int, ...] = ()) -> Frontier:
+        return cls(torch.zeros(*lead, rows, width, dtype=torch.float32, device=device),
+                   torch.zeros(*lead, rows, width, dtype=torch.float32, device=device))
 
     def write(self, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
         """pos [T] absolute positions, kv/score [T, width]."""
@@ -93,6 +103,15 @@ class LayerKV:
         """pos [N] (all >= 0 and within the ring's reach) -> rows [N, head_dim] float32."""
         return self.raw[pos % self.raw.shape[0]].float()
 
+    def slot(self, s: int) -> LayerKV:
+        """Session s's view of a pool's layer (the tensors it steps, no checkpoint: that is per session)."""
+        f = self.comp_frontier
+        g = self.index_frontier
+        return LayerKV(raw=self.raw[s], comp=None if self.comp is None else self.comp[s],
+                       comp_frontier=None if f is None else Frontier(f.kv[s], f.score[s]),
+                       index_keys=None if self.index_keys is None else self.index_keys[s],
+                       index_frontier=None if g is None else Frontier(g.kv[s], g.score[s]))
+
     def nbytes(self) -> int:
         n = self.raw.nbytes
         for t in (self.comp, self.index_keys, self.saved_raw):
@@ -102,16 +121,58 @@ class LayerKV:
         return n
 
 
+def _stepped(cfg: ModelConfig, i: int, ctx: int, slack: int, dtype: torch.dtype, lead: tuple[int, ...],
+             device: torch.device | str | None) -> LayerKV:
+    """Layer i's tensors that the steps read and write (no checkpoint), each with leading dims `lead` (a pool:
+    (sessions,))."""
+    def zeros(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.zeros(*lead, *shape, dtype=dt, device=device)
+
+    r = cfg.ratio(i)
+    kv = LayerKV(raw=zeros(cfg.window + slack, cfg.head_dim))
+    if r:
+        kv.comp = zeros(math.ceil(ctx / r), cfg.head_dim)
+        kv.comp_frontier = Frontier.zeros(frontier_rows(r, slack), cfg.compressor_width(i), device, lead)
+    if cfg.has_indexer(i):
+        kv.index_keys = zeros(math.ceil(ctx / 4), cfg.index_dim)
+        kv.index_frontier = Frontier.zeros(frontier_rows(4, slack), 2 * cfg.index_dim, device, lead)
+    return kv
+
+
+class KVPool:
+    """The stepped KV tensors of `sessions` caches allocated together (see the module docstring): `layers[i]` is
+    layer i's LayerKV with [sessions, ...] tensors, `caches[s]` the KVCache of slot s (its views)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range | None, sessions: int, ctx: int, *,
+                 dtype: torch.dtype = torch.float32, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
+                 device: torch.device | str | None = None) -> None:
+        if sessions < 1:
+            raise ValueError(f"a KV pool holds at least one session, got {sessions}")
+        _check_size(ctx, chunk, rollback)
+        slack = kv_slack(chunk, rollback)
+        self.layers = {i: _stepped(cfg, i, ctx, slack, dtype, (sessions,), device)
+                       for i in (range(cfg.n_layers) if layers is None else layers)}
+        self.caches = [KVCache(cfg, layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=device,
+                               pool=self, slot=s) for s in range(sessions)]
+
+
+def _check_size(ctx: int, chunk: int, rollback: int) -> None:
+    if ctx <= 0 or chunk <= 0 or rollback < 0:
+        raise ValueError(f"bad KV cache size: ctx={ctx}, chunk={chunk}, rollback={rollback}")
+
+
 class KVCache:
-    """The cache of one sequence for the layers of one slice, sized for `ctx` positions."""
+    """The cache of one sequence for the layers of one slice, sized for `ctx` positions; its own tensors, or
+    slot `slot` of a KVPool's."""
 
     def __init__(self, cfg: ModelConfig, layers: range | None, ctx: int, *, dtype: torch.dtype = torch.float32,
-                 chunk: int = DEFAULT_CHUNK, rollback: int = 0, device: torch.device | str | None = None) -> None:
-        if ctx <= 0 or chunk <= 0 or rollback < 0:
-            raise ValueError(f"bad KV cache size: ctx={ctx}, chunk={chunk}, rollback={rollback}")
+                 chunk: int = DEFAULT_CHUNK, rollback: int = 0, device: torch.device | str | None = None,
+                 pool: KVPool | None = None, slot: int = 0) -> None:
+        _check_size(ctx, chunk, rollback)
         self.cfg, self.ctx, self.dtype, self.chunk, self.rollback = cfg, ctx, dtype, chunk, rollback
         self.layer_range = range(cfg.n_layers) if layers is None else layers
         self.slack = kv_slack(chunk, rollback)
+        self.pool, self.slot = pool, slot
         self.length = 0  # positions written so far (the next token's position)
         # One past the highest position any step wrote rows for: a static-shape step of a short prompt pads it
         # to its row class and writes rows past `length` (never read: every read is bounded by the position).
@@ -119,17 +180,12 @@ class KVCache:
         self.layers: dict[int, LayerKV] = {}
         for i in self.layer_range:
             r = cfg.ratio(i)
-            kv = LayerKV(raw=torch.zeros(cfg.window + self.slack, cfg.head_dim, dtype=dtype, device=device),
-                         saved_raw=torch.zeros(cfg.window + CHECKPOINT_MARGIN, cfg.head_dim, dtype=dtype,
-                                               device=device))
+            kv = pool.layers[i].slot(slot) if pool is not None else _stepped(cfg, i, ctx, self.slack, dtype, (), device)
+            kv.saved_raw = torch.zeros(cfg.window + CHECKPOINT_MARGIN, cfg.head_dim, dtype=dtype, device=device)
             if r:
-                kv.comp = torch.zeros(math.ceil(ctx / r), cfg.head_dim, dtype=dtype, device=device)
-                kv.comp_frontier = Frontier(frontier_rows(r, self.slack), cfg.compressor_width(i), device)
-                kv.saved_comp = Frontier(frontier_rows(r, CHECKPOINT_MARGIN), cfg.compressor_width(i), device)
+                kv.saved_comp = Frontier.zeros(frontier_rows(r, CHECKPOINT_MARGIN), cfg.compressor_width(i), device)
             if cfg.has_indexer(i):
-                kv.index_keys = torch.zeros(math.ceil(ctx / 4), cfg.index_dim, dtype=dtype, device=device)
-                kv.index_frontier = Frontier(frontier_rows(4, self.slack), 2 * cfg.index_dim, device)
-                kv.saved_index = Frontier(frontier_rows(4, CHECKPOINT_MARGIN), 2 * cfg.index_dim, device)
+                kv.saved_index = Frontier.zeros(frontier_rows(4, CHECKPOINT_MARGIN), 2 * cfg.index_dim, device)
             self.layers[i] = kv
         self.saved_at: int | None = None  # the checkpoint's position, None: none taken (or no longer valid)
 

@@ -56,7 +56,7 @@ from ds4station.model.route import Route, RouteError, Stage, parse_route
 
 from .experts import ExpertCache, ExpertCacheTooSmall
 from .gpu import MIN_BUCKET, GpuStage
-from .kv import KVCache, dtype_name
+from .kv import KVCache, KVPool, dtype_name
 from .kvdisk import StateFileError, read_state_file, stage_file, write_state_file
 from .model import DS4Model, RoundTrips
 
@@ -198,6 +198,9 @@ COMPUTE = ("auto", "kernels", "reference")
 # Decode graphs captured before ready cover positions up to this many tokens (more buckets are captured
 # when a session first reaches them).
 WARM_POSITIONS = 65536
+# Batched decode graphs (every batch size up to the sessions, per position bucket) captured before ready up to
+# here; a batch at a later bucket captures its graph when it first runs (0.3-0.6 s at full shape on an H200).
+BATCH_WARM_POSITIONS = 16384
 
 
 def warm_lengths(chunk: int) -> list[int]:
@@ -295,8 +298,9 @@ class StageRunner:
         # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`).
         self.embeds = stage.embed
         self.logits = stage.output and rank == settings.world - 1
-        self.slots = [self.model.new_cache(settings.ctx, chunk=settings.chunk, rollback=settings.rollback,
-                                           dtype=kv_dtype) for _ in range(settings.sessions)]
+        # the sessions' KV in one pool: any of them decode together in one batched step
+        self.slots = self.model.new_caches(settings.sessions, settings.ctx, chunk=settings.chunk,
+                                           rollback=settings.rollback, dtype=kv_dtype)
         self.kv: dict[int, KVCache] = {}  # session id -> its slot
         self.held = self.held_weight_bytes()
         self.warm_s = 0.0
@@ -343,6 +347,8 @@ class StageRunner:
             self.experts.dry = False
         graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
                      for slot in self.slots)
+        graphs += self.model.capture_batches(self.slots, embedded=self.embeds, logits=self.logits,
+                                             positions=BATCH_WARM_POSITIONS)
         torch.cuda.synchronize(self.device)
         self.warm_s = time.monotonic() - t0
         print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "
@@ -448,7 +454,7 @@ class StageRunner:
     def held_weight_bytes(self) -> int:
         """Bytes of the tensors the stage's model holds (its weights in their kept forms, tables), KV slots
         and the expert cache's pool excluded: what the plan's `weights` counts."""
-        return held_bytes(self.model, skip=(KVCache, ExpertCache))
+        return held_bytes(self.model, skip=(KVCache, KVPool, ExpertCache))
 
     def kv_bytes(self) -> int:
         """Bytes of every KV slot this stage allocated (what the plan must count)."""

@@ -59,18 +59,21 @@ def positional_masks(kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_
 
 def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
                          sinks: Tensor, scale: float, ids: Tensor | None = None, *, pos: Tensor | None = None,
-                         window: int = 0, ratio: int = 0) -> Tensor:
+                         window: int = 0, ratio: int = 0, slots: Tensor | None = None) -> Tensor:
     """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32
-    (q [T, H, D]: each query t as one, at pos[t] with ids[t] / mask_c[t] -> [T, H, D]).
+    (q [T, H, D]: each query t as one, at pos[t] with ids[t] / mask_c[t] -> [T, H, D]; with slots [T], kw and
+    kc are pools [S, ...] and query t reads slot slots[t]).
     Masked compressed entries are zeroed before the call: their ids may be out of range and their rows
     arbitrary, and sink_attention multiplies p = 0 by the key (0 * inf would be NaN)."""
     from ds4station.kernels.reference import sink_attention
 
     if q.dim() == 3:
+        sl = [None] * q.shape[0] if slots is None else slots.tolist()
         return torch.stack([attention_decode_ref(
-            q[t], kw, mask_w, kc, mask_c if ids is None or mask_c is None else mask_c[t], sinks, scale,
+            q[t], kw if s is None else kw[s], mask_w, kc if s is None or kc is None else kc[s],
+            mask_c if ids is None or mask_c is None else mask_c[t], sinks, scale,
             None if ids is None else ids[t], pos=pos[t:t + 1], window=window, ratio=ratio)
-            for t in range(q.shape[0])])
+            for t, s in enumerate(sl)])
 
     kw, mask_w, mask_c = positional_masks(kw, mask_w, kc, mask_c, pos, window, ratio)
 
@@ -134,26 +137,34 @@ def _query_position(pos_ptr, NEEDED: tl.constexpr):
 
 
 @triton.jit
-def _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, H, D, stride_qt, stride_it):
+def _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr, slot_ptr, H, D, stride_qt,
+           stride_it, stride_skw, stride_skc, SLOTS: tl.constexpr):
     """The pointers of query program_id(2) (several queries in one launch: a static step of a few positions,
-    each with its own position, indexed rows and partials; S = the launch's key splits)."""
+    each with its own position, indexed rows and partials; S = the launch's key splits). SLOTS: each query
+    of its own sequence (a batched decode step), its ring and compressed rows slot slots[t] of pools."""
     t = tl.program_id(2).to(tl.int64)
     part = t * tl.num_programs(0) * H
+    if SLOTS:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        kw_ptr += slot * stride_skw
+        kc_ptr += slot * stride_skc
     return (q_ptr + t * stride_qt, pos_ptr + t, mc_ptr + t * stride_it, ids_ptr + t * stride_it, m_ptr + part,
-            l_ptr + part, acc_ptr + part * D)
+            l_ptr + part, acc_ptr + part * D, kw_ptr, kc_ptr)
 
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                       H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, scale,
-                       INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, slot_ptr,
+                       H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, stride_skw,
+                       stride_skc, scale,
+                       INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """Partials of key block `split` for heads [hb * BLOCK_H, ...) of query program_id(2): m, l [T, S, H] and
     acc [T, S, H, D]."""
     split = tl.program_id(0)
     hb = tl.program_id(1)
-    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr = _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr,
-                                                                    acc_ptr, H, D, stride_qt, stride_it)
+    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr = _query(
+        q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr, slot_ptr, H, D, stride_qt, stride_it,
+        stride_skw, stride_skc, SLOTS)
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -191,19 +202,21 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
 
 
 @triton.jit
-def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
-                           H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, scale,
-                           INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr,
-                           PRECISION: tl.constexpr):
+def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr, slot_ptr,
+                           H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, stride_skw,
+                           stride_skc, scale,
+                           INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
+                           BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
     """The split step on the matrix units: grid (key blocks, value-dim blocks); every program takes ALL heads
     (MQA: one key load serves them all), computes the logits z [BLOCK_H, BLOCK_N] = q . keys^T over the whole
     head dim with tl.dot, and writes acc for its BLOCK_DV slice of the output dims (programs of value block 0
     also write m and l). Same partials as `_attn_split_kernel`."""
     split = tl.program_id(0)
     dv = tl.program_id(1)
-    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr = _query(q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr,
-                                                                    acc_ptr, H, D, stride_qt, stride_it)
+    q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr = _query(
+        q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr, slot_ptr, H, D, stride_qt, stride_it,
+        stride_skw, stride_skc, SLOTS)
     offs_h = tl.arange(0, BLOCK_H)
     h_ok = offs_h < H
     n = split * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -300,7 +313,7 @@ def _mask(t: Tensor, n: int, name: str) -> Tensor:
 def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None,
                             mask_c: Tensor | None, sinks: Tensor, scale: float, ids: Tensor | None = None, *,
                             pos: Tensor | None = None, window: int = 0, ratio: int = 0, out: Tensor | None = None,
-                            tiles: dispatch.AttentionTiles | None = None) -> Tensor:
+                            tiles: dispatch.AttentionTiles | None = None, slots: Tensor | None = None) -> Tensor:
     """The Triton launcher of `attention_decode`, two launches.
 
     q [H, D], or [T, H, D] for T queries at once (a static step of several positions: each query its own
@@ -314,7 +327,10 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
     Masks from the query position pos [1] (device; the decode step needs no mask tensors then):
     window > 0 makes kw the raw ring [R, D] (row of position p at p % R) and attends positions
     pos - window + 1 .. pos that are >= 0 (mask_w ignored); ratio > 0 (shared compressed rows only) makes
-    row c visible iff (c + 1) * ratio <= pos + 1 (mask_c ignored)."""
+    row c visible iff (c + 1) * ratio <= pos + 1 (mask_c ignored).
+
+    slots [T] (a batched decode step, each query of its own sequence): kw and kc are pools [S, R, D] /
+    [S, Nc, D] of rings and compressed rows (engine/kv.py's KVPool), query t reads slot slots[t]."""
     if not q.is_cuda and not dispatch.interpreting():
         raise ValueError("attention_decode_triton needs GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     if q.dim() not in (2, 3):
@@ -322,6 +338,16 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
     rows = q.dim() == 3
     T, (H, D) = (q.shape[0] if rows else 1), q.shape[-2:]
     q = q if q.stride(-1) == 1 else q.contiguous()
+    pool_w = pool_c = None
+    if slots is not None:
+        if not rows or slots.shape != (T,) or kw.dim() != 3 or (kc is not None and kc.dim() != 3):
+            raise ValueError(f"slots [T] index pools of keys [S, rows, D]: q {tuple(q.shape)}, slots "
+                             f"{tuple(slots.shape)}, kw {tuple(kw.shape)}")
+        if kw.stride(-1) != 1 or (kc is not None and kc.stride(-1) != 1):
+            raise ValueError("pools of keys have unit stride on D")
+        pool_w, kw = kw, kw[0]  # the kernels address slot 0's rows and step to the query's slot
+        if kc is not None:
+            pool_c, kc = kc, kc[0]
     kw = _rows(kw, "kw", D)
     if (window or ratio) and (pos is None or pos.numel() != T):
         raise ValueError(f"window / ratio masks need the query positions pos [{T}]")
@@ -366,9 +392,11 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
     lsum = torch.empty(T, n_split, H, dtype=torch.float32, device=q.device)
     acc = torch.empty(T, n_split, H, D, dtype=torch.float32, device=q.device)
     stride_it = idx.stride(0) if rows and ids is not None else 0
-    args = (q, kw, mask_w, kc, mask_c, idx, pos if pos is not None else q, m, lsum, acc, H, D, nw, nc, kw.shape[0],
-            q.stride(-2), kw.stride(0), kc.stride(0), q.stride(0) if rows else 0, stride_it, float(scale))
-    flags = {"INDEXED": ids is not None, "RING": window > 0, "RATIO": ratio}
+    args = (q, kw, mask_w, kc, mask_c, idx, pos if pos is not None else q, m, lsum, acc,
+            slots if slots is not None else q, H, D, nw, nc, kw.shape[0], q.stride(-2), kw.stride(0), kc.stride(0),
+            q.stride(0) if rows else 0, stride_it, 0 if pool_w is None else pool_w.stride(0),
+            0 if pool_c is None else pool_c.stride(0), float(scale))
+    flags = {"INDEXED": ids is not None, "RING": window > 0, "RATIO": ratio, "SLOTS": slots is not None}
     if tiles.block_dv:  # matrix-unit form: all heads per program, grid over key blocks x value-dim blocks
         if tiles.block_h < H:
             raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")

@@ -67,9 +67,10 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs: list[KernelSpec] = []
     i32, ptr16, ptr32 = "i32", "*fp16", "*fp32"
     # Q8_0 decode matvec at every DS4 shape (identical tile choices compile once), 1 and 4 rows
-    for label, n, k, groups in (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1),
-                                ("attn_q_a", 1024, 4096, 1), ("attn_q_b", 32768, 1024, 1), ("attn_kv", 512, 4096, 1),
-                                ("shexp_gate_up", 2048, 4096, 1)):
+    q8_0_shapes = (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1), ("attn_q_a", 1024, 4096, 1),
+                   ("attn_q_b", 32768, 1024, 1), ("attn_kv", 512, 4096, 1), ("shexp_gate_up", 2048, 4096, 1),
+                   ("attn_output_b", 4096, 8192, 1))
+    for label, n, k, groups in q8_0_shapes[:-1]:
         for m in (1, 4):
             t = dispatch.matvec_tiles("q8_0", n, k, m, backend, n // groups)
             specs.append(KernelSpec(
@@ -80,6 +81,19 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
                 {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
                 ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_xg", "stride_ym"),
                 t.num_warps, t.num_stages, decode=True))
+    # Q8_0 batched decode on the int8 tensor cores (1-16 rows: one binary for every row count). ops.linear takes
+    # it on CUDA only; it compiles for AMD too (RDNA3 WMMA iu8, gfx906 v_dot4_i32_i8), so every target builds it.
+    for label, n, k, groups in q8_0_shapes:
+        t = dispatch.q8_0_mma_tiles(n, k, q8_0.MMA_ROWS, backend, n // groups)
+        specs.append(KernelSpec(
+            f"q8_0_matvec_mma {label}", q8_0._q8_0_matvec_mma_kernel,
+            {"xh_ptr": "*i8", "xl_ptr": "*i8", "xs_ptr": ptr32, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr32,
+             "M": i32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_sm": i32, "stride_ym": i32,
+             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "K_FORM": "constexpr"},
+            {"BLOCK_M": q8_0.MMA_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "K_FORM": t.k_form},
+            ("xh_ptr", "xl_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_sm",
+             "stride_ym"),
+            t.num_warps, t.num_stages, decode=True))
     mt = dispatch.matmul_tiles("q8_0", 2048, 4096, 8192, backend)
     specs.append(KernelSpec(
         "q8_0_matmul prefill 2048x4096x8192", q8_0._q8_0_matmul_kernel,
@@ -214,35 +228,39 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
 
     p32, i32 = "*fp32", "i32"
     out = []
-    for label, d, norm_, rope, had, rt, nope, ring in (
-            ("q heads 512", 512, True, True, False, 0, 0, False),
-            ("kv 512 fp8 ring", 512, True, True, False, 1, 448, True),
-            ("index q 128 fp4", 128, False, True, True, 2, 0, False)):
+    for label, d, norm_, rope, had, rt, nope, ring, slots in (
+            ("q heads 512", 512, True, True, False, 0, 0, False, False),
+            ("kv 512 fp8 ring", 512, True, True, False, 1, 448, True, False),
+            ("kv 512 fp8 ring, batched slots", 512, True, True, False, 1, 448, True, True),
+            ("index q 128 fp4", 128, False, True, True, 2, 0, False, False)):
         t = dispatch.row_tiles(d, backend)
         out.append(KernelSpec(
             f"finish_rows {label}", rows._finish_rows_kernel,
-            {"x_ptr": p32, "pos_ptr": "*i64", "w_ptr": p32, "f_ptr": p32, "y_ptr": p32, "D": i32, "heads": i32,
-             "stride_x": i32, "stride_y": i32, "ring_len": i32, "eps": "fp32", "sign": "fp32",
-             "NORM": "constexpr", "HAS_W": "constexpr", "HALF": "constexpr", "HADAMARD": "constexpr", "RT": "constexpr",
-             "NOPE": "constexpr", "RING": "constexpr", "BLOCK_D": "constexpr", "LOG_D": "constexpr"},
+            {"x_ptr": p32, "pos_ptr": "*i64", "slot_ptr": "*i64", "w_ptr": p32, "f_ptr": p32, "y_ptr": p32, "D": i32,
+             "heads": i32, "stride_x": i32, "stride_y": i32, "stride_slot": i32, "ring_len": i32, "eps": "fp32",
+             "sign": "fp32", "NORM": "constexpr", "HAS_W": "constexpr", "HALF": "constexpr", "HADAMARD": "constexpr",
+             "RT": "constexpr", "NOPE": "constexpr", "RING": "constexpr", "SLOTS": "constexpr", "BLOCK_D": "constexpr",
+             "LOG_D": "constexpr"},
             {"NORM": norm_, "HAS_W": ring, "HALF": 32 if rope else 0, "HADAMARD": had, "RT": rt, "NOPE": nope,
-             "RING": ring, "BLOCK_D": max(64, d), "LOG_D": max(64, d).bit_length() - 1},
+             "RING": ring, "SLOTS": slots, "BLOCK_D": max(64, d), "LOG_D": max(64, d).bit_length() - 1},
             ("x_ptr", "w_ptr", "f_ptr", "y_ptr", "D", "stride_x", "stride_y"), t.num_warps, 1, decode=True))
     for label, d, ratio, had, rt, nope in (("r4 kv 512 fp8", 512, 4, False, 1, 448),
                                            ("r128 kv 512 fp8", 512, 128, False, 1, 448),
                                            ("r4 index 128 fp4", 128, 4, True, 2, 0)):
         coff = 2 if ratio == 4 else 1
         t = dispatch.compressor_tiles(d, coff * ratio, backend)
-        for mode, form in ((1, "decode"), (0, "prefill"), (2, "short prefill")):
+        for mode, form, slots in ((1, "decode", False), (1, "batched decode", True), (0, "prefill", False),
+                                  (2, "short prefill", False)):
             out.append(KernelSpec(
                 f"compress {label} {form}", compressor._compress_kernel,
-                {"kv_ptr": p32, "sc_ptr": p32, "ape_ptr": p32, "pos_ptr": "*i64", "fkv_ptr": p32, "fsc_ptr": p32,
-                 "rows_ptr": p32, "w_ptr": p32, "f_ptr": p32, "b0": i32, "Rf": i32, "W": i32, "d": i32, "eps": "fp32",
+                {"kv_ptr": p32, "sc_ptr": p32, "ape_ptr": p32, "pos_ptr": "*i64", "slot_ptr": "*i64", "fkv_ptr": p32,
+                 "fsc_ptr": p32, "rows_ptr": p32, "w_ptr": p32, "f_ptr": p32, "b0": i32, "Rf": i32, "W": i32, "d": i32,
+                 "eps": "fp32", "stride_kv": i32, "stride_sf": i32, "stride_sr": i32,
                  "R": "constexpr", "COFF": "constexpr", "MODE": "constexpr", "HALF": "constexpr",
                  "HADAMARD": "constexpr", "RT": "constexpr", "NOPE": "constexpr", "BLOCK_D": "constexpr",
-                 "LOG_D": "constexpr", "BLOCK_J": "constexpr"},
+                 "LOG_D": "constexpr", "BLOCK_J": "constexpr", "SLOTS": "constexpr"},
                 {"R": ratio, "COFF": coff, "MODE": mode, "HALF": 32, "HADAMARD": had, "RT": rt, "NOPE": nope,
-                 "BLOCK_D": d, "LOG_D": d.bit_length() - 1, "BLOCK_J": t.block_j},
+                 "BLOCK_D": d, "LOG_D": d.bit_length() - 1, "BLOCK_J": t.block_j, "SLOTS": slots},
                 ("kv_ptr", "sc_ptr", "ape_ptr", "fkv_ptr", "fsc_ptr", "rows_ptr", "w_ptr", "W", "d"), t.num_warps, 1,
                 decode=mode != 0))
     from ds4station.kernels import f16, q4_k
@@ -278,16 +296,18 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
             decode=True))
     from ds4station.kernels import indexer
 
-    for label, t_, n_keys in (("decode 8K blocks", 1, 8192), ("prefill 2K x 8K blocks", 2048, 8192)):
+    for label, t_, n_keys, slots in (("decode 8K blocks", 1, 8192, False), ("batched decode 8K blocks", 1, 8192, True),
+                                     ("prefill 2K x 8K blocks", 2048, 8192, False)):
         t = dispatch.indexer_tiles(t_, n_keys, 64, 128, backend)
         out.append(KernelSpec(
             f"indexer scores {label}", indexer._indexer_kernel,
-            {"q_ptr": p32, "w_ptr": p32, "k_ptr": p32, "pos_ptr": "*i64", "out_ptr": "*i64", "T": i32, "IH": i32,
-             "D": i32, "n0": i32, "n1": i32, "col0": i32, "stride_qt": i32, "stride_qh": i32, "stride_wt": i32,
-             "stride_k": i32, "stride_ot": i32, "ratio": i32, "BLOCK_T": "constexpr", "BLOCK_H": "constexpr",
-             "BLOCK_N": "constexpr", "BLOCK_D": "constexpr", "USE_DOT": "constexpr", "DOT_FP16": "constexpr"},
+            {"q_ptr": p32, "w_ptr": p32, "k_ptr": p32, "pos_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i64",
+             "T": i32, "IH": i32, "D": i32, "n0": i32, "n1": i32, "col0": i32, "stride_qt": i32, "stride_qh": i32,
+             "stride_wt": i32, "stride_k": i32, "stride_ot": i32, "stride_sk": i32, "ratio": i32,
+             "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
+             "USE_DOT": "constexpr", "DOT_FP16": "constexpr", "SLOTS": "constexpr"},
             {"BLOCK_T": t.block_t, "BLOCK_H": t.block_h, "BLOCK_N": t.block_n, "BLOCK_D": t.block_d,
-             "USE_DOT": t.dot, "DOT_FP16": True},
+             "USE_DOT": t.dot, "DOT_FP16": True, "SLOTS": slots},
             ("q_ptr", "w_ptr", "k_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_wt", "stride_k", "stride_ot"),
             t.num_warps, t.num_stages, decode=t_ == 1))
     top = dispatch.select_max(backend)
@@ -402,15 +422,18 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
     out = []
     for label, nc, indexed in (("window", 0, False), ("indexed r4", 512, True), ("r128 1M", 8192, False)):
         t = dispatch.attention_tiles(H, D, 128 + nc, backend)
-        for kv in ("fp32", "fp16"):
+        for kv in ("fp32", "fp16", "fp16 batched slots"):
+            slots = kv.endswith("slots")
+            kv = kv.split()[0]
             sig = {"q_ptr": "*fp32", "kw_ptr": f"*{kv}", "mw_ptr": "*i1", "kc_ptr": f"*{kv}", "mc_ptr": "*i1",
                    "ids_ptr": "*i64", "pos_ptr": "*i64", "m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32",
-                   "H": "i32", "D": "i32", "NW": "i32", "NC": "i32", "ring_len": "i32", "stride_q": "i32",
-                   "stride_kw": "i32", "stride_kc": "i32", "stride_qt": "i32", "stride_it": "i32", "scale": "fp32",
-                   "INDEXED": "constexpr",
-                   "RING": "constexpr", "RATIO": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr"}
-            consts = {"INDEXED": indexed, "RING": True, "RATIO": 128 if nc == 8192 else 0, "BLOCK_H": t.block_h,
-                      "BLOCK_N": t.block_n}
+                   "slot_ptr": "*i64", "H": "i32", "D": "i32", "NW": "i32", "NC": "i32", "ring_len": "i32",
+                   "stride_q": "i32", "stride_kw": "i32", "stride_kc": "i32", "stride_qt": "i32", "stride_it": "i32",
+                   "stride_skw": "i32", "stride_skc": "i32", "scale": "fp32", "INDEXED": "constexpr",
+                   "RING": "constexpr", "RATIO": "constexpr", "SLOTS": "constexpr", "BLOCK_H": "constexpr",
+                   "BLOCK_N": "constexpr"}
+            consts = {"INDEXED": indexed, "RING": True, "RATIO": 128 if nc == 8192 else 0, "SLOTS": slots,
+                      "BLOCK_H": t.block_h, "BLOCK_N": t.block_n}
             aligned = ("q_ptr", "kw_ptr", "kc_ptr", "ids_ptr", "m_ptr", "l_ptr", "acc_ptr", "D", "stride_q",
                        "stride_kw", "stride_kc")
             if t.block_dv:  # the tl.dot form (all heads per program)
@@ -421,7 +444,8 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
                 sig["BLOCK_D"] = "constexpr"
                 consts["BLOCK_D"] = t.block_d
                 fn = attention._attn_split_kernel
-            out.append(KernelSpec(f"attn_split {label} {kv}", fn, sig, consts, aligned, t.num_warps, 1, decode=True))
+            out.append(KernelSpec(f"attn_split {label} {kv}{' batched' if slots else ''}", fn, sig, consts, aligned,
+                                  t.num_warps, 1, decode=True))
         tp = dispatch.attention_prefill_tiles(H, D, backend)
         out.append(KernelSpec(
             f"attn_prefill {label}", attention._attn_prefill_kernel,

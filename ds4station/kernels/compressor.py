@@ -12,7 +12,9 @@ The result goes to rows[b].
 
 - `compress_decode(kv, sc, ape, pos, fkv, fsc, rows, ...)`: one token at device position pos[0]: writes the
   frontier slot, and pools block pos // r only if pos closes it, decided on the device (the pooling loop has
-  zero trips otherwise), so a decode step needs no host branch and can be replayed from a CUDA graph.
+  zero trips otherwise), so a decode step needs no host branch and can be replayed from a CUDA graph. With
+  `slots=` [T], a batched decode step: T tokens, each of its own sequence, whose frontiers and rows are pools
+  [S, ...] (engine/kv.py's KVPool): token t updates slot slots[t] at pos[t], one program per token.
 - `compress_blocks(fkv, fsc, rows, b0, n, ...)`: prefill: pools blocks b0 .. b0 + n - 1 from a frontier that
   already holds their positions, one program per block.
 - `compress_rows(fkv, fsc, rows, pos, ...)`: a static-shape step of several positions pos [T] (device), whose
@@ -69,7 +71,11 @@ def _pool_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, blocks: Tensor, ratio: int
 
 
 def compress_decode_ref(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
-                        ratio: int, fin: Finish) -> None:
+                        ratio: int, fin: Finish, slots: Tensor | None = None) -> None:
+    if slots is not None:
+        for t, s in enumerate(slots.tolist()):
+            compress_decode_ref(kv[t:t + 1], sc[t:t + 1], ape, pos[t:t + 1], fkv[s], fsc[s], rows[s], ratio, fin)
+        return
     p = int(pos[0])
     slot = p % fkv.shape[0]
     fkv[slot] = kv[0].float()
@@ -94,18 +100,26 @@ def compress_rows_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio
 
 
 @triton.jit(do_not_specialize=["b0"])  # the first block pooled: a position, not a shape
-def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, fkv_ptr, fsc_ptr, rows_ptr, w_ptr, f_ptr,
-                     b0, Rf, W, d, eps,
+def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, fkv_ptr, fsc_ptr, rows_ptr, w_ptr, f_ptr,
+                     b0, Rf, W, d, eps, stride_kv, stride_sf, stride_sr,
                      R: tl.constexpr, COFF: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
                      HADAMARD: tl.constexpr, RT: tl.constexpr, NOPE: tl.constexpr, BLOCK_D: tl.constexpr,
-                     LOG_D: tl.constexpr, BLOCK_J: tl.constexpr):
-    # MODE 0: pool blocks b0 + program id; 1: write position pos[0] into the frontier, then pool the block it
-    # closes, if it does; 2: pool the block position pos[program id] closes, if it does.
+                     LOG_D: tl.constexpr, BLOCK_J: tl.constexpr, SLOTS: tl.constexpr):
+    # MODE 0: pool blocks b0 + program id; 1: write position pos[t] (t = program id, its projections in row t
+    # of kv / sc) into the frontier, then pool the block it closes, if it does; 2: pool the block position
+    # pos[program id] closes, if it does. SLOTS (mode 1): token t's frontier and rows are slot slots[t] of pools.
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < d
+    if SLOTS:
+        slot = tl.load(slot_ptr + tl.program_id(0)).to(tl.int64)
+        fkv_ptr += slot * stride_sf
+        fsc_ptr += slot * stride_sf
+        rows_ptr += slot * stride_sr
     if MODE != 0:
         pos = tl.load(pos_ptr + tl.program_id(0)).to(tl.int64)
         if MODE == 1:
+            kv_ptr += tl.program_id(0).to(tl.int64) * stride_kv
+            sc_ptr += tl.program_id(0).to(tl.int64) * stride_kv
             slot = pos % Rf
             for c in tl.static_range(COFF):
                 kv_w = tl.load(kv_ptr + c * d + offs, mask=dmask, other=0.0).to(tl.float32)
@@ -165,27 +179,40 @@ def _check(fkv: Tensor, fsc: Tensor, rows: Tensor, ratio: int, fin: Finish) -> t
 
 
 def _launch(grid: int, kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
-            b0: int, ratio: int, fin: Finish, mode: int) -> None:
-    d, coff = _check(fkv, fsc, rows, ratio, fin)
+            b0: int, ratio: int, fin: Finish, mode: int, slots: Tensor | None = None) -> None:
+    pooled = slots is not None
+    if pooled and (fkv.dim() != 3 or rows.dim() != 3 or not (fkv.shape[0] == fsc.shape[0] == rows.shape[0])):
+        raise ValueError(f"slots index pools of frontiers [S, Rf, W] and rows [S, n, d], got {tuple(fkv.shape)}, "
+                         f"{tuple(rows.shape)}")
+    d, coff = _check(fkv[0] if pooled else fkv, fsc[0] if pooled else fsc, rows[0] if pooled else rows, ratio, fin)
+    if pooled and not (fkv.is_contiguous() and fsc.is_contiguous() and rows.is_contiguous()):
+        raise ValueError("pools of frontiers and rows are contiguous")
     block = max(64 if fin.rt == "fp8" else 32, triton.next_power_of_2(d))
     if fin.hadamard and block != d:
         raise ValueError(f"the Hadamard rotation needs a power-of-two row, got {d}")
     tiles = dispatch.compressor_tiles(d, coff * ratio, dispatch.launch_backend(fkv))
     _compress_kernel[(grid,)](
-        kv, sc, ape, pos, fkv, fsc, rows, fin.norm, fin.inv_freq, b0, fkv.shape[0], fkv.shape[1], d, float(fin.eps),
+        kv, sc, ape, pos, slots if pooled else pos, fkv, fsc, rows, fin.norm, fin.inv_freq, b0, fkv.shape[-2],
+        fkv.shape[-1], d, float(fin.eps), kv.stride(0), fkv.stride(0) if pooled else 0, rows.stride(0) if pooled else 0,
         R=ratio, COFF=coff, MODE=mode, HALF=fin.inv_freq.numel(), HADAMARD=fin.hadamard, RT=_RT[fin.rt],
-        NOPE=fin.nope, BLOCK_D=block, LOG_D=block.bit_length() - 1, BLOCK_J=tiles.block_j, num_warps=tiles.num_warps)
+        NOPE=fin.nope, BLOCK_D=block, LOG_D=block.bit_length() - 1, BLOCK_J=tiles.block_j, SLOTS=pooled,
+        num_warps=tiles.num_warps)
 
 
 def compress_decode_triton(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
-                           ratio: int, fin: Finish) -> None:
-    """kv, sc [1, W] (rows of a projection output; unit stride within the row), ape [r, W] fp32, pos [1]."""
-    W = fkv.shape[1]
-    if kv.shape[-1] != W or sc.shape[-1] != W or kv.stride(-1) != 1 or sc.stride(-1) != 1:
-        raise ValueError(f"projections must be unit-stride rows of {W}")
+                           ratio: int, fin: Finish, slots: Tensor | None = None) -> None:
+    """kv, sc [T, W] (rows of a projection output; unit stride within the row, the same row stride), ape [r, W]
+    fp32, pos [T]; T = 1 without slots, else slots [T] into pools fkv, fsc [S, Rf, W] and rows [S, n, d]."""
+    W = fkv.shape[-1]
+    T = kv.shape[0]
+    if kv.shape[-1] != W or sc.shape[-1] != W or kv.stride(-1) != 1 or sc.stride(-1) != 1 or sc.shape[0] != T \
+            or (T > 1 and sc.stride(0) != kv.stride(0)):
+        raise ValueError(f"projections must be unit-stride rows of {W} with one row stride")
     if tuple(ape.shape) != (ratio, W) or not ape.is_contiguous() or ape.dtype != torch.float32:
         raise ValueError(f"ape must be contiguous float32 [{ratio}, {W}], got {tuple(ape.shape)}")
-    _launch(1, kv, sc, ape, pos, fkv, fsc, rows, 0, ratio, fin, mode=1)
+    if pos.shape != (T,) or (slots is None and T != 1) or (slots is not None and slots.shape != (T,)):
+        raise ValueError(f"{T} token(s) need pos [{T}] and, for more than one, slots [{T}]")
+    _launch(T, kv, sc, ape, pos, fkv, fsc, rows, 0, ratio, fin, mode=1, slots=slots)
 
 
 def compress_blocks_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:
@@ -200,10 +227,10 @@ def compress_rows_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ra
 
 
 def compress_decode(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
-                    ratio: int, fin: Finish) -> None:
+                    ratio: int, fin: Finish, slots: Tensor | None = None) -> None:
     """Triton on a GPU tensor, the torch reference on CPU (which reads pos back to the host)."""
     f = compress_decode_triton if dispatch.use_triton(fkv) else compress_decode_ref
-    f(kv, sc, ape, pos, fkv, fsc, rows, ratio, fin)
+    f(kv, sc, ape, pos, fkv, fsc, rows, ratio, fin, slots)
 
 
 def compress_blocks(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, ratio: int, fin: Finish) -> None:

@@ -65,9 +65,14 @@ def _k_eff(k: int, n_blocks: int) -> int:
 
 
 def index_topk_ref(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
-                   k: int) -> tuple[Tensor, Tensor]:
+                   k: int, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """GpuStage._index's scoring and selection: scores in column blocks of bounded scratch, invisible blocks
-    at -inf, a stable descending sort (ties to the lower block), the first min(k, n_blocks)."""
+    at -inf, a stable descending sort (ties to the lower block), the first min(k, n_blocks). With slots [T],
+    keys is a pool [S, R, D] and query t scores the keys of slot slots[t]."""
+    if slots is not None:
+        parts = [index_topk_ref(q[t:t + 1], w[t:t + 1], keys[s], n_blocks, pos[t:t + 1], ratio, k)
+                 for t, s in enumerate(slots.tolist())]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     T, IH = w.shape
     kk = _k_eff(k, n_blocks)
     if n_blocks == 0:
@@ -113,19 +118,22 @@ def _score_dot(qt, ktt, DOT_FP16: tl.constexpr):
 # Position-dependent integers are not specialised on (Triton would compile a variant for every value that is
 # 1 or divisible by 16: new compiles in the middle of serving); shapes and strides fixed by the model still are.
 @triton.jit(do_not_specialize=["n0", "n1", "col0", "stride_ot"])
-def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, out_ptr, T, IH, D, n0, n1, col0,
-                    stride_qt, stride_qh, stride_wt, stride_k, stride_ot, ratio,
+def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, slot_ptr, out_ptr, T, IH, D, n0, n1, col0,
+                    stride_qt, stride_qh, stride_wt, stride_k, stride_ot, stride_sk, ratio,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr):
+                    USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SLOTS: tl.constexpr):
     """Sort keys of blocks [n0 + pid0 * BLOCK_N, ...) < n1 for queries [pid1 * BLOCK_T, ...) < T, written to
     out[t, col0 + (i - n0)]. A program whose first block is past every one of its queries' positions (the
-    rest of a position bucket) writes the invisible keys without loading or scoring anything."""
+    rest of a position bucket) writes the invisible keys without loading or scoring anything. SLOTS (one query
+    per program): query t reads the keys of slot slots[t] of a pool (stride_sk apart)."""
     offs_n = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n1
     first = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N
     if BLOCK_T == 1:
         t = tl.program_id(1).to(tl.int64)
         p = tl.load(pos_ptr + t).to(tl.int64)
+        if SLOTS:
+            k_ptr += tl.load(slot_ptr + t).to(tl.int64) * stride_sk
     else:
         offs_t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_ok = offs_t < T
@@ -249,12 +257,13 @@ def _column_step(t: int, k: int, n_blocks: int, block_n: int, step: int | None =
 
 
 def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
-               k: int, *, fp16_dot: bool = True) -> tuple[Tensor, Tensor]:
+               k: int, *, fp16_dot: bool = True, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Top-min(k, n_blocks) visible index blocks per query: Triton on a GPU tensor, the torch reference on
-    CPU. `fp16_dot`: see index_topk_triton (DS4 with the indexer's FP4 round trip: True, exact)."""
+    CPU. `fp16_dot`: see index_topk_triton (DS4 with the indexer's FP4 round trip: True, exact). `slots`:
+    query t of its own sequence, keys a pool [S, R, D] (a batched decode step)."""
     if dispatch.use_triton(q):
-        return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot)
-    return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k)
+        return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot, slots=slots)
+    return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k, slots)
 
 
 def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
@@ -279,7 +288,7 @@ def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
 
 def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int, k: int, *,
                       fp16_dot: bool = True, step: int | None = None,
-                      tiles: dispatch.IndexerTiles | None = None) -> tuple[Tensor, Tensor]:
+                      tiles: dispatch.IndexerTiles | None = None, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The Triton launcher of `index_topk`.
 
     q [T, IH, Dq] and w [T, IH] (any float dtype, fp32 math), keys [R >= n_blocks, Dq] fp32 or fp16 (only
@@ -289,7 +298,7 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     `fp16_dot`: dot operands in fp16 (fp32 accumulation); exact only when q and keys hold fp16 values (DS4's
     FP4 round trip guarantees it); False: fp32 dots (input_precision="ieee"). `step`: blocks per column
     block of the selection (default: the largest that keeps the [T, k' + step] int64 scratch within
-    SCRATCH_BYTES; at least k')."""
+    SCRATCH_BYTES; at least k'). `slots` [T]: keys is a pool [S, R, Dq] and query t reads slot slots[t]."""
     if not q.is_cuda and not dispatch.interpreting():
         raise ValueError("index_topk_triton needs GPU tensors (or TRITON_INTERPRET=1 for CPU tensors)")
     if q.dim() != 3:
@@ -297,12 +306,18 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     T, IH, D = q.shape
     if w.shape != (T, IH):
         raise ValueError(f"w must be [T={T}, IH={IH}], got {tuple(w.shape)}")
-    if keys.dim() != 2 or keys.shape[1] != D:
+    if slots is not None:
+        if keys.dim() != 3 or slots.shape != (T,):
+            raise ValueError(f"slots [T={T}] index a pool of keys [S, R, Dq], got slots {tuple(slots.shape)}, keys "
+                             f"{tuple(keys.shape)}")
+        if keys.stride(2) != 1:
+            raise ValueError("a pool of keys has unit stride on Dq")
+    if keys.dim() != (2 if slots is None else 3) or keys.shape[-1] != D:
         raise ValueError(f"keys must be [R, Dq={D}], got {tuple(keys.shape)}")
     if keys.dtype not in (torch.float32, torch.float16):
         raise ValueError(f"keys must be fp32 or fp16, got {keys.dtype}")
-    if not 0 <= n_blocks <= keys.shape[0]:
-        raise ValueError(f"n_blocks must be in 0..{keys.shape[0]} (the rows of keys), got {n_blocks}")
+    if not 0 <= n_blocks <= keys.shape[-2]:
+        raise ValueError(f"n_blocks must be in 0..{keys.shape[-2]} (the rows of keys), got {n_blocks}")
     if pos.shape != (T,):
         raise ValueError(f"pos must be [T={T}], got {tuple(pos.shape)}")
     if k < 1 or ratio < 1:
@@ -313,12 +328,15 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     if n_blocks == 0 or T == 0:
         z = torch.zeros(T, kk, dtype=torch.long, device=q.device)
         return z, z.bool()
-    tiles = tiles or dispatch.indexer_tiles(T, n_blocks, IH, D, dispatch.launch_backend(q))
+    # slotted queries each read their own keys: one query per program, the decode tiles
+    tiles = tiles or dispatch.indexer_tiles(1 if slots is not None else T, n_blocks, IH, D, dispatch.launch_backend(q))
     if tiles.block_d < D:
         raise ValueError(f"tiles.block_d={tiles.block_d} is below Dq={D}")
+    if slots is not None and tiles.block_t != 1:
+        raise ValueError("slotted queries take one query per program (block_t 1)")
     q = q if q.stride(2) == 1 else q.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
-    keys = keys if keys.stride(1) == 1 else keys[:n_blocks].contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys[:n_blocks].contiguous()
     pos = pos.contiguous()
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
     plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q)) if step >= n_blocks else None
@@ -327,9 +345,10 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
         n1 = min(n0 + step, n_blocks)
         grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(T, tiles.block_t))
         _indexer_kernel[grid](
-            q, w, keys, pos, buf, T, IH, D, n0, n1, kk, q.stride(0), q.stride(1), w.stride(0), keys.stride(0),
-            buf.stride(0), ratio, BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n,
-            BLOCK_D=tiles.block_d, USE_DOT=tiles.dot, DOT_FP16=fp16_dot, num_warps=tiles.num_warps,
+            q, w, keys, pos, slots if slots is not None else pos, buf, T, IH, D, n0, n1, kk, q.stride(0), q.stride(1),
+            w.stride(0), keys.stride(-2), buf.stride(0), keys.stride(0) if slots is not None else 0, ratio,
+            BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
+            USE_DOT=tiles.dot, DOT_FP16=fp16_dot, SLOTS=slots is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
         last = n1 == n_blocks
         if plan is not None:  # one column block: select in programs that hold their keys in registers

@@ -11,6 +11,9 @@ Kernels:
   (DS4's attn_output_a: 8 groups of 1024 rows, one launch).
 - `_q8_0_matvec_i8_kernel`: the same product from an activation quantised to two int8 digits per value
   (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
+- `_q8_0_matvec_mma_kernel`: batched decode (1-16 activation rows) on the int8 tensor cores: the int8 weight
+  tile is the A operand of two int8 x int8 -> int32 tl.dot per Q8_0 block (against the activation's two
+  quantize_act16 digits), so the weights are read once and never converted to floats, whatever the row count.
 - `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate),
   optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a), and optionally
   split-K (dispatch's split_k: fp32 partials per K slice, summed by the launcher; short prefills).
@@ -25,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.act_quant import _dp4a, dequantize_act16
+from ds4station.kernels.act_quant import _dp4a, dequantize_act16, quantize_act16
 
 QK8_0 = 32
 BLOCK_BYTES_Q8_0 = 34
@@ -281,6 +284,217 @@ def q8_0_matvec_q16_ref(act: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w:
                         groups: int = 1) -> torch.Tensor:
     """Torch reference of q8_0_matvec_q16 (fp32 math on the dequantised 16-bit activation)."""
     return q8_0_matvec_ref(dequantize_act16(*act), w, groups=groups, out_dtype=torch.float32)
+
+
+# Most activation rows q8_0_matvec_mma takes: its dot's N (tl.dot's least), masked above M.
+MMA_ROWS = 16
+# How a loop step's block_k / 32 Q8_0 blocks reach the int8 dots (dispatch.MmaTiles.k_form).
+MMA_K_FORMS = ("blocks", "dot3", "split")
+
+
+@triton.jit
+def _q8_0_mma_block(acc, w, xh, xl, d, xs):
+    """acc += one Q8_0 block's product: int8 weights w [.., BN, 32] against the activation's two int8 digits
+    xh, xl [.., 32, BM] (exact int32 block sums on the int8 tensor cores), times the weight scales d
+    [.., BN, 1] and the activation scales xs [.., 1, BM]. |isum| <= 32 * 128 * 32768 = 2^27: no int32 overflow."""
+    isum = tl.dot(w, xh, out_dtype=tl.int32) * 256 + tl.dot(w, xl, out_dtype=tl.int32)
+    return acc + isum.to(tl.float32) * d * xs
+
+
+@triton.jit
+def _q8_0_mma_pair(acc, w, xh, xl, d, xs):
+    """Two consecutive blocks, from tiles whose last axis (of 2) is the block: w [BN, 32, 2], xh / xl
+    [32, BM, 2], d [BN, 1, 2], xs [1, BM, 2]; the first block first."""
+    w0, w1 = tl.split(w)
+    h0, h1 = tl.split(xh)
+    l0, l1 = tl.split(xl)
+    d0, d1 = tl.split(d)
+    s0, s1 = tl.split(xs)
+    acc = _q8_0_mma_block(acc, w0, h0, l0, d0, s0)
+    return _q8_0_mma_block(acc, w1, h1, l1, d1, s1)
+
+
+@triton.jit
+def _halves(t):
+    """First and second halves of a 3-D tile's last axis of 4 (blocks 0-1 and 2-3), each [A, B, 2]."""
+    A: tl.constexpr = t.shape[0]
+    B: tl.constexpr = t.shape[1]
+    return tl.split(tl.permute(tl.reshape(t, (A, B, 2, 2)), (0, 1, 3, 2)))
+
+
+@triton.jit
+def _q8_0_matvec_mma_kernel(
+    xh_ptr, xl_ptr, xs_ptr, qs_ptr, d_ptr, y_ptr,
+    M, N, K, rows_per_group, stride_xm, stride_sm, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_FORM: tl.constexpr,
+):
+    """Y^T[n, m] = sum_k W[n, k] x[m, k] for M <= BLOCK_M activation rows given as two int8 digits (xh, xl int8
+    [M, G*K], scales xs fp32 [M, G*K/32]): per Q8_0 block, W [BLOCK_N, 32] int8 is the dot's A operand (Hopper's
+    wgmma takes 64 rows per warpgroup) and the digits [32, BLOCK_M] its B; exact int32 sums, then fp32
+    acc += isum * d * xs in block order. An element's value depends only on its own row of x, never on M.
+
+    K_FORM, how a step's BLOCK_K / 32 blocks are loaded: "blocks", one [BLOCK_N, 32] load and dot pair per block
+    (unrolled, so all of a step's loads are in flight together); "dot3", one [KB, BLOCK_N, 32] load and one
+    batched 3-D dot pair, a [KB, BLOCK_N, BLOCK_M] accumulator summed over KB at the end (the KB axis spreads
+    over warps: an in-program split of K); "split", one [BLOCK_N, BLOCK_K] load cut into 32-wide tiles in
+    registers (BLOCK_K 64 or 128). "blocks" and "split" sum in the same order: bit-identical at any BLOCK_K.
+    Split-K: program axis 1 is the K slice (whole BLOCK_K steps); slice s writes its partial to Y[s] of
+    [slices, M, N] (offset s * M * stride_ym); with one slice, Y itself."""
+    pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1)) * BLOCK_K
+    k_lo = pid_s * k_slice
+    k_hi = tl.minimum(K, k_lo + k_slice)
+    y_ptr += pid_s.to(tl.int64) * M * stride_ym
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_e = tl.arange(0, 32)
+    KB: tl.constexpr = BLOCK_K // 32
+    offs_b = tl.arange(0, KB)
+    NB = K // 32
+    # All rows of a program are in one group (the launcher makes BLOCK_N divide rows_per_group): its x columns.
+    group = (pid * BLOCK_N) // rows_per_group
+    xh_ptr += group * K
+    xl_ptr += group * K
+    xs_ptr += group * NB
+    if K_FORM == "dot3":
+        acc3 = tl.zeros([KB, BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kb = k0 // 32 + offs_b
+            kb_mask = kb < NB
+            kk = kb[:, None] * 32 + offs_e[None, :]  # [KB, 32]
+            w = tl.load(qs_ptr + rows[None, :, None] * K + kk[:, None, :],
+                        mask=kb_mask[:, None, None] & n_mask[None, :, None], other=0, eviction_policy="evict_first")
+            x_off = offs_m[None, None, :] * stride_xm + kk[:, :, None]  # [KB, 32, BLOCK_M]
+            x_mask = kb_mask[:, None, None] & m_mask[None, None, :]
+            d = tl.load(d_ptr + rows[None, :] * NB + kb[:, None], mask=kb_mask[:, None] & n_mask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            xs = tl.load(xs_ptr + offs_m[None, :] * stride_sm + kb[:, None], mask=kb_mask[:, None] & m_mask[None, :],
+                         other=0.0)
+            acc3 = _q8_0_mma_block(acc3, w, tl.load(xh_ptr + x_off, mask=x_mask, other=0),
+                                   tl.load(xl_ptr + x_off, mask=x_mask, other=0), d[:, :, None], xs[:, None, :])
+        acc = tl.sum(acc3, axis=0)
+    elif K_FORM == "split":
+        tl.static_assert(KB == 2 or KB == 4, "the split form takes BLOCK_K 64 or 128")
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            kk = k0 + offs_k
+            k_mask = kk < K
+            kb = k0 // 32 + offs_b
+            kb_mask = kb < NB
+            # every operand as a 3-D tile whose last axis is the step's block
+            w = tl.load(qs_ptr + rows[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0,
+                        eviction_policy="evict_first")
+            w = tl.permute(tl.reshape(w, (BLOCK_N, KB, 32)), (0, 2, 1))
+            x_off = offs_m[None, :] * stride_xm + kk[:, None]  # [BLOCK_K, BLOCK_M]
+            x_mask = m_mask[None, :] & k_mask[:, None]
+            xh = tl.permute(tl.reshape(tl.load(xh_ptr + x_off, mask=x_mask, other=0), (KB, 32, BLOCK_M)), (1, 2, 0))
+            xl = tl.permute(tl.reshape(tl.load(xl_ptr + x_off, mask=x_mask, other=0), (KB, 32, BLOCK_M)), (1, 2, 0))
+            d = tl.load(d_ptr + rows[:, None] * NB + kb[None, :], mask=n_mask[:, None] & kb_mask[None, :], other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            d = tl.reshape(d, (BLOCK_N, 1, KB))
+            xs = tl.load(xs_ptr + offs_m[:, None] * stride_sm + kb[None, :], mask=m_mask[:, None] & kb_mask[None, :],
+                         other=0.0)
+            xs = tl.reshape(xs, (1, BLOCK_M, KB))
+            if KB == 2:
+                acc = _q8_0_mma_pair(acc, w, xh, xl, d, xs)
+            else:
+                w0, w1 = _halves(w)
+                h0, h1 = _halves(xh)
+                l0, l1 = _halves(xl)
+                d0, d1 = _halves(d)
+                s0, s1 = _halves(xs)
+                acc = _q8_0_mma_pair(acc, w0, h0, l0, d0, s0)
+                acc = _q8_0_mma_pair(acc, w1, h1, l1, d1, s1)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            for j in tl.static_range(KB):
+                kb = k0 // 32 + j
+                ok = kb < NB  # K need not be a multiple of BLOCK_K
+                kk = kb * 32 + offs_e
+                w = tl.load(qs_ptr + rows[:, None] * K + kk[None, :], mask=n_mask[:, None] & ok, other=0,
+                            eviction_policy="evict_first")
+                x_off = offs_m[None, :] * stride_xm + kk[:, None]  # [32, BLOCK_M]
+                x_mask = m_mask[None, :] & ok
+                d = tl.load(d_ptr + rows * NB + kb, mask=n_mask & ok, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                xs = tl.load(xs_ptr + offs_m * stride_sm + kb, mask=m_mask & ok, other=0.0)
+                acc = _q8_0_mma_block(acc, w, tl.load(xh_ptr + x_off, mask=x_mask, other=0),
+                                      tl.load(xl_ptr + x_off, mask=x_mask, other=0), d[:, None], xs[None, :])
+    tl.store(y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=n_mask[:, None] & m_mask[None, :])
+
+
+def q8_0_matvec_mma_q16(
+    act: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    w: PackedQ8_0,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    tiles: dispatch.MmaTiles | None = None,
+) -> torch.Tensor:
+    """Tensor-core y = x @ W^T from an activation already quantised by act_quant.quantize_act16 (act = (hi, lo,
+    scale) for x [M, groups*K], 1 <= M <= 16), so a producer can emit it fused. Returns [M, N].
+
+    With tiles.split_k = S > 1 the K loop runs in S slices on separate programs, which write fp32 partials
+    [S, M, N]; their sum by torch (a fixed order, no atomics) keeps the output bit-stable from run to run."""
+    hi, lo, xs = act
+    m = hi.shape[0]
+    n, k = w.n, w.k
+    if not 1 <= m <= MMA_ROWS or hi.shape[1] * 4 != groups * k or n % groups:
+        raise ValueError(f"activation [{m}, {hi.shape[1] * 4}] does not match weight [{n}, {k}] in {groups} group(s) "
+                         f"with 1-{MMA_ROWS} rows")
+    rows_per_group = n // groups
+    tiles = tiles or dispatch.q8_0_mma_tiles(n, k, m, dispatch.launch_backend(hi), rows_per_group)
+    if groups > 1 and rows_per_group % tiles.block_n:
+        raise ValueError(f"block_n {tiles.block_n} must divide the {rows_per_group} rows of a group")
+    if tiles.k_form not in MMA_K_FORMS:
+        raise ValueError(f"k_form {tiles.k_form!r} is not one of {MMA_K_FORMS}")
+    split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
+    if split > 1:
+        y = torch.empty((split, m, n), device=hi.device, dtype=torch.float32)
+    else:
+        y = out if out is not None else torch.empty((m, n), device=hi.device, dtype=out_dtype)
+    _q8_0_matvec_mma_kernel[(triton.cdiv(n, tiles.block_n), split)](
+        hi.view(torch.int8), lo.view(torch.int8), xs, w.qs, w.d, y, m, n, k, rows_per_group, hi.stride(0) * 4,
+        xs.stride(0), y.stride(-2), BLOCK_M=MMA_ROWS, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        K_FORM=tiles.k_form, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    if split == 1:
+        return y
+    total = y.sum(0)
+    return total.to(out_dtype) if out is None else out.copy_(total)
+
+
+def q8_0_matvec_mma(
+    x: torch.Tensor,
+    w: PackedQ8_0,
+    groups: int = 1,
+    out: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    tiles: dispatch.MmaTiles | None = None,
+) -> torch.Tensor:
+    """Batched decode y = x @ W^T on the int8 tensor cores for 1-16 activation rows: x [M, G*K] (fp16/fp32/bf16)
+    is quantised by act_quant.quantize_act16 (one extra launch), then `q8_0_matvec_mma_q16`. Returns [M, N]
+    (x's dtype unless out / out_dtype say otherwise); with groups = G > 1, output rows [g*N/G, (g+1)*N/G) read
+    x[:, g*K:(g+1)*K]. Relative error against the fp32 product ~2e-5 (the activation's 16-bit quantisation)."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MMA_ROWS:
+        raise ValueError(f"x must be [M, groups*K] with 1-{MMA_ROWS} rows, got shape {tuple(x.shape)}")
+    if x.shape[1] != groups * w.k or w.n % groups:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}] in {groups} groups")
+    return q8_0_matvec_mma_q16(quantize_act16(x), w, groups=groups, out=out, out_dtype=out_dtype or x.dtype,
+                               tiles=tiles)
+
+
+def q8_0_matvec_mma_ref(x: torch.Tensor, w: PackedQ8_0, groups: int = 1) -> torch.Tensor:
+    """Reference of q8_0_matvec_mma: fp32 math on the activation as quantize_act16 quantises it (that kernel
+    runs here too: on the GPU, or in the interpreter on CPU tensors). Returns fp32 [M, N]."""
+    return q8_0_matvec_q16_ref(quantize_act16(x), w, groups=groups)
 
 
 def q8_0_matmul_ref(x: torch.Tensor, w: PackedQ8_0, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -12,7 +12,9 @@ Torch does each of these as 5-25 small launches (the round trips alone are ~15);
 
 `finish_rows(x, pos, heads, ...)`: x [T * heads, D] fp32 rows, pos [T] int64 (one position per token).
 Returns the finished rows [T * heads, D] fp32, or, with `ring=`, writes row t into ring[pos[t] % len(ring)]
-(heads must be 1) and returns the ring. Semantics equal engine/model.py's `rms_norm`, `Rope`, `hadamard`,
+(heads must be 1) and returns the ring; with `slots=` [T] too, ring is a pool [S, R, D] of rings (one per
+KV slot, engine/kv.py's KVPool) and row t goes into ring[slots[t], pos[t] % R] (a batched decode step: each
+token of its own sequence). Semantics equal engine/model.py's `rms_norm`, `Rope`, `hadamard`,
 `fp8_e4m3_roundtrip` and `fp4_e2m1_roundtrip` (`finish_rows_ref` composes exactly those); the kernel rounds
 e4m3 / e2m1 itself with exact integer and float arithmetic (no fp8 hardware needed: Vega20 has none), and
 the Hadamard transform uses the reference's butterfly order, so results agree to fp32 rounding of the norm
@@ -39,13 +41,13 @@ _RT = {None: RT_NONE, "fp8": RT_FP8, "fp4": RT_FP4}
 def finish_rows_ref(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False, weight: Tensor | None = None,
                     eps: float = 1e-6, inv_freq: Tensor | None = None, inverse: bool = False,
                     hadamard: bool = False, rt: str | None = None, nope: int = 0,
-                    ring: Tensor | None = None) -> Tensor:
+                    ring: Tensor | None = None, slots: Tensor | None = None) -> Tensor:
     from ds4station.kernels.reference import fp4_e2m1_roundtrip, fp8_e4m3_roundtrip
     from ds4station.kernels.reference import hadamard as hadamard_ref
 
     from .norm import rms_norm_ref, rope_ref
 
-    _check(x, pos, heads, weight, inv_freq, hadamard, rt, nope, ring)
+    _check(x, pos, heads, weight, inv_freq, hadamard, rt, nope, ring, slots)
     y = x.float()
     if norm:
         y = rms_norm_ref(y, weight, eps)
@@ -59,12 +61,15 @@ def finish_rows_ref(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False, w
         y = fp4_e2m1_roundtrip(y)
     if ring is None:
         return y
-    ring[pos % ring.shape[0]] = y.to(ring.dtype)
+    if slots is None:
+        ring[pos % ring.shape[0]] = y.to(ring.dtype)
+    else:
+        ring[slots, pos % ring.shape[1]] = y.to(ring.dtype)
     return ring
 
 
 def _check(x: Tensor, pos: Tensor, heads: int, weight: Tensor | None, inv_freq: Tensor | None, hadamard: bool,
-           rt: str | None, nope: int, ring: Tensor | None) -> None:
+           rt: str | None, nope: int, ring: Tensor | None, slots: Tensor | None) -> None:
     if x.dim() != 2 or x.shape[0] != pos.numel() * heads:
         raise ValueError(f"x must be [T * heads, D] = [{pos.numel()} * {heads}, D], got {tuple(x.shape)}")
     d = x.shape[1]
@@ -80,9 +85,12 @@ def _check(x: Tensor, pos: Tensor, heads: int, weight: Tensor | None, inv_freq: 
         raise ValueError(f"FP8 round trip over the first {nope} dims: must be a multiple of 64 within {d}")
     if rt == "fp4" and d % 32:
         raise ValueError(f"FP4 round trip needs rows of a multiple of 32, got {d}")
-    if ring is not None and (heads != 1 or ring.dim() != 2 or ring.shape[1] != d):
-        raise ValueError(f"ring writes take one row per token of width {d}; got heads={heads}, "
-                         f"ring {tuple(ring.shape)}")
+    if ring is not None and (heads != 1 or ring.dim() != (2 if slots is None else 3) or ring.shape[-1] != d):
+        raise ValueError(f"ring writes take one row per token of width {d} (a pool of rings [S, R, D] with slots); "
+                         f"got heads={heads}, ring {tuple(ring.shape)}")
+    if slots is not None and (ring is None or slots.shape != pos.shape):
+        raise ValueError(f"slots [T] name each token's ring in a pool: slots {tuple(slots.shape)}, pos "
+                         f"{tuple(pos.shape)}, ring {None if ring is None else tuple(ring.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -195,10 +203,11 @@ def finish_row(x, offs, D, p, w_ptr, eps, f_ptr, sign,
 
 
 @triton.jit
-def _finish_rows_kernel(x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, D, heads, stride_x, stride_y, ring_len, eps, sign,
+def _finish_rows_kernel(x_ptr, pos_ptr, slot_ptr, w_ptr, f_ptr, y_ptr, D, heads, stride_x, stride_y, stride_slot,
+                        ring_len, eps, sign,
                         NORM: tl.constexpr, HAS_W: tl.constexpr, HALF: tl.constexpr, HADAMARD: tl.constexpr,
-                        RT: tl.constexpr, NOPE: tl.constexpr, RING: tl.constexpr, BLOCK_D: tl.constexpr,
-                        LOG_D: tl.constexpr):
+                        RT: tl.constexpr, NOPE: tl.constexpr, RING: tl.constexpr, SLOTS: tl.constexpr,
+                        BLOCK_D: tl.constexpr, LOG_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -207,6 +216,8 @@ def _finish_rows_kernel(x_ptr, pos_ptr, w_ptr, f_ptr, y_ptr, D, heads, stride_x,
     y = finish_row(x, offs, D, pos.to(tl.float32), w_ptr, eps, f_ptr, sign, NORM, HAS_W, HALF, HADAMARD, RT, NOPE,
                    BLOCK_D, LOG_D)
     dst = pos % ring_len if RING else row
+    if SLOTS:  # this token's ring in the pool
+        y_ptr += tl.load(slot_ptr + row // heads).to(tl.int64) * stride_slot
     tl.store(y_ptr + dst * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -218,8 +229,8 @@ def finish_rows(x: Tensor, pos: Tensor, heads: int, **kw) -> Tensor:
 def finish_rows_triton(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False, weight: Tensor | None = None,
                        eps: float = 1e-6, inv_freq: Tensor | None = None, inverse: bool = False,
                        hadamard: bool = False, rt: str | None = None, nope: int = 0,
-                       ring: Tensor | None = None) -> Tensor:
-    _check(x, pos, heads, weight, inv_freq, hadamard, rt, nope, ring)
+                       ring: Tensor | None = None, slots: Tensor | None = None) -> Tensor:
+    _check(x, pos, heads, weight, inv_freq, hadamard, rt, nope, ring, slots)
     if x.stride(-1) != 1:
         x = x.contiguous()
     d = x.shape[1]
@@ -228,9 +239,10 @@ def finish_rows_triton(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False
     block = max(64 if rt == "fp8" else 32 if rt == "fp4" else 2, tiles.block)  # == d for the Hadamard
     f = inv_freq if inv_freq is not None else x
     _finish_rows_kernel[(x.shape[0],)](
-        x, pos, weight if weight is not None else x, f, y, d, heads, x.stride(0), y.stride(0),
-        ring.shape[0] if ring is not None else 1, float(eps), -1.0 if inverse else 1.0,
+        x, pos, slots if slots is not None else pos, weight if weight is not None else x, f, y, d, heads,
+        x.stride(0), y.stride(-2), y.stride(0) if slots is not None else 0,
+        ring.shape[-2] if ring is not None else 1, float(eps), -1.0 if inverse else 1.0,
         NORM=norm, HAS_W=weight is not None, HALF=0 if inv_freq is None else inv_freq.numel(),
-        HADAMARD=hadamard, RT=_RT[rt], NOPE=nope, RING=ring is not None, BLOCK_D=block,
+        HADAMARD=hadamard, RT=_RT[rt], NOPE=nope, RING=ring is not None, SLOTS=slots is not None, BLOCK_D=block,
         LOG_D=block.bit_length() - 1, num_warps=tiles.num_warps)
     return y
