@@ -133,3 +133,12 @@ def test_a_large_tensor_is_repacked_in_blocks_of_rows_exactly(qtype: Q, monkeypa
     calls.clear()
     small = ops.repack(raw[:1, :7], qtype.name, k)  # within one block: the repack as it is, in one call
     assert calls == [1] and torch.equal(ops.dequantize(small), ops.dequantize(whole)[:1, :7])
+
+
+def test_q8_0_projections_leave_the_matvec_where_the_matmul_was_measured_faster() -> None:
+    """dispatch.q8_0_matvec_rows: on CUDA the small Q8_0 matrices keep the matvec up to 4 rows, the large (q_b,
+    the output projections, the head) up to 2; other backends up to 8 (the matvec's limit)."""
+    small, large = (1536, 4096), (32768, 1024)
+    assert [dispatch.q8_0_matvec_rows(*shape, "cuda") for shape in (small, (4096, 2048), large, (129280, 4096))] \
+        == [4, 4, 2, 2]
+    assert {dispatch.q8_0_matvec_rows(*shape, b) for shape in (small, large) for b in ("hip64", "hip32", "cpu")} == {8}

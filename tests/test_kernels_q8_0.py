@@ -1,7 +1,6 @@
 """Q8_0 kernels (ds4station/kernels/q8_0.py) against gguf-py's numpy dequantisation and plain torch: the
-repack, the decode matvec (plain and grouped, 1-8 rows, fp16/fp32), the int8 tensor-core batched decode (1-16
-rows) and the fp16 tl.dot prefill matmul. On a machine without a GPU the Triton kernels run in the interpreter
-(tests/conftest.py sets TRITON_INTERPRET)."""
+repack, the decode matvec (plain and grouped, 1-8 rows, fp16/fp32) and the fp16 tl.dot prefill matmul. On a
+machine without a GPU the Triton kernels run in the interpreter (tests/conftest.py sets TRITON_INTERPRET)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from ds4station.kernels.q8_0 import (
     q8_0_matmul,
     q8_0_matmul_ref,
     q8_0_matvec,
-    q8_0_matvec_mma,
-    q8_0_matvec_mma_q16,
-    q8_0_matvec_mma_ref,
     q8_0_matvec_q16,
     q8_0_matvec_q16_ref,
     q8_0_matvec_ref,
@@ -222,121 +218,6 @@ def test_int_dot_matvec_from_16bit_activations(n: int, k: int, m: int, groups: i
                     tiles=dispatch.MatvecTiles(block_n=4, block_k=64, num_warps=4) if groups == 1 else None)
     assert rel_err(out, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5
     assert rel_err(out, q8_0_matvec_ref(x, w, groups=groups, out_dtype=torch.float32)) < 2e-4
-
-
-def mma_tiles(block_n: int, block_k: int, k_form: str = "blocks", split_k: int = 1) -> dispatch.MmaTiles:
-    return dispatch.MmaTiles(block_n=block_n, block_k=block_k, num_warps=4, num_stages=1, k_form=k_form,
-                             split_k=split_k)
-
-
-# (n, k, rows, groups, explicit tiles or None for the dispatcher's): 1-16 rows; N not a multiple of block_n (37, 70);
-# K = 160 not a multiple of the 64 / 128 steps (masked blocks); 2 groups; the 3-D and split step forms; split-K.
-MMA_CASES = [
-    (37, 96, 1, 1, None),
-    (70, 160, 2, 1, mma_tiles(64, 128)),
-    (70, 160, 3, 1, mma_tiles(32, 64, "split")),
-    (48, 160, 8, 1, mma_tiles(16, 128, "split")),
-    (40, 160, 16, 1, mma_tiles(16, 64, "dot3")),
-    (64, 128, 3, 2, None),
-    (96, 160, 16, 2, mma_tiles(16, 128, "dot3")),
-    (70, 320, 8, 1, mma_tiles(32, 64, split_k=3)),
-    (64, 160, 2, 2, mma_tiles(32, 32, split_k=2)),
-]
-
-
-@pytest.mark.parametrize(("n", "k", "m", "groups", "tiles"), MMA_CASES)
-def test_mma_matvec_matches_reference(poisoned_empty: None, n: int, k: int, m: int, groups: int,
-                                      tiles: dispatch.MmaTiles | None) -> None:
-    """The int8 tensor-core decode equals fp32 math on the activation as quantize_act16 quantised it (only the
-    summation order differs), and the fp32 product of the unquantised activation to ~2e-5 (measured 1.9-2.4e-5
-    over these cases: the activation's 16-bit quantisation)."""
-    w = repack_q8_0(raw_q8_0((n,), k, seed=n + k + m).to(DEVICE), k)
-    x = (torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)) * 3).to(DEVICE)
-    out = torch.full((m, n), float("nan"), device=DEVICE)
-    assert q8_0_matvec_mma(x, w, groups=groups, out=out, tiles=tiles) is out
-    assert rel_err(out, q8_0_matvec_mma_ref(x, w, groups=groups)) < 1e-6
-    assert rel_err(out, q8_0_matvec_ref(x, w, groups=groups, out_dtype=torch.float32)) < 5e-5
-    y = q8_0_matvec_mma(x.half(), w, groups=groups, tiles=tiles)  # no `out`: x's dtype, as q8_0_matvec
-    assert y.dtype == torch.float16 and y.shape == (m, n)
-    assert rel_err(y.float(), q8_0_matvec_ref(x.half(), w, groups=groups, out_dtype=torch.float32)) < 2e-3
-
-
-@pytest.mark.parametrize("tiles", [None, mma_tiles(32, 64, "dot3"), mma_tiles(16, 64, split_k=3)])
-def test_mma_rows_do_not_depend_on_the_other_rows(tiles: dispatch.MmaTiles | None) -> None:
-    """Each output row is bit-identical whether its activation row is launched alone or with six others: exact
-    int32 block sums, one binary for every M, fp32 sums over K in a fixed order (split-K slices included)."""
-    n, k, m, groups = 64, 192, 7, 2
-    w = repack_q8_0(raw_q8_0((n,), k, seed=11).to(DEVICE), k)
-    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    together = q8_0_matvec_mma(x, w, groups=groups, tiles=tiles)
-    for r in range(m):
-        assert torch.equal(q8_0_matvec_mma(x[r:r + 1], w, groups=groups, tiles=tiles)[0], together[r]), r
-
-
-def test_mma_step_forms_sum_in_the_same_order() -> None:
-    """One block per dot pair, whatever the step: the unrolled and split forms at every block_k give the same
-    bits (the 3-D form sums per block first: the same value to rounding)."""
-    n, k, m = 70, 384, 5
-    w = repack_q8_0(raw_q8_0((n,), k, seed=13).to(DEVICE), k)
-    act = quantize_act16(torch.randn(m, k, generator=torch.Generator().manual_seed(14)).to(DEVICE))
-    base = q8_0_matvec_mma_q16(act, w, tiles=mma_tiles(64, 32))
-    for tiles in (mma_tiles(16, 128), mma_tiles(32, 256), mma_tiles(64, 64, "split"), mma_tiles(16, 128, "split")):
-        assert torch.equal(q8_0_matvec_mma_q16(act, w, tiles=tiles), base), tiles
-    assert rel_err(q8_0_matvec_mma_q16(act, w, tiles=mma_tiles(16, 128, "dot3")), base) < 1e-6
-
-
-def test_mma_matvec_errors() -> None:
-    w = repack_q8_0(raw_q8_0((48,), 64, seed=3).to(DEVICE), 64)
-    with pytest.raises(ValueError, match="1-16 rows"):
-        q8_0_matvec_mma(torch.zeros(17, 64, device=DEVICE), w)
-    with pytest.raises(ValueError, match="does not match"):
-        q8_0_matvec_mma(torch.zeros(2, 96, device=DEVICE), w)
-    with pytest.raises(ValueError, match="divide"):
-        q8_0_matvec_mma(torch.zeros(2, 192, device=DEVICE), w, groups=3, tiles=mma_tiles(32, 32))
-    with pytest.raises(ValueError, match="k_form"):
-        q8_0_matvec_mma(torch.zeros(2, 64, device=DEVICE), w, tiles=mma_tiles(16, 32, "wide"))
-
-
-def test_mma_tiles_fit_groups_and_never_depend_on_rows() -> None:
-    for n, k, groups in ((1536, 4096, 1), (32768, 1024, 1), (8192, 4096, 8), (4096, 8192, 1), (2048, 4096, 1),
-                         (4096, 2048, 1), (129280, 4096, 1), (3 * 48, 64, 3)):
-        for backend in ("cuda", "hip64", "hip32", "cpu"):
-            tiles = {dispatch.q8_0_mma_tiles(n, k, m, backend, n // groups) for m in range(1, 17)}
-            assert len(tiles) == 1, (n, k, backend)
-            t = tiles.pop()
-            assert (n // groups) % t.block_n == 0 and t.block_n >= 16 and t.block_k % 32 == 0
-            if backend == "cuda" and n >= 1536:  # the model's shapes: ~2 programs per SM or more
-                assert -(-n // t.block_n) * t.split_k >= 256, (n, k, t)
-    assert dispatch.q8_0_mma_tiles(129280, 4096, 4, "cuda") == dispatch.MmaTiles(
-        block_n=64, block_k=128, num_warps=4, num_stages=3)  # wgmma: 64 weight rows per warpgroup
-
-
-@pytest.mark.parametrize("backend", ["cuda", "hip64"])
-def test_linear_routes_batched_q8_0_rows_to_the_mma_kernel_on_cuda(monkeypatch: pytest.MonkeyPatch,
-                                                                   backend: str) -> None:
-    """ops.linear on a GPU: Q8_0 weights with M in ops.Q8_0_MMA_ROWS (2-16) take q8_0_matvec_mma on CUDA only
-    (one row keeps q8_0_matvec, 17 the matmul; AMD keeps its kernels); the range is a switch."""
-    from ds4station.kernels import ops
-
-    monkeypatch.setattr(dispatch, "launch_backend", lambda t: backend)
-    calls: list[int] = []
-    real = ops.q8_0_matvec_mma
-    monkeypatch.setattr(ops, "q8_0_matvec_mma", lambda x, *a, **kw: calls.append(x.shape[0]) or real(x, *a, **kw))
-    n, k, groups = 64, 128, 2
-    w = repack_q8_0(raw_q8_0((n,), k, seed=21).to(DEVICE), k)
-    x = torch.randn(17, groups * k, generator=torch.Generator().manual_seed(22)).to(DEVICE)
-    with dispatch.interpreted_kernels():
-        for m in (1, 2, 9, 16, 17):
-            y = ops.linear(x[:m], w, groups=groups, out_dtype=torch.float32)
-            assert rel_err(y, q8_0_matvec_ref(x[:m], w, groups=groups, out_dtype=torch.float32)) < 2e-3
-        assert calls == ([2, 9, 16] if backend == "cuda" else [])
-        calls.clear()
-        monkeypatch.setattr(ops, "Q8_0_MMA_ROWS", (4, 8))
-        for m in (2, 4, 9):
-            ops.linear(x[:m], w, groups=groups)
-        w24 = repack_q8_0(raw_q8_0((48,), k, seed=23).to(DEVICE), k)  # 24 rows per group: no 16-row tile fits
-        ops.linear(x[:4], w24, groups=groups)
-    assert calls == ([4] if backend == "cuda" else [])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS])

@@ -8,9 +8,6 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
   torch fp16 matvec on dequantised weights beside it;
 - the integer-dot Q8_0 matvec on a pre-quantised activation, and the activation quantiser's own launch
   (CUDA only);
-- batched decode on the int8 tensor cores (q8_0_matvec_mma, CUDA) at every requested row count, beside the
-  decode path it replaces (q8_0_matvec up to 8 rows, q8_0_matmul above): with its quantize_act16 launch, the
-  kernel alone, and the quantiser alone; `--sweep` adds its tile variants;
 - the F16 decode matvec (kernels/f16.py: compressor / indexer / router projections, one fp32 row) against
   torch's fp16 matvec x.half() @ w.T on the same rotating weights;
 - prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
@@ -121,19 +118,16 @@ def _random_raw(qtype, lead: tuple[int, ...], k: int, gen: torch.Generator, scal
     return random_blocks(qtype, math.prod(lead) * k, gen, scale).view(*lead, row_bytes(qtype, k))
 
 
-def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, only: str = "",
-                      sweep: bool = False) -> list[Result]:
+def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, only: str = "") -> list[Result]:
     from gguf import GGMLQuantizationType as Q
 
     from ds4station.kernels import dispatch
-    from ds4station.kernels.q8_0 import MMA_ROWS, PackedQ8_0, dequantize_q8_0, repack_q8_0
+    from ds4station.kernels.q8_0 import PackedQ8_0, dequantize_q8_0, repack_q8_0
 
     gen = torch.Generator(device=device).manual_seed(0)
     out: list[Result] = []
-    mma = dispatch.device_backend(device) == "cuda"  # ops.linear takes q8_0_matvec_mma on CUDA only
-    quantised: set[tuple[int, int]] = set()  # (rows, width) whose quantize_act16 launch is already timed
     for name, n, k, groups in Q8_0_DECODE:
-        if only and only not in "q8_0_matvec_mma" and only not in name:
+        if only and only not in name:
             continue
         wbytes = n * k + n * k // 32 * 2
         copies = _copies(wbytes)
@@ -143,13 +137,7 @@ def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, o
         fp16_copies = max(2, min(copies, math.ceil(ROTATE_BYTES / (2 * n * k))))
         w16 = [dequantize_q8_0(ws[i]).half() for i in range(fp16_copies)]
         for m in rows:
-            old = _q8_0_decode_case(name, n, k, groups, m, ws, w16, copy_gbps)
-            out.append(old)
-            if mma and m <= MMA_ROWS:
-                out += _q8_0_mma_cases(name, n, k, groups, m, ws, copy_gbps, old, quantised)
-        if mma and sweep:
-            out += _q8_0_mma_sweep(name, n, k, groups, max((m for m in rows if m <= MMA_ROWS), default=8), ws,
-                                   copy_gbps)
+            out.append(_q8_0_decode_case(name, n, k, groups, m, ws, w16, copy_gbps))
         if dispatch.use_int_dot(dispatch.launch_backend(ws[0].qs)):
             out.append(_q8_0_int_dot_case(name, n, k, groups, ws, copy_gbps))
         del packed, ws, w16
@@ -158,98 +146,21 @@ def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, o
 
 def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, w16: list[torch.Tensor],
                       copy_gbps: float) -> Result:
-    """The fp32 decode path of m rows before the tensor-core kernel: q8_0_matvec up to 8 rows, q8_0_matmul (the
-    small-M tl.dot tiles) above, as ops.linear ran them."""
-    from ds4station.kernels.q8_0 import q8_0_matmul, q8_0_matvec, q8_0_matvec_ref
+    from ds4station.kernels.q8_0 import q8_0_matvec, q8_0_matvec_ref
 
-    fn, kname = (q8_0_matvec, "q8_0_matvec") if m <= 8 else (q8_0_matmul, "q8_0_matmul")
     device = w16[0].device
     x = torch.randn(m, groups * k, device=device, dtype=torch.float16)
     y = torch.empty(m, n, device=device, dtype=torch.float32)
-    err = _rel_err(fn(x, ws[0], groups=groups, out=y),
+    err = _rel_err(q8_0_matvec(x, ws[0], groups=groups, out=y),
                    q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
-    t = _graph_time_us(lambda i: fn(x, ws[i], groups=groups, out=y), len(ws))
+    t = _graph_time_us(lambda i: q8_0_matvec(x, ws[i], groups=groups, out=y), len(ws))
     nbytes = n * k + n * k // 32 * 2 + x.numel() * 2 + y.numel() * 4
     xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K]
     tb = _graph_time_us(lambda i: torch.bmm(xg, w16[i].view(groups, n // groups, k).transpose(1, 2)), len(w16))
     gbps = nbytes / t / 1e3
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
-    return Result(kname, shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
+    return Result("q8_0_matvec", shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
                   baseline_time_us=tb, baseline_pct=100 * (2 * n * k) / tb / 1e3 / copy_gbps, rel_err=err)
-
-
-def _q8_0_mma_cases(name: str, n: int, k: int, groups: int, m: int, ws: list, copy_gbps: float, old: Result,
-                    quantised: set[tuple[int, int]]) -> list[Result]:
-    """m rows through q8_0_matvec_mma with its quantize_act16 launch (what ops.linear runs), beside the old path
-    `old` (baseline columns); the kernel alone on a pre-quantised activation; the quantiser alone, once per
-    (rows, width). Prints a line if row 0 of the m-row launch differs from a one-row launch (it must not)."""
-    from ds4station.kernels.act_quant import quantize_act16
-    from ds4station.kernels.q8_0 import q8_0_matvec_mma, q8_0_matvec_mma_q16, q8_0_matvec_ref
-
-    device = ws[0].qs.device
-    x = torch.randn(m, groups * k, device=device, dtype=torch.float16)
-    y = torch.empty(m, n, device=device, dtype=torch.float32)
-    err = _rel_err(q8_0_matvec_mma(x, ws[0], groups=groups, out=y),
-                   q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
-    if not torch.equal(y[0], q8_0_matvec_mma(x[:1], ws[0], groups=groups, out_dtype=torch.float32)[0]):
-        print(f"q8_0_matvec_mma {name}: row 0 of {m} rows differs from the same row launched alone")
-    nbytes = n * k + n * k // 32 * 2 + x.numel() * 2 + y.numel() * 4
-    shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
-    t = _graph_time_us(lambda i: q8_0_matvec_mma(x, ws[i], groups=groups, out=y), len(ws))
-    act = quantize_act16(x)
-    tk = _graph_time_us(lambda i: q8_0_matvec_mma_q16(act, ws[i], groups=groups, out=y), len(ws))
-    res = [Result("q8_0_matvec_mma + quantize_act16", shape, m, t, nbytes / t / 1e3, 100 * nbytes / t / 1e3 / copy_gbps,
-                  baseline=old.kernel, baseline_time_us=old.time_us, baseline_pct=old.pct_copy, rel_err=err),
-           Result("q8_0_matvec_mma kernel", shape, m, tk, nbytes / tk / 1e3, 100 * nbytes / tk / 1e3 / copy_gbps)]
-    if (m, groups * k) not in quantised:
-        quantised.add((m, groups * k))
-        tq = _graph_time_us(lambda i: quantize_act16(x), 1)
-        res.append(Result("quantize_act16", f"{m}x{groups * k}", m, tq))
-    return res
-
-
-# q8_0_matvec_mma tile variants for `--sweep`: (block_n, block_k, k_form, num_warps, num_stages); each also with
-# dispatch.mma_split_k's K slices where that splits.
-MMA_SWEEP = [
-    (64, 32, "blocks", 4, 3), (64, 64, "blocks", 4, 3), (64, 128, "blocks", 4, 2), (64, 128, "blocks", 4, 3),
-    (64, 128, "blocks", 4, 4), (64, 256, "blocks", 4, 3), (64, 64, "split", 4, 3), (64, 128, "split", 4, 3),
-    (64, 128, "dot3", 4, 3), (64, 256, "dot3", 8, 3), (128, 64, "blocks", 8, 3),
-    (32, 128, "blocks", 2, 4), (32, 256, "blocks", 2, 3), (32, 256, "blocks", 4, 3), (32, 256, "dot3", 4, 3),
-    (16, 256, "blocks", 1, 3), (16, 512, "dot3", 4, 3), (16, 256, "dot3", 4, 2),
-]
-
-
-def _q8_0_mma_sweep(name: str, n: int, k: int, groups: int, m: int, ws: list, copy_gbps: float) -> list[Result]:
-    """q8_0_matvec_mma_q16 (the kernel alone) at MMA_SWEEP's tiles, m rows, to choose dispatch.q8_0_mma_tiles."""
-    from ds4station.kernels import dispatch
-    from ds4station.kernels.act_quant import quantize_act16
-    from ds4station.kernels.q8_0 import q8_0_matvec_mma_q16, q8_0_matvec_ref
-
-    device = ws[0].qs.device
-    x = torch.randn(m, groups * k, device=device, dtype=torch.float16)
-    act = quantize_act16(x)
-    y = torch.empty(m, n, device=device, dtype=torch.float32)
-    want = q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32)
-    nbytes = n * k + n * k // 32 * 2 + x.numel() * 2 + y.numel() * 4
-    base = dispatch.q8_0_mma_tiles(n, k, m, dispatch.launch_backend(x), n // groups)
-    variants = [dispatch.MmaTiles(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, k_form=form, split_k=split)
-                for bn, bk, form, nw, ns in MMA_SWEEP
-                if (n // groups) % bn == 0 and bk <= max(32, 1 << (k - 1).bit_length())
-                for split in dict.fromkeys((1, dispatch.mma_split_k(n, k, bn, bk)))]
-    res = []
-    for tiles in dict.fromkeys([t for t in variants if t != base]):
-        try:
-            err = _rel_err(q8_0_matvec_mma_q16(act, ws[0], groups=groups, out=y, tiles=tiles), want)
-            t = _graph_time_us(lambda i, tiles=tiles: q8_0_matvec_mma_q16(act, ws[i], groups=groups, out=y,
-                                                                          tiles=tiles), len(ws))
-        except Exception as exc:  # a variant the compiler rejects (shared memory, registers) is reported
-            print(f"sweep q8_0_matvec_mma {name} {tiles}: {type(exc).__name__}: {exc}"[:300])
-            continue
-        label = (f"{name} {n}x{k} bn{tiles.block_n} bk{tiles.block_k} {tiles.k_form} w{tiles.num_warps} "
-                 f"s{tiles.num_stages} split{tiles.split_k}")
-        res.append(Result("q8_0_matvec_mma sweep", label, m, t, nbytes / t / 1e3, 100 * nbytes / t / 1e3 / copy_gbps,
-                          rel_err=err))
-    return res
 
 
 def _q8_0_int_dot_case(name: str, n: int, k: int, groups: int, ws: list, copy_gbps: float) -> Result:
@@ -690,7 +601,7 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     copy_gbps, bf16_tflops = ceilings(device)
     info = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "triton": triton.__version__,
             "copy_gbps": copy_gbps, "bf16_tflops": bf16_tflops}
-    results = bench_q8_0_decode(device, rows, copy_gbps, only, sweep)
+    results = bench_q8_0_decode(device, rows, copy_gbps, only)
     if dispatch.use_int_dot(dispatch.device_backend(device)):
         results += bench_quantize_act16(device)
     results += bench_f16_decode(device, copy_gbps, only, sweep)

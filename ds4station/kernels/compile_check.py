@@ -67,10 +67,9 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs: list[KernelSpec] = []
     i32, ptr16, ptr32 = "i32", "*fp16", "*fp32"
     # Q8_0 decode matvec at every DS4 shape (identical tile choices compile once), 1 and 4 rows
-    q8_0_shapes = (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1), ("attn_q_a", 1024, 4096, 1),
-                   ("attn_q_b", 32768, 1024, 1), ("attn_kv", 512, 4096, 1), ("shexp_gate_up", 2048, 4096, 1),
-                   ("attn_output_b", 4096, 8192, 1))
-    for label, n, k, groups in q8_0_shapes[:-1]:
+    for label, n, k, groups in (("attn_output_a", 8192, 4096, 8), ("output_head", 129280, 4096, 1),
+                                ("attn_q_a", 1024, 4096, 1), ("attn_q_b", 32768, 1024, 1), ("attn_kv", 512, 4096, 1),
+                                ("shexp_gate_up", 2048, 4096, 1)):
         for m in (1, 4):
             t = dispatch.matvec_tiles("q8_0", n, k, m, backend, n // groups)
             specs.append(KernelSpec(
@@ -81,19 +80,6 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
                 {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
                 ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_xg", "stride_ym"),
                 t.num_warps, t.num_stages, decode=True))
-    # Q8_0 batched decode on the int8 tensor cores (1-16 rows: one binary for every row count). ops.linear takes
-    # it on CUDA only; it compiles for AMD too (RDNA3 WMMA iu8, gfx906 v_dot4_i32_i8), so every target builds it.
-    for label, n, k, groups in q8_0_shapes:
-        t = dispatch.q8_0_mma_tiles(n, k, q8_0.MMA_ROWS, backend, n // groups)
-        specs.append(KernelSpec(
-            f"q8_0_matvec_mma {label}", q8_0._q8_0_matvec_mma_kernel,
-            {"xh_ptr": "*i8", "xl_ptr": "*i8", "xs_ptr": ptr32, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr32,
-             "M": i32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_sm": i32, "stride_ym": i32,
-             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "K_FORM": "constexpr"},
-            {"BLOCK_M": q8_0.MMA_ROWS, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k, "K_FORM": t.k_form},
-            ("xh_ptr", "xl_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_sm",
-             "stride_ym"),
-            t.num_warps, t.num_stages, decode=True))
     mt = dispatch.matmul_tiles("q8_0", 2048, 4096, 8192, backend)
     specs.append(KernelSpec(
         "q8_0_matmul prefill 2048x4096x8192", q8_0._q8_0_matmul_kernel,

@@ -175,62 +175,21 @@ def matvec_tiles(
     return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=num_warps)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Batched Q8_0 decode on the int8 tensor cores (q8_0_matvec_mma: 1-16 activation rows).
+def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
+    """The most activation rows a Q8_0 [n, k] projection runs through the fp32 matvec on this backend; more rows
+    take the tl.dot matmul (small-M split-K tiles on CUDA; activations rounded to fp16, as in prefill).
 
-
-@dataclass(frozen=True)
-class MmaTiles:
-    block_n: int  # weight rows per program: the int8 dot's M (>= 16; 64 = one Hopper warpgroup's wgmma)
-    block_k: int  # K per loop step, a multiple of 32 (one Q8_0 block per pair of int8 dots)
-    num_warps: int
-    num_stages: int
-    k_form: str = "blocks"  # how a step's blocks reach the dots: "blocks", "dot3" or "split" (see q8_0.py)
-    split_k: int = 1  # K slices on separate programs: > 1 writes fp32 partials that the launcher sums
-
-
-# Weight bytes per program per loop step of the CUDA tiles: 8 KB (block_k 128 at 64 rows, 256 at 32).
-_MMA_STEP_BYTES = 8192
-
-
-def q8_0_mma_tiles(n: int, k: int, m: int, backend: Backend, rows_per_group: int | None = None) -> MmaTiles:
-    """Tiles for q8_0_matvec_mma's y[m, n] = x[m, :] . W[n, :] (m <= 16). The tiles do not depend on m, so
-    neither does any element's value: one binary and the same K slices serve every row count.
-
-    CUDA (not yet timed; `ds4station bench kernels --sweep` times variants): the weight read is the whole cost,
-    so the grid should cover the 132 SMs about twice. 64 rows per program (Hopper's wgmma M per warpgroup)
-    where that leaves >= _MIN_PROGRAMS programs (the head: 2020, q_b: 512), else 32 (one warp per 16 rows); not
-    16, where each program would read twice as many activation bytes (16 rows x two digits) as weight bytes.
-    A step reads 8 KB of weights per program. Where the rows alone give too few programs, K is split into
-    slices of >= 2 steps until ~2 programs per SM (fp32 partials summed by the launcher): out_a 8 x 1024
-    rows 256 programs, no split; out_b 4096 x 8192 3 slices, 384; shared down 4096 x 2048 3, 384; q_a + kv
-    1536 x 4096 6, 288; shared gate + up 2048 x 4096 4, 256.
-    AMD (the kernel compiles: WMMA iu8 on RDNA3, v_dot4_i32_i8 on gfx906) and the interpreter get plain tiles;
-    ops.linear takes this kernel on CUDA only."""
-    kp = max(32, _pow2_ceil(k))
-
-    def fits(bn: int) -> bool:  # a program's rows lie in one group
-        return rows_per_group is None or rows_per_group % bn == 0
-
-    if backend == "cpu":  # the interpreter runs programs one after another: few, wide ones
-        block_n = next((bn for bn in (64, 32) if bn <= max(16, _pow2_ceil(n)) and fits(bn)), 16)
-        return MmaTiles(block_n=block_n, block_k=min(128, kp), num_warps=1, num_stages=1)
+    The matvec redoes its dequantisation math per row, the matmul's cost hardly depends on the rows up to its
+    16-row tile. H200 (`ds4station bench kernels --rows 1,2,4,8,16 --only q8_0`, docs/PERFORMANCE.md, run Q1):
+    at 2 rows the matvec won on every shape (q_b 19.2 us against 19.5 at 16 rows of the matmul); at 4 rows it
+    won on the matrices under 16M weights (q_a 8.9 vs 10.7 us, kv 6.6 vs 9.8, shared gate+up 10.6 vs 13.5,
+    down 11.0 vs 13.4) and lost on the larger (q_b 26.1 vs 19.5, output a / b 32.3 / 39.0 vs 26.7 / 29.3, head
+    352.8 vs 220.7); at 8 rows it lost everywhere (head 994.7 vs 220.7). An int8 tensor-core form of the
+    matvec tried in the same run (per-32 block int8 dots) lost to one of the two at every shape and row count.
+    Other backends keep the matvec up to 8 rows (not measured)."""
     if backend != "cuda":
-        return MmaTiles(block_n=64 if fits(64) else 16, block_k=32, num_warps=4, num_stages=1)
-    block_n = next((bn for bn in (64, 32) if fits(bn) and (bn == 32 or _cdiv(n, bn) >= _MIN_PROGRAMS)), 16)
-    block_k = min(kp, _MMA_STEP_BYTES // block_n)
-    return MmaTiles(block_n=block_n, block_k=block_k, num_warps=max(1, block_n // 16), num_stages=3,
-                    split_k=mma_split_k(n, k, block_n, block_k))
-
-
-def mma_split_k(n: int, k: int, block_n: int, block_k: int) -> int:
-    """K slices for q8_0_matvec_mma on CUDA: 1 when the rows give >= _MIN_PROGRAMS programs, else slices of
-    >= _SPLIT_MIN_STEPS block_k steps until ~2 programs per SM (a K of fewer than 4 steps is not split)."""
-    programs, steps = _cdiv(n, block_n), _cdiv(k, block_k)
-    if programs >= _MIN_PROGRAMS or steps < 2 * _SPLIT_MIN_STEPS:
-        return 1
-    per = max(_SPLIT_MIN_STEPS, _cdiv(steps, _cdiv(2 * _CUDA_SMS, programs)))  # block_k steps per slice
-    return _cdiv(steps, per)  # no empty slice: the kernel slices K into cdiv(steps, split) steps each
+        return 8
+    return 4 if n * k < (16 << 20) else 2
 
 
 # ---------------------------------------------------------------------------------------------------------

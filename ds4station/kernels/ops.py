@@ -30,7 +30,6 @@ from ds4station.kernels.q8_0 import (
     dequantize_q8_0,
     q8_0_matmul,
     q8_0_matvec,
-    q8_0_matvec_mma,
     q8_0_matvec_ref,
     repack_q8_0,
 )
@@ -46,11 +45,6 @@ _REPACK = {"q8_0": repack_q8_0, "iq2_xxs": repack_iq2_xxs, "q2_k": repack_q2_k, 
 REPACK_BLOCK_BYTES = 64 << 20
 # Largest activation row count the decode matvecs take; more rows go to the prefill path.
 MAX_MATVEC_ROWS = 8
-# Activation row counts (lo, hi), inclusive, that run Q8_0 weights on the int8 tensor-core kernel
-# (q8_0_matvec_mma, at most q8_0.MMA_ROWS = 16) on CUDA: batched decode reads each weight once whatever the rows
-# (the fp32 matvec redid its math per row: 7.9 ms per B=4 step against 3.1 ms at B=1, docs/PERFORMANCE.md).
-# One row keeps q8_0_matvec until GPU timings say otherwise; AMD and the CPU never take it.
-Q8_0_MMA_ROWS = (2, 16)
 # Up to this many tokens the routed experts run on the decode kernels (one program per token and slot, each
 # reading its expert once): a short prompt sends about one token to each expert, where the prefill kernel's
 # 64-row tiles run nearly empty. H200, one Flash layer (docs/PERFORMANCE.md): 22 tokens 6.6 ms in moe_prefill, 0.9
@@ -108,9 +102,9 @@ def dequantize(w: Packed) -> torch.Tensor:
 def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, groups*K] -> [M, N] (groups > 1: Q8_0 grouped projection, rows split evenly).
 
-    GPU: M <= 8 runs the fused dequant matvec; more rows run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types,
-    which hold routed experts, are dequantised to fp16 and multiplied by torch here). On CUDA, Q8_0 weights with
-    M in Q8_0_MMA_ROWS run the int8 tensor-core decode kernel instead. CPU: torch reference.
+    GPU: M <= 8 runs the fused dequant matvec (Q8_0: up to dispatch.q8_0_matvec_rows(N, K), measured); more rows
+    run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types, which hold routed experts, are dequantised to fp16 and
+    multiplied by torch here). CPU: torch reference.
     """
     m = x.shape[0]
     if groups != 1 and not isinstance(w, PackedQ8_0):
@@ -124,20 +118,16 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
         if rows >= w.n:
             return ref(x, w, out_dtype=out_dtype)
         return torch.cat([ref(x, _row_block(w, r, r + rows), out_dtype=out_dtype) for r in range(0, w.n, rows)], -1)
-    lo, hi = Q8_0_MMA_ROWS
-    if isinstance(w, PackedQ8_0) and lo <= m <= hi and dispatch.launch_backend(x) == "cuda" \
-            and (groups == 1 or (w.n // groups) % 16 == 0):  # a program's (>= 16) rows lie in one group
-        return q8_0_matvec_mma(x, w, groups=groups, out_dtype=out_dtype)
-    if m <= MAX_MATVEC_ROWS:
-        if isinstance(w, PackedQ8_0):
+    if isinstance(w, PackedQ8_0):
+        if m <= dispatch.q8_0_matvec_rows(w.n, w.k, dispatch.launch_backend(x)):
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
+        return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)
+    if m <= MAX_MATVEC_ROWS:
         if isinstance(w, PackedIQ2XXS):
             return iq2_xxs_matvec(x, w, out_dtype=out_dtype)
         if isinstance(w, PackedQ4K):
             return q4_k_matvec(x, w, out_dtype=out_dtype)
         return q2_k_matvec(x, w, out_dtype=out_dtype)
-    if isinstance(w, PackedQ8_0):
-        return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)
     if isinstance(w, PackedQ4K):
         return q4_k_matmul(x, w, out_dtype=out_dtype)
     return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)
