@@ -360,12 +360,23 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, device: str) -> None:
-    """prefill(all_logits=True), a draft's verification, gives the reference's logits at each position."""
+@pytest.mark.parametrize("static", [False, True], ids=["chunked", "static-step"])
+def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, device: str, static: bool) -> None:
+    """prefill(all_logits=True), a draft's verification, gives the reference's logits at each position: in
+    prefill pieces, and as the static step of its row class (5 rows padded to 8, the head over every row: what
+    a GPU replays from a graph), which gives what five decode steps give and can drop rejected drafts."""
     tokens, want, rt = reference
     stage = GpuStage(tiny.config, load_tensors(tiny), device=device, round_trips=rt, int_dot=False)
+    if static:
+        stage.graphs = device == "cuda"
     cache = stage.new_cache(256, chunk=32)
     stage.prefill(tokens[:90], cache)
-    rows = stage.prefill(tokens[90:95], cache, logits=True, all_logits=True)
+    rows = stage.prefill(tokens[90:95], cache, logits=True, all_logits=True, graph=True if static else False)
     assert rows.shape == (5, tiny.config.vocab_size) and cache.length == 95
     _close(rows, want[90:95], 2e-5 if device == "cpu" and rt == OFF else 2e-2 if rt == OFF else 0.3)
+    if static:
+        alone = stage.new_cache(256, chunk=32)
+        stage.prefill(tokens[:90], alone)
+        steps = torch.stack([stage.decode(int(t), alone, logits=True).clone() for t in tokens[90:95]])
+        _close(rows, steps, 1e-5 if device == "cpu" else 2e-3)
+        assert cache.truncate(92) and cache.length == 92  # two drafts rejected: their rows dropped

@@ -157,7 +157,8 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     def load() -> Any:
         return Engine.load(path, ctx, route, sessions=sessions, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
-                           progress=scheduler.report_load, **opts)
+                           progress=scheduler.report_load,
+                           verify_rows=args.draft_tokens + 1 if args.draft != "off" else 0, **opts)
 
     scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx, batch=batch,
                           prefill_budget=budget, max_restarts=args.restarts, kv_disk=kv_disk, draft=args.draft,

@@ -221,12 +221,14 @@ class Engine:
     """Rank 0 of a route: stage 0 in this process, one worker process (local or remote) per further stage."""
 
     def __init__(self, *, path: str, gguf: GGUFFile, route: Route, ctx: int, chunk: int, rollback: int, sessions: int,
-                 kv_dtype: str, activation_bits: int, heartbeat_timeout: float, step_timeout: float | None) -> None:
+                 kv_dtype: str, activation_bits: int, heartbeat_timeout: float, step_timeout: float | None,
+                 verify_rows: int = 0) -> None:
         from .tokenizer import Tokenizer
 
         self.path, self.route, self.cfg = path, route, gguf.config
         self.ctx, self.chunk, self.rollback, self.kv_dtype_name = ctx, chunk, rollback, kv_dtype
         self.sessions = sessions
+        self.verify_rows = verify_rows
         self.kv_dtype = KV_DTYPES[kv_dtype]
         self.activation_bits = activation_bits
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
@@ -264,14 +266,15 @@ class Engine:
              dist_addr: str = "127.0.0.1:0", remote: Iterable[int] = (), threads: int | None = None,
              prefetch: bool = True, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
              join_timeout: float = DEFAULT_JOIN_TIMEOUT, step_timeout: float | None = 600.0,
-             round_trips: RoundTrips = RoundTrips()) -> Engine:
+             round_trips: RoundTrips = RoundTrips(), verify_rows: int = 0) -> Engine:
         """Load `route` (text form, a .toml file or a Route; default: one stage on `device`, in this process).
         `sessions`: KV slots every stage allocates (live sessions at once); `chunk`: the prefill piece (None:
         per device, see default_chunk). `expert_cache` is the routed-expert cache of every stage that does not
         set its own `cache=`. Workers of the ranks in `remote` are not started here: they join with `ds4station
         worker --coordinator ADDR --rank N` (ADDR is `dist_addr`, printed when the engine waits for them).
         `compute` forces the stage backend (stage.choose_backend decides by default); `warm=False` skips the
-        warm-up; `progress(loaded_bytes, total_bytes)` reports stage 0's weights as they load."""
+        warm-up; `progress(loaded_bytes, total_bytes)` reports stage 0's weights as they load; `verify_rows`
+        (a token and its drafts, with speculative decoding) has the warm-up capture the verification's graphs."""
         path = str(path)
         gguf = GGUFFile.open(path)
         route = check_settings(gguf, ctx, route, expert_cache, activation_bits, device)
@@ -288,7 +291,7 @@ class Engine:
             raise RouteError(f"remote rank(s) {bad}: workers are ranks 1-{len(route) - 1} of this route")
         engine = cls(path=path, gguf=gguf, route=route, ctx=ctx, chunk=chunk, rollback=rollback, sessions=sessions,
                      kv_dtype=kv_dtype, activation_bits=activation_bits, heartbeat_timeout=heartbeat_timeout,
-                     step_timeout=step_timeout)
+                     step_timeout=step_timeout, verify_rows=verify_rows)
         try:
             engine._start(gguf, remote, dist_addr, threads, prefetch, join_timeout, round_trips, compute, warm,
                           progress)
@@ -313,7 +316,7 @@ class Engine:
                                  chunk=self.chunk, rollback=self.rollback, sessions=self.sessions,
                                  kv_dtype=self.kv_dtype_name, backend=self.backend, prefetch=prefetch,
                                  fp8_kv=round_trips.fp8_kv, indexer_fp4=round_trips.indexer_fp4, compute=compute,
-                                 warm=warm, world=self.world)
+                                 warm=warm, world=self.world, verify_rows=self.verify_rows)
         if self.world > 1:
             host, _, port = dist_addr.rpartition(":")
             if not host or not port.isdigit():

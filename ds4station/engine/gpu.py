@@ -63,6 +63,9 @@ SCRATCH_BYTES = 256 << 20  # bound on one prefill attention / indexer score bloc
 MIN_BUCKET = 4096  # smallest decode position bucket
 # Row classes of the static-shape short prefill: a prompt of 2..32 tokens runs padded to the next class.
 SHORT_ROWS = (4, 8, 16, 24, 32)
+# The head form of a static step that returns every real row's logits (a draft's verification), beside
+# False (the stage's output state) and True (the last real row's logits).
+ALL_ROWS = "all"
 
 
 def _q(w: Weight) -> QTensor:
@@ -534,15 +537,16 @@ class GpuStage:
         """Append tokens [T] at positions cache.length.. to the cache. X: their HC state [T, C, dim] coming
         from the previous stage (None: embedded here). -> the HC state [T, C, dim] out of this stage's layers,
         or with `logits` the head's logits of the last position [vocab] (with `all_logits` too, of every
-        position [T, vocab]: a draft's verification, eager launches for now).
+        position [T, vocab]: a draft's verification).
         A short prompt (2..32 tokens, see `short_rows`) runs as one static-shape step padded to its row class,
-        on CUDA from a captured graph (as decode does), and anywhere with `graph=True` (eager launches of the
-        same ops where graphs are off). Longer prompts, short ones on a CPU by default, and any with
-        `graph=False` run in pieces of at most cache.chunk with eager launches."""
+        on CUDA from a captured graph (as decode does; a verification's graph has the head over every row), and
+        anywhere with `graph=True` (eager launches of the same ops where graphs are off). Longer prompts, short
+        ones on a CPU by default, and any with `graph=False` run in pieces of at most cache.chunk with eager
+        launches."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
         rows = self.short_rows(tokens.numel(), cache)  # the padded rows fit the chunk and the context
-        if rows and not all_logits and (graph if graph is not None else self._graphs_on()):
-            return self._static(tokens, cache, X, logits, rows, graph)
+        if rows and (graph if graph is not None else self._graphs_on()):
+            return self._static(tokens, cache, X, ALL_ROWS if logits and all_logits else logits, rows, graph)
         outs = []
         for s in range(0, tokens.numel(), cache.chunk):
             t = tokens[s:s + cache.chunk]
@@ -653,10 +657,11 @@ class GpuStage:
         rows = next((r for r in SHORT_ROWS if r >= n), 0) if n > 1 else 0
         return rows if rows and rows <= cache.chunk and cache.length + rows <= cache.ctx else 0
 
-    def _static(self, tokens: Tensor | int, cache: KVCache, X: Tensor | None, logits: bool, rows: int,
+    def _static(self, tokens: Tensor | int, cache: KVCache, X: Tensor | None, logits: bool | str, rows: int,
                 graph: bool | None) -> Tensor:
         """tokens (a token id, or [T] with T <= rows) as one static-shape step of `rows` positions at
-        cache.length: a captured graph's replay (see _graph for when), eager launches otherwise."""
+        cache.length: a captured graph's replay (see _graph for when), eager launches otherwise. `logits`:
+        False (the state of the real rows), True (the last real row's logits) or ALL_ROWS (every real row's)."""
         n = 1 if isinstance(tokens, int) else tokens.numel()
         p0, bucket = cache.length, self.bucket(cache, rows)
         if X is not None:
@@ -672,15 +677,18 @@ class GpuStage:
         cache.advance(n, p0 + rows)
         if rows == 1:
             return out
-        return out.clone() if logits else out[:n].clone()  # a prefill's result outlives the next replay
+        # a prefill's result outlives the next replay
+        return out.clone() if logits is True else out[:n].clone()
 
-    def _step(self, inp: _StepInputs, cache: KVCache, bucket: int, logits: bool) -> Tensor:
+    def _step(self, inp: _StepInputs, cache: KVCache, bucket: int, logits: bool | str) -> Tensor:
         """The static-shape step (what a graph captures): layers over inp's rows, the head over its last
-        real row."""
+        real row (ALL_ROWS: over every row; the padding's are not read)."""
         st = Step(inp.pos, None, None, bucket, None if inp.tok.numel() == 1 else inp.last)
         X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, cache, st)
         if not logits:
             return X
+        if logits == ALL_ROWS:
+            return self.head(X)
         return self.head(X if X.shape[0] == 1 else X.index_select(0, inp.last))[0]
 
     def capture(self, cache: KVCache, *, embedded: bool, logits: bool, positions: int,
@@ -718,7 +726,7 @@ class GpuStage:
         return n
 
     def _make_graph(self, cache: KVCache, rows: int, bucket: int, embedded: bool,
-                    logits: bool) -> _StepGraph | _SegmentedStep:
+                    logits: bool | str) -> _StepGraph | _SegmentedStep:
         """A static step's captured form: one graph (resident experts), or one graph per segment between the
         routers (streamed experts: rows == 1, the decode step)."""
         if self.experts is not None:
@@ -797,7 +805,7 @@ class _StepGraph(_StepInputs):
     inside when `logits`)."""
 
     def __init__(self, stage: GpuStage, cache: KVCache, rows: int, bucket: int, embedded: bool,
-                 logits: bool) -> None:
+                 logits: bool | str) -> None:
         super().__init__(stage, rows, embedded, cache.length)
         self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
 

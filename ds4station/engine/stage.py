@@ -55,7 +55,7 @@ from ds4station.model.gguf import GGUFFile
 from ds4station.model.route import Route, RouteError, Stage, parse_route
 
 from .experts import ExpertCache, ExpertCacheTooSmall
-from .gpu import MIN_BUCKET, GpuStage
+from .gpu import ALL_ROWS, MIN_BUCKET, GpuStage
 from .kv import KVCache, KVPool, dtype_name
 from .kvdisk import StateFileError, read_state_file, stage_file, write_state_file
 from .model import DS4Model, RoundTrips
@@ -185,6 +185,7 @@ class StageSettings:
     compute: str = "auto"  # the stage backend: auto (see choose_backend), kernels or reference
     warm: bool = True  # compile the kernels and capture the decode graphs before reporting ready
     world: int = 1
+    verify_rows: int = 0  # speculative decoding's verification (a token and its drafts): its graphs captured too
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -349,6 +350,10 @@ class StageRunner:
                      for slot in self.slots)
         graphs += self.model.capture_batches(self.slots, embedded=self.embeds, logits=self.logits,
                                              positions=BATCH_WARM_POSITIONS)
+        verify = self.model.short_rows(self.settings.verify_rows, self.slots[0])
+        if verify and self.logits:  # the head over every row (other stages' steps are the short prefill's)
+            graphs += sum(self.model.capture(slot, embedded=self.embeds, logits=ALL_ROWS, positions=WARM_POSITIONS,
+                                             rows=(verify,)) for slot in self.slots)
         torch.cuda.synchronize(self.device)
         self.warm_s = time.monotonic() - t0
         print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "
