@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.kv import KVCache, dtype_name
+from ds4station.engine.kv import KVCache, KVPool, dtype_name
 from ds4station.engine.model import OFF, DS4Model, random_weights
 from ds4station.kernels.reference import HyperConnection, sink_attention, sinkhorn
 from ds4station.model.config import TINY
@@ -142,6 +142,32 @@ def test_kv_bytes_formula_matches_allocation(layers, dtype):
     cache = KVCache(TINY, layers, ctx=1000, dtype=dtype, chunk=64, rollback=100)
     assert cache.nbytes() == kv_bytes(TINY, layers, 1000, dtype_name(dtype), chunk=64, rollback=100)
     assert set(cache.layers) == set(layers)
+
+
+def test_a_pool_holds_each_sessions_kv_as_slots_of_one_allocation():
+    """KVPool: every session's stepped tensors are slot s of one [sessions, ...] tensor per layer and field (what
+    the batched decode kernels index by slot); each cache is as large as a cache of its own (the one KV formula)
+    and writes only its own slot; the checkpoint stays per session."""
+    pool = KVPool(TINY, None, 3, 96, chunk=16, rollback=8)
+    alone = KVCache(TINY, None, 96, chunk=16, rollback=8)
+    a, b, c = pool.caches
+    for i in range(TINY.n_layers):
+        shared, mine = pool.layers[i], b[i]
+        assert shared.raw.shape == (3, *alone[i].raw.shape)
+        assert mine.raw.data_ptr() == shared.raw[1].data_ptr()
+        if alone[i].comp is not None:
+            assert mine.comp.data_ptr() == shared.comp[1].data_ptr()
+            assert mine.comp_frontier.kv.data_ptr() == shared.comp_frontier.kv[1].data_ptr()
+        if alone[i].index_keys is not None:
+            assert mine.index_keys.data_ptr() == shared.index_keys[1].data_ptr()
+            assert mine.index_frontier.score.data_ptr() == shared.index_frontier.score[1].data_ptr()
+        assert mine.saved_raw is not None and shared.saved_raw is None
+    assert a.nbytes() == b.nbytes() == alone.nbytes() == kv_bytes(TINY, None, 96, "f32", chunk=16, rollback=8)
+    b[0].raw.fill_(1.0)
+    assert a[0].raw.abs().sum() == 0 and c[0].raw.abs().sum() == 0 and pool.layers[0].raw[1].eq(1).all()
+    assert [x.slot for x in pool.caches] == [0, 1, 2] and all(x.pool is pool for x in pool.caches)
+    with pytest.raises(ValueError, match="at least one session"):
+        KVPool(TINY, None, 0, 96)
 
 
 def test_kv_bytes_per_token_of_flash_matches_ds4_figure():

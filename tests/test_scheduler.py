@@ -587,3 +587,23 @@ def test_a_short_request_is_not_stuck_behind_a_long_prefill(engine, make_schedul
     short = greedy(prompt(engine, "hi"), 2)
     (_, fl), (_, fs) = run_together(s, long, short, gap=0.1)
     assert fs.ttft_ms + 100 < fl.ttft_ms  # queued 100 ms later, first token well before the long one
+
+
+def test_the_step_log_says_where_each_step_went(engine, make_scheduler) -> None:
+    """/status lists the recent steps with their prefill and decode work and where the worker's time went
+    (the parts within the step's total), and each recent request says how long it waited to be admitted."""
+    s = make_scheduler(sessions=2, prefill_budget=8)
+    run_together(s, *(dataclasses.replace(job) for job in _batch_jobs(engine)[:2]))
+    st = s.status()
+    steps = st["batch"]["step_log"]
+    assert steps and len(steps) == min(len(s.steps), 64) and steps[-1]["step"] == st["batch"]["steps"]
+    assert any(sum(r["prefilled"].values()) == 8 for r in steps)  # the budget split the prompts into pieces
+    assert any(len(r["decoded"]) == 2 for r in steps)  # and both decoded in one step
+    for r in steps:
+        parts = r["wait_ms"] + r["prefill_ms"] + r["sample_ms"] + r["forward_ms"] + r["show_ms"]
+        assert all(r[k] >= 0 for k in ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms"))
+        assert parts <= r["total_ms"] + 0.01 and r["total_ms"] <= parts + 50  # the parts cover the step
+    ats = [r["at"] for r in steps]
+    assert ats == sorted(ats)
+    assert st["batch"]["last_step"]["ms"] == steps[-1]["total_ms"]
+    assert all(r["queue_ms"] >= 0 for r in st["recent"][-2:])

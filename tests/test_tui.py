@@ -419,21 +419,40 @@ def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> Non
     from ds4station.engine.demo import make_model
 
     model = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
-    port = free_port()
-    panel = subprocess.Popen([sys.executable, "-c", _PANEL, str(model), str(port)], stdout=subprocess.PIPE, text=True)
-    try:
+
+    def launch() -> tuple[subprocess.Popen[str], int, int, bool]:
+        """The stand-in panel and its server -> (panel, server pid, its process group, ready). A server that
+        exits before it answers lost its port to another test's server between free_port() and its bind
+        (the suite runs on two workers): not ready, and the caller launches again on another port."""
+        port = free_port()
+        panel = subprocess.Popen([sys.executable, "-c", _PANEL, str(model), str(port)], stdout=subprocess.PIPE,
+                                 text=True)
         assert panel.stdout is not None
         server_pid = int(panel.stdout.readline())
         pgid = os.getpgid(server_pid)
         deadline = time.monotonic() + 90
-        while True:
+        while time.monotonic() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
+                    return panel, server_pid, pgid, True
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "the server never became ready"
+            try:
+                if psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
             time.sleep(0.1)
+        panel.kill()
+        panel.wait()
+        return panel, server_pid, pgid, False
+
+    for _ in range(3):
+        panel, server_pid, pgid, ready = launch()
+        if ready:
+            break
+    try:
+        assert ready, "the server never became ready"
         panel.kill()
         panel.wait()
         t0 = time.monotonic()

@@ -84,6 +84,13 @@ try:
                           "long_prefill_tok_s": round(lt.prompt_tokens / (lf - ls), 1),
                           "short_prompt": stt.prompt_tokens, "short_sent_at_s": round(ss - ls, 2),
                           "short_ttft_s": round(sf - ss, 3), "short_done_before_long": sl < lf}), flush=True)
+        # the server's own view: each request's queue_ms and TTFT (a TTFT the server did not see is the HTTP
+        # side's), and where the worker's time went step by step
+        status = httpx.get(url + "/status").json()
+        for r in status["throughput"]["recent"][-2:]:
+            print(f"[{tag}] server record", json.dumps(r), flush=True)
+        for r in status["batch"]["step_log"]:
+            print(f"[{tag}] step", json.dumps(r), flush=True)
         res = together([chat_text(tok, 32768, 9)], 16)
         print(json.dumps({"tag": tag, "long_alone_prompt": res[0][3].prompt_tokens,
                           "long_alone_prefill_tok_s": round(res[0][3].prompt_tokens / (res[0][1] - res[0][0]), 1)}),

@@ -242,6 +242,7 @@ Event = Prefill | Text | Finished
 WARM = "warm"  # the kind of the scheduler's own warm-up jobs (never recorded)
 # Seconds a finished turn waits for the next request before the worker settles it (see Scheduler._next).
 SETTLE_GRACE = 0.05
+STATUS_STEPS = 64  # the last steps of the step log that /status lists
 # Seconds between the idle worker's looks at the engine's health (a stage that dies between requests).
 HEALTH_POLL = 0.25
 # Seconds `drain` waits for the requests it ended to report back (an engine stuck in a step cannot).
@@ -528,12 +529,29 @@ class _Stream:
 
 @dataclass
 class StepRecord:
-    """One scheduler step (the step log): the requests that decoded in its batched step, and the prompt
-    tokens each prefilling request got."""
+    """One scheduler step (the step log): the requests that decoded in its batched step, the prompt tokens
+    each prefilling request got, and where the worker thread's time went (milliseconds of host time, so on a
+    GPU that queues its work they show where the worker waited for it: `wait_ms` for the previous step's
+    prompt pieces, `prefill_ms` issuing this step's pieces (a prompt's end waits for its logits), `sample_ms`
+    choosing the next tokens (waits for the previous decode's logits), `forward_ms` issuing the decode,
+    `show_ms` detokenising and sending); `at` is its start on the monotonic clock."""
 
     step: int
     decoded: list[int]
     prefilled: dict[int, int]
+    at: float = 0.0
+    wait_ms: float = 0.0
+    prefill_ms: float = 0.0
+    sample_ms: float = 0.0
+    forward_ms: float = 0.0
+    show_ms: float = 0.0
+    total_ms: float = 0.0
+
+    def describe(self) -> dict[str, Any]:
+        return {"step": self.step, "at": round(self.at, 4), "decoded": self.decoded,
+                "prefilled": {str(k): v for k, v in self.prefilled.items()},
+                **{k: round(getattr(self, k), 3)
+                   for k in ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms", "total_ms")}}
 
 
 @dataclass
@@ -551,6 +569,7 @@ class RequestRecord:
     ttft_ms: float
     total_ms: float  # queued to finished
     finished_at: float
+    queue_ms: float = 0.0  # queued to admitted (its first step next)
 
 
 class Scheduler:
@@ -1017,12 +1036,21 @@ class Scheduler:
         shortest remaining prompt first, so a short request is not stuck behind a long one); then every
         decoding request takes its next token(s) and all that continue with one token run one batched
         decode step (several tokens, e.g. a forced tool call, run as their own prefill)."""
+        clock = [time.monotonic()]
+
+        def lap() -> float:  # milliseconds since the last lap
+            now = time.monotonic()
+            ms, clock[0] = (now - clock[0]) * 1000, now
+            return ms
+
+        started = clock[0]
         for stream in list(self._streams):
             if stream.job.cancel.is_set():
                 self._end(stream, "cancelled")
         if self._fence is not None:  # the previous step's prompt pieces are done before more are queued
             self._fence.synchronize()
             self._fence = None
+        wait_ms = lap()
         budget = self.prefill_budget
         prefilled: dict[int, int] = {}
         for stream in sorted((s for s in self._streams if s.phase == "prefill"), key=lambda s: len(s.todo) - s.done):
@@ -1045,22 +1073,28 @@ class Scheduler:
                 # the whole prompt ahead, and a request arriving meanwhile would wait behind all of it.
                 self._fence = torch.cuda.Event()
                 self._fence.record()
+        prefill_ms = lap()
         ready = [s for s in self._streams if s.phase == "decode"]
         for stream in ready:
             if stream.ended is None:
                 self._choose(stream)
+        sample_ms = lap()
+        show_ms = 0.0
         queued = bool(getattr(self.engine, "queues_steps", False))
         if not queued:  # a step that blocks would hold the texts back: they go out first
             for stream in ready:
                 self._show(stream)
+            show_ms = lap()
         feed = [s for s in ready if s.ended is None]
         decoded = self._forward(feed)
+        forward_ms = lap()
         if queued:  # the next step runs on the GPU while the texts are made and sent
             for stream in ready:
                 self._show(stream)
         for stream in ready:
             if stream.ended is not None and stream in self._streams:
                 self._end(stream, stream.ended)
+        show_ms += lap()
         decoded = [i for i in decoded if i > 0]  # warm-up requests (negative ids) leave no statistics
         prefilled = {i: n for i, n in prefilled.items() if i > 0}
         if prefilled or decoded:
@@ -1069,7 +1103,8 @@ class Scheduler:
             self.batch_totals["decode_steps"] += bool(decoded)
             self.batch_totals["prefill_tokens"] += sum(prefilled.values())
             self.batch_totals["max_batch"] = max(self.batch_totals["max_batch"], len(decoded))
-            self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled))
+            self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started, wait_ms,
+                                         prefill_ms, sample_ms, forward_ms, show_ms, (clock[0] - started) * 1000))
 
     def _engine_call(self, streams: list[_Stream], call: Callable[[], Any]) -> Any:
         """Run an engine call for these requests; when it fails with the engine still up (the request's own
@@ -1327,7 +1362,8 @@ class Scheduler:
         self.recent.append(RequestRecord(job.id, job.kind, fin.reason, fin.prompt_tokens, t.cache_n,
                                          fin.completion_tokens, float(d["prompt_per_second"]),
                                          float(d["predicted_per_second"]), round(fin.ttft_ms, 3),
-                                         round((time.monotonic() - job.queued_at) * 1000, 3), time.time()))
+                                         round((time.monotonic() - job.queued_at) * 1000, 3), time.time(),
+                                         round(fin.queue_ms, 3)))
         for observe in self.observers:
             try:
                 observe(job, fin)
@@ -1351,8 +1387,9 @@ class Scheduler:
             "batch": {"limit": self.batch, "prefill_budget": self.prefill_budget, **totals,
                       "mean_decode_batch": round(totals["decode_rows"] / totals["decode_steps"], 3)
                       if totals["decode_steps"] else 0.0,
-                      "last_step": {"decoded": len(last.decoded), "prefill_tokens": sum(last.prefilled.values())}
-                      if last else None},
+                      "last_step": {"decoded": len(last.decoded), "prefill_tokens": sum(last.prefilled.values()),
+                                    "ms": round(last.total_ms, 3)} if last else None,
+                      "step_log": [r.describe() for r in list(self.steps)[-STATUS_STEPS:]]},
             "draft": {"source": self.draft, "tokens": self.draft_tokens, **self.draft_totals,
                       "acceptance": round(self.draft_totals["accepted"] / self.draft_totals["drafted"], 4)
                       if self.draft_totals["drafted"] else None,

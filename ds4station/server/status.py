@@ -82,6 +82,8 @@ class _SchedulerCollector(Collector):
                                 last["decoded"])
         yield GaugeMetricFamily("ds4_step_prefill_tokens", "Prompt tokens prefilled in the last step",
                                 last["prefill_tokens"])
+        yield GaugeMetricFamily("ds4_step_seconds", "Worker time of the last step (its host time: on a GPU, what it "
+                                "waited for included)", last.get("ms", 0.0) / 1000)
         yield CounterMetricFamily("ds4_steps", "Scheduler steps run", batch["steps"])
         yield CounterMetricFamily("ds4_decode_steps", "Steps that ran a decode (batched or one request)",
                                   batch["decode_steps"])
