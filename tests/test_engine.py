@@ -122,7 +122,8 @@ def test_kernel_stage_serves_the_same_model(gguf_path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
     """On a GPU the default engine is the kernel stage, warmed at load (decode and short-prefill graphs
-    captured for every slot before the first request, none after), and through prefill, short-prefill and
+    captured once for the slots' pool, and the two slots' batched decode graph, before the first request, none
+    after), and through prefill, short-prefill and
     decode graphs its logits follow the reference engine's on the same tokens (the int8-dot decode kernels
     are close, not bit-equal)."""
     from ds4station.engine.gpu import SHORT_ROWS, GpuStage
@@ -131,7 +132,7 @@ def test_gpu_engine_is_warm_and_follows_the_reference(gguf_path) -> None:
     gpu = Engine.load(gguf_path, ctx=256, sessions=2, round_trips=OFF)
     assert gpu.runner.compute == "kernels" and gpu.chunk == DEFAULT_GPU_CHUNK and gpu.runner.warm_s > 0
     model = gpu.runner.model
-    graphs = 2 * (1 + len(SHORT_ROWS))  # one bucket (ctx 256) x two slots x (decode + the short row classes)
+    graphs = 1 + len(SHORT_ROWS) + 1  # one bucket (ctx 256): decode + the short row classes, a batch of two
     assert isinstance(model, GpuStage) and len(model._graphs) == graphs
     a, b = ref.new_session(), gpu.new_session()
     prompt = [0, *range(5, 45)]

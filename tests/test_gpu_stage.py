@@ -277,6 +277,17 @@ def test_batched_decode_kernels_in_the_interpreter(tiny: GGUFFile) -> None:
             got = stage.decode_batch(ids, batched, logits=True).clone()
             for b, c in enumerate(alone):
                 _close(got[b], stage.decode(ids[b], c, logits=True, graph=False), 1e-4)
+        # the static steps of one sequence reach slot 1 of the pool (untouched until now) as they reach a cache of
+        # its own: a short prompt of 14 tokens padded to 16 rows across a block end, then a decode step
+        own = stage.new_cache(64, chunk=32)
+        for c in (pool[1], own):
+            c.length = 20
+        got = [stage.prefill(tokens[0, 20:34], pool[1], logits=True, graph=True),
+               stage.decode(int(tokens[0, 34]), pool[1], logits=True, graph=False)]
+        want = [stage.prefill(tokens[0, 20:34], own, logits=True, graph=True),
+                stage.decode(int(tokens[0, 34]), own, logits=True, graph=False)]
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
     for a, b in zip(batched, alone, strict=True):
         assert torch.equal(a[2].raw, b[2].raw) and torch.equal(a[2].index_keys, b[2].index_keys)
 
@@ -351,6 +362,10 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
     got = stage.decode_batch(ids, trio, xs, logits=not middle).clone()
     want = stage.decode(ids[0], again, None if xs is None else xs[:1], logits=not middle).reshape(got[0].shape)
     assert torch.allclose(got[0], want, rtol=0, atol=tol * want.abs().max().item())
+    # a decode step of slot 1 alone (its pool's static graph on a GPU) equals the cache of its own
+    one = stage.decode(5, pool[1], None if X is None else X[0, 1:2], logits=not middle).clone()
+    two = stage.decode(5, again, None if X is None else X[0, 1:2], logits=not middle)
+    assert torch.allclose(one, two, rtol=0, atol=tol * two.abs().max().item())
     if device == "cuda":
         assert len([k for k in stage._graphs if k[0] == "batch"]) == 1  # the same graph replayed
         stage.drop_graphs(batched[1])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.kv import KVCache, KVPool, dtype_name
+from ds4station.engine.kv import KVCache, KVPool, dtype_name, pooled_caches
 from ds4station.engine.model import OFF, DS4Model, random_weights
 from ds4station.kernels.reference import HyperConnection, sink_attention, sinkhorn
 from ds4station.model.config import TINY
@@ -148,9 +148,10 @@ def test_a_pool_holds_each_sessions_kv_as_slots_of_one_allocation():
     """KVPool: every session's stepped tensors are slot s of one [sessions, ...] tensor per layer and field (what
     the batched decode kernels index by slot); each cache is as large as a cache of its own (the one KV formula)
     and writes only its own slot; the checkpoint stays per session."""
-    pool = KVPool(TINY, None, 3, 96, chunk=16, rollback=8)
+    a, b, c = pooled_caches(TINY, None, 3, 96, chunk=16, rollback=8)
+    pool = a.pool
     alone = KVCache(TINY, None, 96, chunk=16, rollback=8)
-    a, b, c = pool.caches
+    assert alone.pool is not pool and alone.pool.sessions == 1 and alone.slot == 0  # a pool of its own
     for i in range(TINY.n_layers):
         shared, mine = pool.layers[i], b[i]
         assert shared.raw.shape == (3, *alone[i].raw.shape)
@@ -165,7 +166,7 @@ def test_a_pool_holds_each_sessions_kv_as_slots_of_one_allocation():
     assert a.nbytes() == b.nbytes() == alone.nbytes() == kv_bytes(TINY, None, 96, "f32", chunk=16, rollback=8)
     b[0].raw.fill_(1.0)
     assert a[0].raw.abs().sum() == 0 and c[0].raw.abs().sum() == 0 and pool.layers[0].raw[1].eq(1).all()
-    assert [x.slot for x in pool.caches] == [0, 1, 2] and all(x.pool is pool for x in pool.caches)
+    assert [x.slot for x in (a, b, c)] == [0, 1, 2] and b.pool is pool and c.pool is pool
     with pytest.raises(ValueError, match="at least one session"):
         KVPool(TINY, None, 0, 96)
 

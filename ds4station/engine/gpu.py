@@ -51,7 +51,7 @@ from ds4station.model.config import ModelConfig
 from ds4station.model.layout import model_tensors
 
 from .experts import ExpertCache
-from .kv import DEFAULT_CHUNK, Frontier, KVCache, KVPool
+from .kv import DEFAULT_CHUNK, Frontier, KVCache, KVPool, pooled_caches
 from .model import RoundTrips
 
 log = logging.getLogger(__name__)
@@ -285,7 +285,7 @@ class Step:
     p1: int | None
     bucket: int = 0
     last: Tensor | None = None  # a padded static step: the index of its last real row, [1] on the device
-    slots: Tensor | None = None  # a batched decode step: row b's KV is slot slots[b] of a KVPool, [B] on the device
+    slots: Tensor | None = None  # a static step: row b's KV is slot slots[b] of the pool, [T] on the device
 
     @property
     def static(self) -> bool:
@@ -294,8 +294,9 @@ class Step:
 
 @dataclass
 class _Pooled:
-    """A batched decode step's KV: the pool its sequences' caches are slots of (layer i: the pool's [S, ...]
-    tensors, which the kernels index by Step.slots)."""
+    """A static step's KV (a decode step of one sequence or of a batch, a short prefill): the pool its
+    sequences' caches are slots of (layer i: the pool's [S, ...] tensors, which the kernels index by
+    Step.slots)."""
 
     pool: KVPool
 
@@ -347,8 +348,8 @@ class GpuStage:
         """n caches, the slots of one KVPool: any of them decode together in one batched step (decode_batch)."""
         if dtype not in (torch.float32, torch.float16):
             raise ValueError(f"the kernel stage keeps KV in float32 or float16, not {dtype}")
-        return KVPool(self.cfg, self.layers, n, ctx, dtype=dtype, chunk=chunk, rollback=rollback,
-                      device=self.device).caches
+        return pooled_caches(self.cfg, self.layers, n, ctx, dtype=dtype, chunk=chunk, rollback=rollback,
+                             device=self.device)
 
     def embed(self, tokens: Tensor) -> Tensor:
         x = self.token_embd[tokens].float()
@@ -363,12 +364,12 @@ class GpuStage:
         """Write these positions' projections into the frontier and pool the blocks they close (one kernel for
         decode; a static step decides on the device which blocks its positions close)."""
         kv, sc = proj[:, c.offset:c.offset + c.width], proj[:, c.offset + c.width:c.offset + 2 * c.width]
-        if st.static and (kv.shape[0] == 1 or st.slots is not None):
+        if st.static and st.last is None:  # a decode step: one row per sequence (one, or a batch's)
             compress_decode(kv, sc, c.ape, st.pos, frontier.kv, frontier.score, rows, c.ratio, c.fin, slots=st.slots)
             return
-        frontier.write(st.pos, kv, sc + c.ape[st.pos % c.ratio])
-        if st.static:
-            compress_rows(frontier.kv, frontier.score, rows, st.pos, c.ratio, c.fin)
+        frontier.write(st.pos, kv, sc + c.ape[st.pos % c.ratio], st.slots)
+        if st.static:  # several positions of one sequence: written first, then each pools the block it closes
+            compress_rows(frontier.kv, frontier.score, rows, st.pos, c.ratio, c.fin, slots=st.slots)
             return
         b0 = st.p0 // c.ratio
         compress_blocks(frontier.kv, frontier.score, rows, b0, st.p1 // c.ratio - b0, c.ratio, c.fin)
@@ -637,8 +638,9 @@ class GpuStage:
 
     def _decode_each(self, tokens: list[int], caches: list[KVCache], X: Tensor | None, logits: bool,
                      graph: bool | None) -> Tensor:
-        """decode_batch's result by one decode step per sequence (each its own graph replay on CUDA)."""
-        outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph)
+        """decode_batch's result by one decode step per sequence (graph replays on CUDA, whose output buffers
+        the next replay of the same graph reuses: each result is copied)."""
+        outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph).clone()
                 for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
         return torch.stack(outs) if logits else torch.cat(outs)
 
@@ -661,19 +663,20 @@ class GpuStage:
                 graph: bool | None) -> Tensor:
         """tokens (a token id, or [T] with T <= rows) as one static-shape step of `rows` positions at
         cache.length: a captured graph's replay (see _graph for when), eager launches otherwise. `logits`:
-        False (the state of the real rows), True (the last real row's logits) or ALL_ROWS (every real row's)."""
+        False (the state of the real rows), True (the last real row's logits) or ALL_ROWS (every real row's).
+        The step reaches the cache as its slot of its KVPool, so one graph serves every session of the pool."""
         n = 1 if isinstance(tokens, int) else tokens.numel()
         p0, bucket = cache.length, self.bucket(cache, rows)
         if X is not None:
             X = X.to(self.device, torch.float32)
-        key = (id(cache), rows, bucket, X is None, logits)
+        key = self._static_key(cache, rows, bucket, X is None, logits)
         g = self._graph(graph, key, lambda: self._make_graph(cache, rows, bucket, X is None, logits))
         if g is None:
             g = _StepInputs(self, rows, X is None, p0)
-            g.set(tokens, p0, X)
+            g.set(tokens, p0, X, cache.slot)
             out = self._step(g, cache, bucket, logits)
         else:
-            out = g.run(tokens, p0, X)
+            out = g.run(tokens, p0, X, cache.slot)
         cache.advance(n, p0 + rows)
         if rows == 1:
             return out
@@ -681,10 +684,11 @@ class GpuStage:
         return out.clone() if logits is True else out[:n].clone()
 
     def _step(self, inp: _StepInputs, cache: KVCache, bucket: int, logits: bool | str) -> Tensor:
-        """The static-shape step (what a graph captures): layers over inp's rows, the head over its last
-        real row (ALL_ROWS: over every row; the padding's are not read)."""
-        st = Step(inp.pos, None, None, bucket, None if inp.tok.numel() == 1 else inp.last)
-        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, cache, st)
+        """The static-shape step (what a graph captures): layers over inp's rows, on the cache's pool at the slot
+        inp.slots names, the head over its last real row (ALL_ROWS: over every row; the padding's are not
+        read)."""
+        st = Step(inp.pos, None, None, bucket, None if inp.tok.numel() == 1 else inp.last, inp.slots)
+        X = self._run_layers(self.embed(inp.tok) if inp.x is None else inp.x, inp.tok, _Pooled(cache.pool), st)
         if not logits:
             return X
         if logits == ALL_ROWS:
@@ -708,7 +712,7 @@ class GpuStage:
                 if (r > 1 and not self.short_rows(r, cache)) or first + r > cache.ctx:
                     continue
                 bucket = self.bucket(cache, r)
-                key = (id(cache), r, bucket, embedded, logits)
+                key = self._static_key(cache, r, bucket, embedded, logits)
 
                 def make(r: int = r, bucket: int = bucket) -> _StepGraph | _SegmentedStep:
                     return self._make_graph(cache, r, bucket, embedded, logits)
@@ -724,6 +728,13 @@ class GpuStage:
             first = bucket  # the next bucket's first position; nothing is written here
         cache.length = length
         return n
+
+    def _static_key(self, cache: KVCache, rows: int, bucket: int, embedded: bool, logits: bool | str) -> tuple:
+        """A static step's graph serves every session of the cache's pool (it reads the slot from its inputs);
+        a streaming stage's segmented decode is the cache's own."""
+        if self.experts is not None:
+            return (id(cache), rows, bucket, embedded, logits)
+        return ("static", id(cache.pool), rows, bucket, embedded, logits)
 
     def _make_graph(self, cache: KVCache, rows: int, bucket: int, embedded: bool,
                     logits: bool | str) -> _StepGraph | _SegmentedStep:
@@ -760,10 +771,10 @@ class GpuStage:
         return g
 
     def drop_graphs(self, cache: KVCache) -> None:
-        """Release the step graphs captured for a cache (when the cache itself goes), and the batched ones of
-        its pool (they write into every slot's tensors)."""
-        pool = id(cache.pool) if cache.pool is not None else None
-        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] == "batch" and k[1] == pool)]:
+        """Release the step graphs of a cache's pool (they write into every slot's tensors) and the cache's own
+        (a streaming stage's), when the cache goes."""
+        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] in ("static", "batch") and
+                                                                      k[1] == id(cache.pool))]:
             del self._graphs[key]
 
 
@@ -785,10 +796,11 @@ class _StepInputs:
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.base = torch.arange(rows, device=dev)
         self.pos = self.base + position
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)  # every row the one sequence's pool slot
         self.last = torch.zeros(1, dtype=torch.long, device=dev)
         self.x = None if embedded else torch.zeros(rows, cfg.hc_mult, cfg.dim, device=dev)
 
-    def set(self, tokens: Tensor | int, position: int, X: Tensor | None) -> None:
+    def set(self, tokens: Tensor | int, position: int, X: Tensor | None, slot: int = 0) -> None:
         if isinstance(tokens, int):
             self.tok.fill_(tokens)
         else:
@@ -796,18 +808,20 @@ class _StepInputs:
             self.tok[:n].copy_(tokens)
             self.last.fill_(n - 1)
         torch.add(self.base, position, out=self.pos)
+        self.slots.fill_(slot)
         if self.x is not None:
             self.x[:X.shape[0]].copy_(X)
 
 
 class _StepGraph(_StepInputs):
-    """A static step of `rows` positions of one cache captured in a CUDA graph over static inputs (the head
-    inside when `logits`)."""
+    """A static step of `rows` positions of one sequence of a KVPool captured in a CUDA graph over static inputs
+    (the head inside when `logits`); a replay steps the slot its inputs name. Captured on `cache`."""
 
     def __init__(self, stage: GpuStage, cache: KVCache, rows: int, bucket: int, embedded: bool,
                  logits: bool | str) -> None:
         super().__init__(stage, rows, embedded, cache.length)
-        self.cache = cache  # the graph writes into this cache's tensors: keep them alive with it
+        self.pool = cache.pool  # the graph writes into the pool's tensors: keep them alive with it
+        self.slots.fill_(cache.slot)
 
         # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
         # positions' KV slots, which the real replay overwrites with the same positions' values.
@@ -827,8 +841,8 @@ class _StepGraph(_StepInputs):
         # that replays it, on the warm-up's inputs, so it writes what the warm-up wrote.
         self.graph.replay()
 
-    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
-        self.set(tokens, position, X)
+    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None, slot: int = 0) -> Tensor:
+        self.set(tokens, position, X, slot)
         self.graph.replay()
         return self.out
 
@@ -929,8 +943,8 @@ class _SegmentedStep(_StepInputs):
         for g in self.graphs:  # uploaded now rather than by the first request (on the warm-up's inputs)
             g.replay()
 
-    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None) -> Tensor:
-        self.set(tokens, position, X)
+    def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None, slot: int = 0) -> Tensor:
+        self.set(tokens, position, X, slot)  # its segments step its own cache (the slot is not read)
         experts = self.stage.experts
         assert experts is not None
         experts.prefetch([int(tokens) if isinstance(tokens, int) else int(tokens[0])])

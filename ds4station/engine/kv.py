@@ -61,11 +61,13 @@ class Frontier:
         return cls(torch.zeros(*lead, rows, width, dtype=torch.float32, device=device),
                    torch.zeros(*lead, rows, width, dtype=torch.float32, device=device))
 
-    def write(self, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor) -> None:
-        """pos [T] absolute positions, kv/score [T, width]."""
-        slots = pos % self.rows
-        self.kv[slots] = kv.float()
-        self.score[slots] = score.float()
+    def write(self, pos: torch.Tensor, kv: torch.Tensor, score: torch.Tensor,
+              slots: torch.Tensor | None = None) -> None:
+        """pos [T] absolute positions, kv/score [T, width]; in a pool, row t goes to session slots[t]'s ring."""
+        rows = pos % self.rows
+        where = rows if slots is None else (slots, rows)
+        self.kv[where] = kv.float()
+        self.score[where] = score.float()
 
     def read(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """pos [...] -> kv, score [..., width]; positions < 0 read as kv = 0, score = -inf (no weight)."""
@@ -141,7 +143,7 @@ def _stepped(cfg: ModelConfig, i: int, ctx: int, slack: int, dtype: torch.dtype,
 
 class KVPool:
     """The stepped KV tensors of `sessions` caches allocated together (see the module docstring): `layers[i]` is
-    layer i's LayerKV with [sessions, ...] tensors, `caches[s]` the KVCache of slot s (its views)."""
+    layer i's LayerKV with [sessions, ...] tensors. `pooled_caches` makes a pool and the KVCache of each slot."""
 
     def __init__(self, cfg: ModelConfig, layers: range | None, sessions: int, ctx: int, *,
                  dtype: torch.dtype = torch.float32, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -149,11 +151,19 @@ class KVPool:
         if sessions < 1:
             raise ValueError(f"a KV pool holds at least one session, got {sessions}")
         _check_size(ctx, chunk, rollback)
+        self.sessions = sessions
         slack = kv_slack(chunk, rollback)
         self.layers = {i: _stepped(cfg, i, ctx, slack, dtype, (sessions,), device)
                        for i in (range(cfg.n_layers) if layers is None else layers)}
-        self.caches = [KVCache(cfg, layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=device,
-                               pool=self, slot=s) for s in range(sessions)]
+
+
+def pooled_caches(cfg: ModelConfig, layers: range | None, sessions: int, ctx: int, *,
+                  dtype: torch.dtype = torch.float32, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
+                  device: torch.device | str | None = None) -> list[KVCache]:
+    """`sessions` caches, the slots of one new KVPool (each holds the pool; the pool holds no cache)."""
+    pool = KVPool(cfg, layers, sessions, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=device)
+    return [KVCache(cfg, layers, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=device, pool=pool, slot=s)
+            for s in range(sessions)]
 
 
 def _check_size(ctx: int, chunk: int, rollback: int) -> None:
@@ -162,8 +172,8 @@ def _check_size(ctx: int, chunk: int, rollback: int) -> None:
 
 
 class KVCache:
-    """The cache of one sequence for the layers of one slice, sized for `ctx` positions; its own tensors, or
-    slot `slot` of a KVPool's."""
+    """The cache of one sequence for the layers of one slice, sized for `ctx` positions: slot `slot` of a
+    KVPool's tensors (a cache made on its own is the one slot of a pool of its own)."""
 
     def __init__(self, cfg: ModelConfig, layers: range | None, ctx: int, *, dtype: torch.dtype = torch.float32,
                  chunk: int = DEFAULT_CHUNK, rollback: int = 0, device: torch.device | str | None = None,
@@ -172,6 +182,8 @@ class KVCache:
         self.cfg, self.ctx, self.dtype, self.chunk, self.rollback = cfg, ctx, dtype, chunk, rollback
         self.layer_range = range(cfg.n_layers) if layers is None else layers
         self.slack = kv_slack(chunk, rollback)
+        if pool is None:
+            pool, slot = KVPool(cfg, layers, 1, ctx, dtype=dtype, chunk=chunk, rollback=rollback, device=device), 0
         self.pool, self.slot = pool, slot
         self.length = 0  # positions written so far (the next token's position)
         # One past the highest position any step wrote rows for: a static-shape step of a short prompt pads it
@@ -180,7 +192,7 @@ class KVCache:
         self.layers: dict[int, LayerKV] = {}
         for i in self.layer_range:
             r = cfg.ratio(i)
-            kv = pool.layers[i].slot(slot) if pool is not None else _stepped(cfg, i, ctx, self.slack, dtype, (), device)
+            kv = pool.layers[i].slot(slot)
             kv.saved_raw = torch.zeros(cfg.window + CHECKPOINT_MARGIN, cfg.head_dim, dtype=dtype, device=device)
             if r:
                 kv.saved_comp = Frontier.zeros(frontier_rows(r, CHECKPOINT_MARGIN), cfg.compressor_width(i), device)

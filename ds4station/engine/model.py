@@ -38,7 +38,7 @@ from ds4station.kernels.reference import (
 from ds4station.model.config import ModelConfig
 from ds4station.model.layout import model_tensors
 
-from .kv import DEFAULT_CHUNK, Frontier, KVCache, KVPool, LayerKV
+from .kv import DEFAULT_CHUNK, Frontier, KVCache, LayerKV, pooled_caches
 
 Tensor = torch.Tensor
 
@@ -289,8 +289,8 @@ class DS4Model:
     def new_caches(self, n: int, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
                    dtype: torch.dtype = torch.float32) -> list[KVCache]:
         """n caches, the slots of one KVPool (the kernel stage decodes such caches in one batched step)."""
-        return KVPool(self.cfg, self.layers, n, ctx, dtype=dtype, chunk=chunk, rollback=rollback,
-                      device=self.device).caches
+        return pooled_caches(self.cfg, self.layers, n, ctx, dtype=dtype, chunk=chunk, rollback=rollback,
+                             device=self.device)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [T] -> HC state [T, C, dim]: C copies of the embedding."""

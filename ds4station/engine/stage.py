@@ -314,9 +314,10 @@ class StageRunner:
         """Make the first request as fast as the tenth: on the kernel stage of a GPU, run a prefill of every
         length class the kernels specialise on (warm_lengths) and short prefills at the positions where the
         context-dependent tiles change (warm_positions), so that Triton has compiled them all; then capture
-        every slot's step graphs (decode, and short prefills of each row class) for the first position
-        buckets, and run a batched decode step of every size up to the slots (its kernels specialise on the
-        rows). The scratch slots are reset after each step. Nothing to do for the reference."""
+        the step graphs of the slots' pool (decode, and short prefills of each row class, one graph for every
+        session) for the first position buckets, and run a batched decode step of every size up to the slots
+        (its kernels specialise on the rows). The scratch slots are reset after each step. Nothing to do for
+        the reference."""
         if self.compute != "kernels" or self.device.type != "cuda":
             return
         t0 = time.monotonic()
@@ -346,14 +347,17 @@ class StageRunner:
                 slot.reset()
         if self.experts is not None:
             self.experts.dry = False
+        # A static step's graph serves every session of the pool: captured once, on the first slot (a streaming
+        # stage's segmented decode graphs are each session's own)
+        owners = self.slots if self.experts is not None else self.slots[:1]
         graphs = sum(self.model.capture(slot, embedded=self.embeds, logits=self.logits, positions=WARM_POSITIONS)
-                     for slot in self.slots)
+                     for slot in owners)
         graphs += self.model.capture_batches(self.slots, embedded=self.embeds, logits=self.logits,
                                              positions=BATCH_WARM_POSITIONS)
         verify = self.model.short_rows(self.settings.verify_rows, self.slots[0])
         if verify and self.logits:  # the head over every row (other stages' steps are the short prefill's)
-            graphs += sum(self.model.capture(slot, embedded=self.embeds, logits=ALL_ROWS, positions=WARM_POSITIONS,
-                                             rows=(verify,)) for slot in self.slots)
+            graphs += self.model.capture(self.slots[0], embedded=self.embeds, logits=ALL_ROWS,
+                                         positions=WARM_POSITIONS, rows=(verify,))
         torch.cuda.synchronize(self.device)
         self.warm_s = time.monotonic() - t0
         print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "

@@ -235,8 +235,8 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
                                            ("r4 index 128 fp4", 128, 4, True, 2, 0)):
         coff = 2 if ratio == 4 else 1
         t = dispatch.compressor_tiles(d, coff * ratio, backend)
-        for mode, form, slots in ((1, "decode", False), (1, "batched decode", True), (0, "prefill", False),
-                                  (2, "short prefill", False)):
+        for mode, form, slots in ((1, "decode", False), (1, "decode, pool slots", True), (0, "prefill", False),
+                                  (2, "short prefill, pool slots", True)):
             out.append(KernelSpec(
                 f"compress {label} {form}", compressor._compress_kernel,
                 {"kv_ptr": p32, "sc_ptr": p32, "ape_ptr": p32, "pos_ptr": "*i64", "slot_ptr": "*i64", "fkv_ptr": p32,

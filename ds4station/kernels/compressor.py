@@ -19,7 +19,9 @@ The result goes to rows[b].
   already holds their positions, one program per block.
 - `compress_rows(fkv, fsc, rows, pos, ...)`: a static-shape step of several positions pos [T] (device), whose
   projections the frontier already holds: each position pools the block it closes, decided on the device
-  (one program per position), so a short prefill can be replayed from a CUDA graph too.
+  (one program per position), so a short prefill can be replayed from a CUDA graph too; with `slots=` [T]
+  the frontiers and rows are pools and position t is slot slots[t]'s (a static step of one sequence of a
+  pool passes its slot for every row).
 Each is one launch with one program per pooled block; `compress_*_ref` run the model's torch code.
 """
 
@@ -89,7 +91,12 @@ def compress_blocks_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int,
         _pool_ref(fkv, fsc, rows, torch.arange(b0, b0 + n, device=fkv.device), ratio, fin)
 
 
-def compress_rows_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+def compress_rows_ref(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish,
+                      slots: Tensor | None = None) -> None:
+    if slots is not None:
+        for t, s in enumerate(slots.tolist()):
+            compress_rows_ref(fkv[s], fsc[s], rows[s], pos[t:t + 1], ratio, fin)
+        return
     closing = pos[(pos + 1) % ratio == 0]
     if closing.numel():
         _pool_ref(fkv, fsc, rows, closing // ratio, ratio, fin)
@@ -107,7 +114,8 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, fkv_ptr, fsc_pt
                      LOG_D: tl.constexpr, BLOCK_J: tl.constexpr, SLOTS: tl.constexpr):
     # MODE 0: pool blocks b0 + program id; 1: write position pos[t] (t = program id, its projections in row t
     # of kv / sc) into the frontier, then pool the block it closes, if it does; 2: pool the block position
-    # pos[program id] closes, if it does. SLOTS (mode 1): token t's frontier and rows are slot slots[t] of pools.
+    # pos[program id] closes, if it does. SLOTS (modes 1, 2): program t's frontier and rows are slot slots[t] of
+    # pools.
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < d
     if SLOTS:
@@ -220,10 +228,13 @@ def compress_blocks_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: i
         _launch(n, fkv, fsc, fkv, fkv, fkv, fsc, rows, b0, ratio, fin, mode=0)
 
 
-def compress_rows_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+def compress_rows_triton(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish,
+                         slots: Tensor | None = None) -> None:
     if pos.dim() != 1 or not pos.is_contiguous():
         raise ValueError(f"pos must be a contiguous [T] tensor, got {tuple(pos.shape)}")
-    _launch(pos.numel(), fkv, fsc, fkv, pos, fkv, fsc, rows, 0, ratio, fin, mode=2)
+    if slots is not None and slots.shape != pos.shape:
+        raise ValueError(f"slots {tuple(slots.shape)} must name one slot per position {tuple(pos.shape)}")
+    _launch(pos.numel(), fkv, fsc, fkv, pos, fkv, fsc, rows, 0, ratio, fin, mode=2, slots=slots)
 
 
 def compress_decode(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,
@@ -238,6 +249,7 @@ def compress_blocks(fkv: Tensor, fsc: Tensor, rows: Tensor, b0: int, n: int, rat
     f(fkv, fsc, rows, b0, n, ratio, fin)
 
 
-def compress_rows(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish) -> None:
+def compress_rows(fkv: Tensor, fsc: Tensor, rows: Tensor, pos: Tensor, ratio: int, fin: Finish,
+                  slots: Tensor | None = None) -> None:
     f = compress_rows_triton if dispatch.use_triton(fkv) else compress_rows_ref
-    f(fkv, fsc, rows, pos, ratio, fin)
+    f(fkv, fsc, rows, pos, ratio, fin, slots)
