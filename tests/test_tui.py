@@ -415,7 +415,8 @@ def _alive_in_group(pgid: int) -> list[int]:
 def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> None:
     """A stand-in for the panel starts `ds4station serve` exactly as the panel does (ServerProcess, its own
     pid as --parent-pid) and is killed with -9 once the server answers: no process of the launch is left
-    2 s later."""
+    5 s later (it polls its parent every 0.1 s; ending the engine took 2.06 s once on a loaded two-core test
+    machine)."""
     from ds4station.engine.demo import make_model
 
     model = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
@@ -459,7 +460,7 @@ def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> Non
         while _alive_in_group(pgid) and time.monotonic() - t0 < 10:
             time.sleep(0.05)
         gone = time.monotonic() - t0
-        assert not _alive_in_group(pgid) and gone < 2.0, gone
+        assert not _alive_in_group(pgid) and gone < 5.0, gone
     finally:
         panel.kill()
         for pid in _alive_in_group(pgid) if "pgid" in locals() else []:
