@@ -4,7 +4,7 @@ import json, os, subprocess, sys, threading, time
 import httpx, openai
 from ds4station.model.gguf import GGUFFile
 from ds4station.engine.tokenizer import Tokenizer
-from ds4station.server.bench import chat_text, stream_turn
+from ds4station.server.bench import chat_text, stream_turn, wait_ready
 
 model, tag, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
 tests = os.environ.get("TESTS", "streams,long").split(",")
@@ -14,18 +14,6 @@ tok = Tokenizer.from_metadata(GGUFFile.open(model).metadata)
 t0 = time.monotonic()
 proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--model", model, "--port", str(port), *extra],
                         stdout=subprocess.DEVNULL)
-
-
-def ready() -> None:
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except Exception:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode}")
-        time.sleep(0.5)
 
 
 def client() -> openai.OpenAI:
@@ -52,7 +40,7 @@ def together(texts, max_tokens, delays=None):
 
 
 try:
-    ready()
+    wait_ready(url, proc, 900)
     print(f"[{tag}] ready in {time.monotonic() - t0:.1f} s", flush=True)
     client().models.list()
     seed = 100

@@ -10,7 +10,7 @@ import httpx, openai
 
 from ds4station.engine.tokenizer import Tokenizer
 from ds4station.model.gguf import GGUFFile
-from ds4station.server.bench import chat_text, stream_turn
+from ds4station.server.bench import chat_text, stream_turn, wait_ready
 
 model, kv_dir = sys.argv[1], sys.argv[2]
 n = int(sys.argv[3]) if len(sys.argv) > 3 else 32768
@@ -23,15 +23,7 @@ proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--mod
                          "--sessions", "1", "--ctx", str(n + 8192), "--kv-disk-dir", kv_dir, *extra],
                         stdout=subprocess.DEVNULL)
 try:
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except Exception:
-            pass
-        if proc.poll() is not None:
-            raise SystemExit(f"serve exited with {proc.returncode}")
-        time.sleep(0.5)
+    wait_ready(url, proc, 900)
     print(f"ready in {time.monotonic() - t0:.1f} s", flush=True)
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=900)
     c.models.list()

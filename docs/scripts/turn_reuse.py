@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 
+from ds4station.server.bench import wait_ready
+
 port = 8017
 url = f"http://127.0.0.1:{port}"
 n_words = int(sys.argv[2]) if len(sys.argv) > 2 else 2500
@@ -21,13 +23,7 @@ proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--mod
                         stdout=subprocess.DEVNULL)
 try:
     t0 = time.monotonic()
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                break
-        except Exception:
-            pass
-        time.sleep(0.5)
+    wait_ready(url, proc, 900)
     print(f"ready in {time.monotonic() - t0:.1f} s", flush=True)
     c = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=600)
     words = "station model token agent kernel graph cache route layer expert prefill decode stream window".split()

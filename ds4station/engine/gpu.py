@@ -593,7 +593,7 @@ class GpuStage:
         for c in caches:
             c.check_room(1)
         pool = caches[0].pool
-        if len(caches) == 1 or self.experts is not None or pool is None or any(c.pool is not pool for c in caches):
+        if len(caches) == 1 or self.experts is not None or any(c.pool is not pool for c in caches):
             return self._decode_each(tokens, caches, X, logits, graph)
         if X is not None:
             X = X.to(self.device, torch.float32)

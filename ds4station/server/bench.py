@@ -174,7 +174,9 @@ def _attach_server_records(url: str, turns: list[Turn]) -> None:
             turn.server = record
 
 
-def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait until the `serve` process `proc` answers /health at `url` (RuntimeError if it exits first,
+    TimeoutError after `timeout` seconds)."""
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -227,7 +229,7 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         url = f"http://127.0.0.1:{port}"
-        _wait_ready(url, proc, ready_timeout)
+        wait_ready(url, proc, ready_timeout)
         res.ready_s = time.monotonic() - t0
         client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
         _warm_client(client)
