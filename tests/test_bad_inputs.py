@@ -484,8 +484,9 @@ def test_big_bodies_in_flight_hold_up_neither_health_nor_a_stream(server) -> Non
     assert answers == ["400 True"] * 9  # each body was read, parsed, checked against the context and refused
     assert len(health) >= 5 and streams  # /health and streams were served while the bodies were in flight
     typical = statistics.median(baseline_health)
-    # /health, like a stream below, may wait for one body's parse (0.1-0.2 s), never for an upload (seconds)
-    assert max(health) - typical < 0.25, (max(health), typical, sorted(health)[-5:])
+    # /health, like a stream below, may wait for a body's parse (0.1-0.2 s; two back to back 0.29 s in a CI run),
+    # never for an upload (seconds): 0.5 s tells them apart
+    assert max(health) - typical < 0.5, (max(health), typical, sorted(health)[-5:])
     ttft = max(t for t, _ in baseline)
     worst_gap = max(max(gaps) for _, gaps in baseline)
     # A stream may wait for a body's parse (pydantic holds the GIL while it parses 20 MiB: 0.1-0.2 s on this
