@@ -1,5 +1,7 @@
 """Issue 19 items 1-2 on the user's path: `serve` on the GPU, driven over HTTP by concurrent streaming openai
-clients. usage: batch.py MODEL TAG [serve args...]; env TESTS=streams,long (default both)."""
+clients. usage: batch.py MODEL TAG [serve args...]; env TESTS=streams,long (default both), STEPS=FILE (every
+step of the server's step log, polled from /status while the tests run, one JSON line each, with the test it
+belongs to; a summary of each test's steps is printed either way)."""
 import json, os, subprocess, sys, threading, time
 import httpx, openai
 from ds4station.model.gguf import GGUFFile
@@ -14,6 +16,38 @@ tok = Tokenizer.from_metadata(GGUFFile.open(model).metadata)
 t0 = time.monotonic()
 proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--model", model, "--port", str(port), *extra],
                         stdout=subprocess.DEVNULL)
+
+
+class StepLog:
+    """Every step of the server's step log (/status shows the last 64): polled while the tests run."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, dict] = {}
+        self.test = ""
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=30) as c:
+            while not self.stop.wait(0.25):
+                try:
+                    log = c.get(url + "/status").json()["batch"]["step_log"]
+                except Exception:
+                    continue
+                for r in log:
+                    self.steps.setdefault(r["step"], {**r, "test": self.test})
+
+    def summary(self, test: str) -> dict:
+        rows = [r for r in self.steps.values() if r["test"] == test]
+        keys = ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms", "total_ms")
+        span = (max(r["at"] for r in rows) - min(r["at"] for r in rows)) * 1000 if rows else 0.0
+        return {"test": test, "steps": len(rows), "span_ms": round(span, 1),
+                "decode_rows": sum(len(r["decoded"]) for r in rows),
+                "prefill_tokens": sum(sum(r["prefilled"].values()) for r in rows),
+                **{k: round(sum(r[k] for r in rows), 1) for k in keys}}
+
+
+steplog = StepLog()
 
 
 def client() -> openai.OpenAI:
@@ -43,6 +77,7 @@ try:
     wait_ready(url, proc, 900)
     print(f"[{tag}] ready in {time.monotonic() - t0:.1f} s", flush=True)
     client().models.list()
+    steplog.thread.start()
     seed = 100
     if "streams" in tests:
         together([chat_text(tok, 64, 1)], 8)  # the client side warm
@@ -50,7 +85,9 @@ try:
         for n in (1, 2, 4, 8):
             texts = [chat_text(tok, 600, seed + i) for i in range(n)]
             seed += n
+            steplog.test = f"streams{n}"
             res = together(texts, 200)
+            time.sleep(0.5)  # the poller's last look
             rates = [(r[3].completion_tokens - 1) / max(r[2] - r[1], 1e-9) for r in res]
             first, last = min(r[1] for r in res), max(r[2] for r in res)
             total = sum(r[3].completion_tokens - 1 for r in res)
@@ -62,11 +99,15 @@ try:
                               "min_vs_single": round(min(rates) / single, 2),
                               "ttft_s": [round(r[1] - r[0], 2) for r in res],
                               "completion": [r[3].completion_tokens for r in res]}), flush=True)
+            print(f"[{tag}] steps", json.dumps(steplog.summary(f"streams{n}")), flush=True)
         st = httpx.get(url + "/status").json()
         print(f"[{tag}] batch", json.dumps(st.get("batch")), flush=True)
     if "long" in tests:
         long_text, short = chat_text(tok, 32768, 7), chat_text(tok, 20, 8)
+        steplog.test = "long+short"
         res = together([long_text, short], 16, delays=[0, 4.0])
+        time.sleep(0.5)
+        print(f"[{tag}] steps", json.dumps(steplog.summary("long+short")), flush=True)
         (ls, lf, ll, lt), (ss, sf, sl, stt) = res
         print(json.dumps({"tag": tag, "long_prompt": lt.prompt_tokens, "long_ttft_s": round(lf - ls, 2),
                           "long_prefill_tok_s": round(lt.prompt_tokens / (lf - ls), 1),
@@ -77,9 +118,16 @@ try:
         status = httpx.get(url + "/status").json()
         for r in status["throughput"]["recent"][-2:]:
             print(f"[{tag}] server record", json.dumps(r), flush=True)
-        for r in status["batch"]["step_log"]:
-            print(f"[{tag}] step", json.dumps(r), flush=True)
+        # the steps around the short request's: the first 12 that decoded it
+        short_id = min(status["throughput"]["recent"][-2:], key=lambda r: r["prompt_tokens"])["id"]
+        shown = [r for r in sorted(steplog.steps.values(), key=lambda r: r["step"]) if r["test"] == "long+short"]
+        first = next((i for i, r in enumerate(shown) if str(short_id) in r["prefilled"] or short_id in r["decoded"]), 0)
+        for r in shown[max(0, first - 3):first + 12]:
+            print(f"[{tag}] step", json.dumps({k: v for k, v in r.items() if k != "test"}), flush=True)
+        steplog.test = "long alone"
         res = together([chat_text(tok, 32768, 9)], 16)
+        time.sleep(0.5)
+        print(f"[{tag}] steps", json.dumps(steplog.summary("long alone")), flush=True)
         print(json.dumps({"tag": tag, "long_alone_prompt": res[0][3].prompt_tokens,
                           "long_alone_prefill_tok_s": round(res[0][3].prompt_tokens / (res[0][1] - res[0][0]), 1)}),
               flush=True)
@@ -88,5 +136,10 @@ try:
         print("\n".join(line for line in m.splitlines() if line.startswith(("ds4_step", "ds4_decode", "ds4_batch",
                                                                             "ds4_running", "ds4_steps"))))
 finally:
+    steplog.stop.set()
+    if os.environ.get("STEPS"):
+        with open(os.environ["STEPS"], "w") as f:
+            for r in sorted(steplog.steps.values(), key=lambda r: r["step"]):
+                f.write(json.dumps(r) + "\n")
     proc.terminate()
     proc.wait(60)
