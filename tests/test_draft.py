@@ -283,8 +283,8 @@ def test_sampled_drafting_runs_and_counts(engine: Engine) -> None:
 
 
 def test_bad_draft_settings_are_refused(engine: Engine) -> None:
-    with pytest.raises(ValueError, match="draft source 'mtp'"):
-        Scheduler(lambda: engine, prefill_chunk=CHUNK, draft="mtp")
+    with pytest.raises(ValueError, match="draft source 'medusa'"):
+        Scheduler(lambda: engine, prefill_chunk=CHUNK, draft="medusa")
     with pytest.raises(ValueError, match="draft tokens 0: use 1 to 16"):
         Scheduler(lambda: engine, prefill_chunk=CHUNK, draft="lookup", draft_tokens=0)
 

@@ -564,4 +564,4 @@ def test_serve_args_are_checked_by_serves_own_parser() -> None:
     with pytest.raises(ValueError, match="--ctx is set by the panel or its plan"):
         serve_extra("--ctx=8K")
     with pytest.raises(ValueError, match="invalid choice"):
-        serve_extra("--draft mtp")
+        serve_extra("--draft medusa")

@@ -104,12 +104,36 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _draft(args: argparse.Namespace) -> int:
+    from ds4station.engine import draft_bench
+    from ds4station.engine.stage import MTP_IN_MODEL
+    from ds4station.model.gguf import GGUFFile
+
+    if not args.model:
+        print("bench draft needs --model FILE (with --mtp FILE, or a model file holding the MTP layer, it also "
+              "measures the MTP drafts)", file=sys.stderr)
+        return 2
+    ks = [int(k) for k in args.k.split(",") if k.strip()]
+    mtp = args.mtp or (MTP_IN_MODEL if GGUFFile.open(args.model).has_mtp else None)
+    res = draft_bench.run(args.model, mtp=mtp, ks=ks, prompt=args.prompt_tokens or 512,
+                          tokens=args.decode_tokens, device=args.device, log=lambda m: print(m, file=sys.stderr))
+    if args.json:
+        import dataclasses
+
+        with open(args.json, "w") as fh:
+            json.dump(dataclasses.asdict(res), fh, indent=1)
+    print(res.table())
+    return 0
+
+
 # name -> (handler, one-line help)
 BENCHES: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "kernels": (_kernels, "time every Triton kernel at the real decode / prefill shapes (GPU)"),
     "model": (_model, "decode / prefill tok/s of one GPU stage at the real shape (default)"),
     "serve": (_serve, "start `ds4station serve --model FILE`, drive it with the openai client like an agent, and "
                       "print its prefill / decode / TTFT beside the engine bench of the same file"),
+    "draft": (_draft, "speculative decoding on one engine: a verification's cost against a decode step, "
+                      "decode with always-right drafts and with the MTP layer's, break-even acceptance (--model)"),
     "compile": (_compile, "compile every kernel for cuda sm_90/sm_86 and hip gfx906/gfx1100/gfx1151 (no GPU)"),
 }
 
@@ -138,6 +162,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=8017, help="port for the server under test (default 8017)")
     serve.add_argument("--serve-args", default="", help="extra arguments for `ds4station serve`, quoted")
     serve.add_argument("--no-engine-bench", action="store_true", help="time the server alone (no GPU needed)")
+    draft = parser.add_argument_group("draft (also --model, --prompt-tokens: default 512, --decode-tokens)")
+    draft.add_argument("--k", default="1,2,3", help="drafted tokens per verification to measure, comma-separated")
+    draft.add_argument("--mtp", default=None, metavar="FILE",
+                       help="the MTP layer's GGUF (default: the model file's own, when it holds one)")
+    draft.add_argument("--device", default="auto", help="auto (the GPU when one is visible), cpu or cuda:N")
     comp = parser.add_argument_group("compile")
     comp.add_argument("--targets", default="", help="comma-separated target names (default: all); "
                       "sm90, sm86, gfx906, gfx1100, gfx1151")

@@ -2,7 +2,7 @@
 
     ds4station serve [--model PATH] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--cors ORIGIN,...]
                      [--allow-host NAME] [--ctx N] [--sessions N] [--batch N] [--prefill-budget N] [--queue N]
-                     [--max-tokens N] [--device auto] [--draft off|lookup] [--draft-tokens K]
+                     [--max-tokens N] [--device auto] [--draft off|lookup|mtp] [--mtp FILE] [--draft-tokens K]
                      [--kv-disk-dir DIR [--kv-disk-budget SIZE] [--kv-disk-min N]]
                      [--restarts N] [--shutdown-grace S] [--trace FILE] ...
 
@@ -67,10 +67,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollback", type=token_count, default=None, metavar="N",
                    help=f"tokens a live session can roll back in place for prefix reuse (default "
                         f"{_FOOTPRINT.rollback}); further back, to the end of its last prompt, it always can")
-    p.add_argument("--draft", choices=("off", "lookup"), default="off",
+    p.add_argument("--draft", choices=("off", "lookup", "mtp"), default="off",
                    help="speculative decoding: 'lookup' drafts the next tokens from earlier occurrences of the "
-                        "last ones in the prompt and output (prompt lookup) and verifies them in one forward; the "
+                        "last ones in the prompt and output (prompt lookup), 'mtp' from the model's MTP layer "
+                        "(in the model file, or --mtp FILE); the drafts are verified in one forward and the "
                         "output is unchanged (default off)")
+    p.add_argument("--mtp", default=None, metavar="FILE",
+                   help="the MTP layer's own GGUF for --draft mtp (`ds4station pull mtp`); default: the model "
+                        "file's own MTP layer (make-model --mtp)")
     p.add_argument("--draft-tokens", type=int, default=4, metavar="K",
                    help="tokens drafted per step with --draft (default 4, at most 16)")
     p.add_argument("--kv-disk-dir", default=None, metavar="DIR",
@@ -109,9 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The FastAPI app for these arguments and uvicorn's settings (the engine loads when the app starts)."""
     from ds4station.engine.demo import demo_model_path
-    from ds4station.engine.engine import Engine, check_settings, default_chunk, default_prefill_budget
+    from ds4station.engine.engine import Engine, check_mtp, check_settings, default_chunk, default_prefill_budget
     from ds4station.engine.scheduler import Scheduler
-    from ds4station.model.footprint import kv_bytes
+    from ds4station.engine.stage import MTP_IN_MODEL
+    from ds4station.model.footprint import kv_bytes, mtp_bytes
     from ds4station.model.gguf import GGUFFile
     from ds4station.server.app import create_app
     from ds4station.server.trace import RequestTrace
@@ -135,6 +140,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     opts = pipeline_options(args)
     route = check_settings(gguf, ctx, opts.pop("route"), opts.pop("expert_cache"), args.activation_bits,
                            args.device)
+    if args.mtp and args.draft != "mtp":
+        raise ValueError("--mtp FILE is the MTP layer for --draft mtp; add --draft mtp (or drop --mtp)")
+    mtp = check_mtp(gguf, route, (args.mtp or MTP_IN_MODEL) if args.draft == "mtp" else None)
     chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
     batch = sessions if args.batch is None else args.batch
     if not 1 <= batch <= sessions:
@@ -152,13 +160,21 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
           f"{per_session / 2**20:.1f} MiB per session x {sessions} session(s) = "
           f"{per_session * sessions / 2**20:.1f} MiB", file=sys.stderr)
 
-    for warning in check_host_memory(gguf, route, ctx, chunk, sessions, rollback, kv_dtype):
+    mtp_specs = mtp_tensor_specs(gguf, route, mtp)
+    if mtp_specs:
+        extra = mtp_bytes(cfg, mtp_specs, ctx, chunk, sessions)
+        print(f"ds4station serve: --draft mtp: the MTP layer ({'the model file' if mtp == MTP_IN_MODEL else mtp}) "
+              f"adds {extra / 2**20:.1f} MiB to stage {len(route) - 1} (its weights"
+              f"{'' if route.stages[-1].embed else ', a copy of the token embedding'} and {sessions} session(s)' "
+              "state)", file=sys.stderr)
+    for warning in check_host_memory(gguf, route, ctx, chunk, sessions, rollback, kv_dtype, mtp_specs):
         print(f"warning: {warning}", file=sys.stderr)
 
     def load() -> Any:
         return Engine.load(path, ctx, route, sessions=sessions, chunk=chunk, rollback=rollback, kv_dtype=kv_dtype,
                            progress=scheduler.report_load,
-                           verify_rows=args.draft_tokens + 1 if args.draft != "off" else 0, **opts)
+                           verify_rows=args.draft_tokens + 1 if args.draft != "off" else 0, mtp=mtp or None,
+                           **opts)
 
     scheduler = Scheduler(load, sessions=sessions, max_queue=args.queue, prefill_chunk=chunk, ctx=ctx, batch=batch,
                           prefill_budget=budget, max_restarts=args.restarts, kv_disk=kv_disk, draft=args.draft,
@@ -207,11 +223,30 @@ def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
+def mtp_tensor_specs(gguf: Any, route: Any, mtp: str) -> list[Any]:
+    """What the MTP layer (check_mtp's answer: "", MTP_IN_MODEL or a path) puts on the route's last stage: its
+    tensors as their file stores them, and the token embedding where that stage does not embed."""
+    from ds4station.engine.stage import EMBED, MTP_IN_MODEL
+    from ds4station.model.gguf import GGUFFile
+
+    if not mtp:
+        return []
+    embed = [] if route.stages[-1].embed else [gguf.specs[EMBED]]
+    if mtp == MTP_IN_MODEL:
+        return gguf.mtp_specs() + embed
+    f = GGUFFile.open_mtp(mtp, gguf.config)
+    try:
+        return f.mtp_specs() + embed
+    finally:
+        f.release()
+
+
 def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int, rollback: int,
-                      kv_dtype: str) -> list[str]:
+                      kv_dtype: str, mtp: list[Any] | None = None) -> list[str]:
     """The host-memory guard: what the route draws on system RAM (CPU stages, pinned staging of streaming GPU
     stages; the page cache its streamed experts want) against what is available now. Raises ValueError when it
-    cannot run; -> warnings (below the host reserve, streamed experts partly on the disk)."""
+    cannot run; -> warnings (below the host reserve, streamed experts partly on the disk). `mtp`: what the MTP
+    layer puts on the last stage (mtp_tensor_specs)."""
     from ds4station.model.footprint import stage_footprint
     from ds4station.planner import shape_from_specs
     from ds4station.planner.launch import ENGINE_KV_DTYPES
@@ -222,8 +257,9 @@ def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int
     fs = FootprintSettings(prefill_chunk=chunk, kv_dtype=kv, sessions=sessions, rollback=rollback)
     kinds = ["cpu" if s.device == "cpu" else "gpu" for s in route.stages]
     footprints = [stage_footprint(shape, s.layers, ctx, fs, embed=s.embed, output=s.output,
-                                  expert_cache_bytes=s.expert_cache_bytes, device_kind=k)
-                  for s, k in zip(route.stages, kinds, strict=True)]
+                                  expert_cache_bytes=s.expert_cache_bytes, device_kind=k,
+                                  mtp=(mtp or []) if i == len(route.stages) - 1 else [])
+                  for i, (s, k) in enumerate(zip(route.stages, kinds, strict=True))]
     errors, warnings = host_messages(host_need(shape, list(route.stages), footprints, kinds), available_ram())
     if errors:
         raise ValueError(errors[0] + "; free memory, shorten --ctx, use fewer --sessions or move CPU layers to a GPU")

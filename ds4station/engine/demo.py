@@ -47,9 +47,9 @@ def random_weight(spec: TensorSpec, cfg: ModelConfig, gen: torch.Generator,
         return scores.argsort(dim=-1)[:, : cfg.n_experts_used].to(torch.int32)
     if role.endswith("norm"):
         return 1.0 + 0.1 * torch.randn(shape, generator=gen, device=dev)
-    if role in ("hc_attn_scale", "hc_ffn_scale", "output_hc_scale"):
+    if role in ("hc_attn_scale", "hc_ffn_scale", "output_hc_scale", "hc_head_scale"):
         return 0.5 + 0.1 * torch.rand(shape, generator=gen, device=dev)
-    if role in ("hc_attn_base", "hc_ffn_base", "output_hc_base", "attn_sinks", "exp_probs_b"):
+    if role in ("hc_attn_base", "hc_ffn_base", "output_hc_base", "hc_head_base", "attn_sinks", "exp_probs_b"):
         return 0.5 * torch.randn(shape, generator=gen, device=dev)
     fan_in = spec.shape[0]
     scale = 1.0 if role == "token_embd" else fan_in ** -0.5
@@ -87,18 +87,20 @@ class _RandomTensors(Mapping[str, "torch.Tensor | QTensor"]):
 
 
 def make_model(out: str | os.PathLike[str], preset: str = "tiny", seed: int = 0, quant: str = "q2",
-               device: str = "cpu") -> Path:
+               device: str = "cpu", mtp: bool = False) -> Path:
     """Write a complete DS4 GGUF of the named shape with random weights and the demo tokenizer, one tensor at
     a time (the full Flash shape needs its ~81 GiB of disk, not of RAM). `device="cuda"` draws the weights
     on the GPU (the Flash shape in about a minute instead of ~8 on 16 cores); the same seed gives the same
-    bytes on the same kind of device."""
+    bytes on the same kind of device. `mtp`: the MTP layer too (its tensors drawn after the model's, so the
+    model's weights are those of the same seed without it)."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     cfg = PRESETS[preset]
-    tensors = _RandomTensors(cfg, model_tensors(cfg, quant), seed, device, DEMO_EOS_GAIN.get(preset, 0.0))
+    specs = model_tensors(cfg, quant, mtp=mtp)
+    tensors = _RandomTensors(cfg, specs, seed, device, DEMO_EOS_GAIN.get(preset, 0.0))
     meta = tokenizer_metadata(build_demo_vocab(cfg.vocab_size))
-    extra = {"general.name": f"ds4station random {preset} ({quant}, seed {seed})"}
-    return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra)
+    extra = {"general.name": f"ds4station random {preset} ({quant}{', MTP' if mtp else ''}, seed {seed})"}
+    return write_gguf(out, cfg, tensors, recipe=quant, tokenizer_meta=meta, extra_meta=extra, specs=specs)
 
 
 def demo_model_path() -> Path:

@@ -8,13 +8,15 @@ exactly what plain decoding gives (greedy) or distributed exactly as it (sampled
   drafts run long; elsewhere they are short or absent and cost nothing. Indexing is incremental: O(ngram)
   dictionary updates per token, O(ngram) lookups per draft; a request indexes the last LOOKUP_CONTEXT tokens
   of its prompt, so a long prompt does not hold the other running requests while it is indexed.
+- `MtpDrafter` (--draft mtp): the model's MTP layer, through the engine session (`Session.draft`, engine/mtp.py):
+  its greedy guesses after the token about to be fed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-DRAFT_SOURCES = ("off", "lookup")
+DRAFT_SOURCES = ("off", "lookup", "mtp")
 DEFAULT_DRAFT_TOKENS = 4
 MAX_DRAFT_TOKENS = 16
 DEFAULT_NGRAM = 3
@@ -49,3 +51,19 @@ class LookupDrafter:
             if end is not None:
                 return self.tokens[end + 1:end + 1 + k]
         return []
+
+
+class MtpDrafter:
+    """MTP-layer drafts of one request: what the engine session's MTP layer guesses after the last token the
+    request accepted (the one about to be fed)."""
+
+    def __init__(self, session) -> None:  # noqa: ANN001 (an engine Session with `draft`)
+        self.session = session
+        self.last: int | None = None
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        if tokens:
+            self.last = int(tokens[-1])
+
+    def propose(self, k: int) -> list[int]:
+        return [] if self.last is None else self.session.draft(self.last, k)

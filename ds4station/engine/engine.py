@@ -52,7 +52,8 @@ import torch
 
 from ds4station.engine.weights import load_tensors
 from ds4station.model.footprint import kv_bytes, state_bytes
-from ds4station.model.gguf import GGUFFile, fingerprint
+from ds4station.model.gguf import GGUFError, GGUFFile, fingerprint
+from ds4station.model.layout import MTP_PREFIX
 from ds4station.model.route import Route, RouteError, Stage, parse_route, route_from_toml
 from ds4station.model.sizes import parse_size
 
@@ -66,8 +67,10 @@ from .stage import (
     FLAG_RESULT,
     HEADER_LEN,
     KV_DTYPES,
+    MTP_IN_MODEL,
     OP_BATCH,
     OP_CHECKPOINT,
+    OP_DRAFT,
     OP_DROP,
     OP_EXTEND,
     OP_FREE,
@@ -167,6 +170,11 @@ class Session:
         -> logits of the last one [vocab] (float32, on stage 0's device or the CPU)."""
         return self.engine._extend(self, list(tokens), chunk)
 
+    def draft(self, token: int, k: int) -> list[int]:
+        """Up to k tokens the MTP layer guesses after `token` (the token about to be fed), greedily (an engine
+        loaded with `mtp`); nothing is appended."""
+        return self.engine._draft(self, token, k)
+
     def verify(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens (at most one prefill chunk: a token and its drafts) -> the logits after each of them
         [T, vocab]: row i is what `extend` of tokens[:i + 1] would return. The caller truncates what it
@@ -222,13 +230,14 @@ class Engine:
 
     def __init__(self, *, path: str, gguf: GGUFFile, route: Route, ctx: int, chunk: int, rollback: int, sessions: int,
                  kv_dtype: str, activation_bits: int, heartbeat_timeout: float, step_timeout: float | None,
-                 verify_rows: int = 0) -> None:
+                 verify_rows: int = 0, mtp: str = "") -> None:
         from .tokenizer import Tokenizer
 
         self.path, self.route, self.cfg = path, route, gguf.config
         self.ctx, self.chunk, self.rollback, self.kv_dtype_name = ctx, chunk, rollback, kv_dtype
         self.sessions = sessions
         self.verify_rows = verify_rows
+        self.mtp = mtp  # StageSettings.mtp
         self.kv_dtype = KV_DTYPES[kv_dtype]
         self.activation_bits = activation_bits
         self.heartbeat_timeout, self.step_timeout = heartbeat_timeout, step_timeout
@@ -266,7 +275,7 @@ class Engine:
              dist_addr: str = "127.0.0.1:0", remote: Iterable[int] = (), threads: int | None = None,
              prefetch: bool = True, heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
              join_timeout: float = DEFAULT_JOIN_TIMEOUT, step_timeout: float | None = 600.0,
-             round_trips: RoundTrips = RoundTrips(), verify_rows: int = 0) -> Engine:
+             round_trips: RoundTrips = RoundTrips(), verify_rows: int = 0, mtp: str | None = None) -> Engine:
         """Load `route` (text form, a .toml file or a Route; default: one stage on `device`, in this process).
         `sessions`: KV slots every stage allocates (live sessions at once); `chunk`: the prefill piece (None:
         per device, see default_chunk). `expert_cache` is the routed-expert cache of every stage that does not
@@ -274,10 +283,13 @@ class Engine:
         worker --coordinator ADDR --rank N` (ADDR is `dist_addr`, printed when the engine waits for them).
         `compute` forces the stage backend (stage.choose_backend decides by default); `warm=False` skips the
         warm-up; `progress(loaded_bytes, total_bytes)` reports stage 0's weights as they load; `verify_rows`
-        (a token and its drafts, with speculative decoding) has the warm-up capture the verification's graphs."""
+        (a token and its drafts, with speculative decoding) has the warm-up capture the verification's graphs;
+        `mtp`: load the MTP layer for `Session.draft` (MTP_IN_MODEL: from the model file, else the path of its
+        own GGUF); a route of one stage only."""
         path = str(path)
         gguf = GGUFFile.open(path)
         route = check_settings(gguf, ctx, route, expert_cache, activation_bits, device)
+        mtp = check_mtp(gguf, route, mtp)
         chunk = default_chunk(route.stages[0].device) if chunk is None else chunk
         if chunk < 1 or rollback < 0:
             raise ValueError(f"prefill chunk {chunk} / rollback {rollback}: use a chunk >= 1 and a rollback >= 0")
@@ -291,7 +303,7 @@ class Engine:
             raise RouteError(f"remote rank(s) {bad}: workers are ranks 1-{len(route) - 1} of this route")
         engine = cls(path=path, gguf=gguf, route=route, ctx=ctx, chunk=chunk, rollback=rollback, sessions=sessions,
                      kv_dtype=kv_dtype, activation_bits=activation_bits, heartbeat_timeout=heartbeat_timeout,
-                     step_timeout=step_timeout, verify_rows=verify_rows)
+                     step_timeout=step_timeout, verify_rows=verify_rows, mtp=mtp)
         try:
             engine._start(gguf, remote, dist_addr, threads, prefetch, join_timeout, round_trips, compute, warm,
                           progress)
@@ -316,7 +328,7 @@ class Engine:
                                  chunk=self.chunk, rollback=self.rollback, sessions=self.sessions,
                                  kv_dtype=self.kv_dtype_name, backend=self.backend, prefetch=prefetch,
                                  fp8_kv=round_trips.fp8_kv, indexer_fp4=round_trips.indexer_fp4, compute=compute,
-                                 warm=warm, world=self.world, verify_rows=self.verify_rows)
+                                 warm=warm, world=self.world, verify_rows=self.verify_rows, mtp=self.mtp)
         if self.world > 1:
             host, _, port = dist_addr.rpartition(":")
             if not host or not port.isdigit():
@@ -599,6 +611,28 @@ class Engine:
                 s.tokens.append(int(t))
         return logits
 
+    @property
+    def has_mtp(self) -> bool:
+        """Loaded with the MTP layer: sessions can `draft`."""
+        return bool(self.mtp)
+
+    def _draft(self, session: Session, token: int, k: int) -> list[int]:
+        runner = self.runner
+        assert runner is not None
+        if not self.mtp:
+            raise RuntimeError("this engine was loaded without the MTP layer (Engine.load(..., mtp=...))")
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            if self.world == 1:
+                return runner.draft(session.sid, int(token), k)
+            last = self.world - 1  # the MTP layer is on the last stage, beside the head
+            pending = self._broadcast(header(OP_DRAFT, session.sid, k, arg=int(token)))
+            done, buf = self._irecv((k,), torch.int64, last)
+            pending.append(done)
+            self._await(pending, last)
+            return [int(t) for t in buf.tolist() if t >= 0]
+
     def _truncate(self, session: Session, n: int) -> bool:
         assert self.runner is not None
         with self._lock:
@@ -824,6 +858,26 @@ def check_expert_caches(gguf: GGUFFile, route: Route) -> None:
         if stage.expert_cache_bytes < need:
             raise ExpertCacheTooSmall(too_small_message(stage.expert_cache_bytes, cfg.n_experts,
                                                         need // cfg.n_experts, f"{stage_label(rank, stage)}: "))
+
+
+def check_mtp(gguf: GGUFFile, route: Route, mtp: str | os.PathLike[str] | None) -> str:
+    """The MTP layer for a route (serve --draft mtp, --mtp FILE): MTP_IN_MODEL when the model file holds it,
+    or the resolved path of its own GGUF, checked against the model's MTP layout (GGUFError names a missing or
+    malformed tensor); "" for none."""
+    if not mtp:
+        return ""
+    if not route.stages[-1].output:
+        raise RouteError("the MTP layer runs beside the output head on the route's last stage; this route has the "
+                         "head on stage 0 (the last stage sends its state back): give the last stage the output")
+    if str(mtp) == MTP_IN_MODEL:
+        if not gguf.has_mtp:
+            raise GGUFError(f"{gguf.path}: the model file has no MTP layer (no {MTP_PREFIX}* tensors); give the "
+                            "layer's own GGUF (--mtp FILE, e.g. `ds4station pull mtp`) or write a model with "
+                            "`make-model --mtp`")
+        return MTP_IN_MODEL
+    path = Path(mtp).resolve()
+    GGUFFile.open_mtp(path, gguf.config).release()
+    return str(path)
 
 
 def default_device() -> str:

@@ -48,7 +48,7 @@ from ds4station.kernels.reference import HyperConnection, Rope
 from ds4station.kernels.router import router
 from ds4station.kernels.rows import finish_rows
 from ds4station.model.config import ModelConfig
-from ds4station.model.layout import model_tensors
+from ds4station.model.layout import MTP_PREFIX, model_tensors, mtp_config, mtp_name
 
 from .experts import ExpertCache
 from .kv import DEFAULT_CHUNK, Frontier, KVCache, KVPool, pooled_caches
@@ -258,6 +258,38 @@ class GpuLayer:
                                                 w[f"{p}.ffn_down_exps.weight"], cfg.swiglu_clamp[i], dev, int_dot)
         self.shared = (stacked("ffn_gate_shexp", "ffn_up_shexp"), lin("ffn_down_shexp")) \
             if cfg.n_shared_experts else None
+        self.shared_clamp = cfg.swiglu_clamp_shared[i]
+
+
+class _MtpWeights(Mapping[str, Weight]):
+    """The MTP layer's tensors under the names of mtp_config's last layer (blk.N.x for mtp.0.x)."""
+
+    def __init__(self, weights: Mapping[str, Weight], cfg: ModelConfig) -> None:
+        self.weights, self.cfg = weights, cfg
+
+    def __getitem__(self, name: str) -> Weight:
+        return self.weights[mtp_name(name, self.cfg)]
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.weights)
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+
+class GpuMTP:
+    """The MTP layer in kernel form (model.MTPLayer's math): its block as a GpuLayer of mtp_config, its input
+    projections and its hyper-connection head; the embedding and the output matrix are the stage's."""
+
+    def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], dev: torch.device, int_dot: bool | None,
+                 rt: RoundTrips, token_embd: Tensor) -> None:
+        self.cfg, self.mcfg, self.token_embd = cfg, mtp_config(cfg), token_embd
+        self.block = GpuLayer(self.mcfg, cfg.n_layers, _MtpWeights(w, cfg), dev, int_dot, rt)
+        self.e_proj, self.h_proj = (Linear(w[f"{MTP_PREFIX}{k}.weight"], dev) for k in ("e_proj", "h_proj"))
+        self.enorm, self.hnorm, self.norm = (_dense(w[f"{MTP_PREFIX}{k}.weight"], dev, torch.float32)
+                                             for k in ("enorm", "hnorm", "norm"))
+        self.hc = HyperConnection(*(_dense(w[f"{MTP_PREFIX}hc_head_{k}.weight"], dev, torch.float32)
+                                    for k in ("fn", "scale", "base")), cfg)
 
 
 # ---- the stage -----------------------------------------------------------------------------------------------
@@ -310,14 +342,18 @@ class GpuStage:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Weight], layers: range | None = None, *,
                  embed: bool = True, output: bool = True, device: str | torch.device = "cuda",
                  round_trips: RoundTrips = RoundTrips(), int_dot: bool | None = None,
-                 experts: ExpertCache | None = None) -> None:
+                 experts: ExpertCache | None = None, mtp: bool = False) -> None:
         """`int_dot`: the MoE decode kernels' integer-dot path (None = the backend's default, on for CUDA);
         False gives fp32 math, for comparisons with the reference. `experts`: stream the routed experts through
-        this cache (engine/experts.py) instead of holding them; every other weight stays resident."""
+        this cache (engine/experts.py) instead of holding them; every other weight stays resident (the MTP
+        layer's experts too). `mtp`: the MTP layer as well (`mtp_step`; needs the head, and the token embedding
+        among `weights`)."""
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = range(cfg.n_layers) if layers is None else layers
         self.has_embed, self.has_output, self.rt = embed, output, round_trips
-        needed = [s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed, output=output)]
+        if mtp and not output:
+            raise ValueError("the MTP layer runs on the stage that holds the output head")
+        needed = [s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed or mtp, output=output, mtp=mtp)]
         missing = [n for n in needed if n not in weights]
         if missing:
             raise KeyError(f"weights for the stage are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -332,6 +368,10 @@ class GpuStage:
                                             for k in ("fn", "scale", "base")), cfg)
             self.output_norm = _dense(weights["output_norm.weight"], dev, torch.float32)
             self.output = Linear(weights["output.weight"], dev)
+        # the MTP layer reads the token embedding: the stage's, or on a stage that does not embed its own copy
+        self.mtp = GpuMTP(cfg, weights, dev, int_dot, round_trips,
+                          _kept(weights["token_embd.weight"], dev) if self.token_embd is None else self.token_embd) \
+            if mtp else None
         self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
@@ -503,29 +543,63 @@ class GpuStage:
         starts from the HC state X) and then layer k up to its router (-> its routed state; k = n ends with the
         stage's output HC state). A streaming stage's decode captures each segment as a graph and loads the
         experts a router chose between two replays (_SegmentedStep)."""
-        eps, cfg = self.cfg.rms_eps, self.cfg
         if k == 0:
             assert isinstance(state, Tensor)
             X = state
         else:
             assert isinstance(state, _Routed)
-            L = self.blocks[k - 1]
-            y = L.experts(state.xn, state.ids, state.wts, st.last)
-            if L.shared is not None:
-                gate_up, down = L.shared
-                y = y + down(swiglu(gate_up(state.xn), cfg.swiglu_clamp_shared[L.layer]))
-            X = hc_k.hc_post(y, state.X, state.post, state.comb)
+            X = self._ffn(self.blocks[k - 1], state, st)
         if k == len(self.blocks):
             return X
-        L = self.blocks[k]  # the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair
+        L = self.blocks[k]
+        return self._to_router(L, X, tokens, cache[L.layer], st)
+
+    def _ffn(self, L: GpuLayer, state: _Routed, st: Step) -> Tensor:
+        """A layer's FFN from its routed state: the routed experts and the shared one, then hc_post."""
+        y = L.experts(state.xn, state.ids, state.wts, st.last)
+        if L.shared is not None:
+            gate_up, down = L.shared
+            y = y + down(swiglu(gate_up(state.xn), L.shared_clamp))
+        return hc_k.hc_post(y, state.X, state.post, state.comb)
+
+    def _to_router(self, L: GpuLayer, X: Tensor, tokens: Tensor, kv, st: Step) -> _Routed:
+        """A layer from its input HC state X up to its router (kv: the layer's LayerKV, or a static step's pool
+        layer); the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair."""
+        eps, cfg = self.cfg.rms_eps, self.cfg
         x, post, comb = self._hc_pre(L.hc_attn, X)
-        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, cache[L.layer]), X, post, comb)
+        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
         x, post, comb = self._hc_pre(L.hc_ffn, X)
         xn = rms_norm(x, L.ffn_norm, eps)
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
         return _Routed(X, xn, post, comb, ids, wts)
+
+    @torch.inference_mode()
+    def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """The MTP layer (model.MTPLayer) over H [T, C, dim] and the tokens after them, at positions
+        cache.length.. of its own cache (`new_mtp_cache`), eager launches -> (its HC states, logits [T, vocab])."""
+        m = self.mtp
+        assert m is not None
+        cfg, eps = self.cfg, self.cfg.rms_eps
+        tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
+        H = H.to(self.device, torch.float32)
+        T, C = H.shape[0], cfg.hc_mult
+        cache.check_room(T)
+        p0 = cache.length
+        st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
+        e = m.e_proj(rms_norm(m.token_embd[tokens].float(), m.enorm, eps))  # [T, dim]
+        h = m.h_proj(rms_norm(H.reshape(T * C, cfg.dim), m.hnorm, eps)).view(T, C, cfg.dim)
+        L = m.block
+        X = self._ffn(L, self._to_router(L, (h + e.unsqueeze(1)).contiguous(), tokens, cache[L.layer], st), st)
+        cache.advance(T)
+        x = hc_k.hc_head_pre(X, m.hc.fn, m.hc.scale, m.hc.base, eps, cfg.hc_eps)
+        return X, self.output(rms_norm(x, m.norm, eps))
+
+    def new_mtp_cache(self, ctx: int, chunk: int) -> KVCache:
+        assert self.mtp is not None
+        return KVCache(self.mtp.mcfg, range(self.cfg.n_layers, self.cfg.n_layers + 1), ctx, chunk=chunk,
+                       device=self.device)
 
     def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg

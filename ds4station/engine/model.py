@@ -36,7 +36,7 @@ from ds4station.kernels.reference import (
     swiglu,
 )
 from ds4station.model.config import ModelConfig
-from ds4station.model.layout import model_tensors
+from ds4station.model.layout import MTP_PREFIX, model_tensors, mtp_config, mtp_name
 
 from .kv import DEFAULT_CHUNK, Frontier, KVCache, LayerKV, pooled_caches
 
@@ -254,18 +254,63 @@ class Block:
         return HyperConnection.post(self.moe(rms_norm(x, self.ffn_norm, self.eps), tokens), X, post, comb)
 
 
+def hc_head(X: Tensor, hc: HyperConnection, norm: Tensor, output: Tensor, cfg: ModelConfig) -> Tensor:
+    """HC state [T, C, dim] -> logits [T, vocab]: sigmoid-weighted stream sum (no Sinkhorn), norm, output."""
+    mix = hc_mix(X, hc.fn, cfg.rms_eps)  # [T, C]
+    pre = torch.sigmoid(mix * hc.scale + hc.base) + cfg.hc_eps
+    return rms_norm((pre.unsqueeze(-1) * X).sum(1), norm, cfg.rms_eps) @ output.T
+
+
+class MTPLayer:
+    """DeepSeek-V4's next-token-prediction layer (DeepSeek's `MTPBlock`, ds4's `mtp.0.*` tensors). At position
+    i it takes the model's last HC state h_i [C, dim] (what its head read) and the next token x_{i+1}, and
+    predicts x_{i+2}: X = Block(e_proj(enorm(embed(x_{i+1}))) + h_proj(hnorm(h_i)), per stream), logits =
+    output(norm(hc_head(X))). Its block is mtp_config's last layer (window-only, routed by scores) with a KV
+    cache of its own; the embedding and the output matrix are the model's. Drafting chains it: the next depth
+    takes its own X in place of h (engine/mtp.py)."""
+
+    def __init__(self, cfg: ModelConfig, w: Callable[[str], Tensor], token_embd: Tensor, output: Tensor,
+                 rt: RoundTrips) -> None:
+        self.cfg, self.mcfg, self.layer = cfg, mtp_config(cfg), cfg.n_layers
+        self.block = Block(self.mcfg, self.layer, lambda name: w(mtp_name(name, cfg)), rt)
+        self.e_proj, self.h_proj = w(MTP_PREFIX + "e_proj.weight"), w(MTP_PREFIX + "h_proj.weight")  # [dim, dim]
+        self.enorm, self.hnorm, self.norm = (w(f"{MTP_PREFIX}{k}.weight") for k in ("enorm", "hnorm", "norm"))
+        self.hc = HyperConnection(*(w(f"{MTP_PREFIX}hc_head_{k}.weight") for k in ("fn", "scale", "base")), cfg)
+        self.token_embd, self.output = token_embd, output
+
+    def new_cache(self, ctx: int, chunk: int, device: torch.device | str | None = None) -> KVCache:
+        return KVCache(self.mcfg, range(self.layer, self.layer + 1), ctx, chunk=chunk, device=device)
+
+    def __call__(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """H [T, C, dim] (the model's HC states at positions cache.length..), tokens [T] (the tokens after them)
+        -> (the layer's HC states [T, C, dim], logits [T, vocab]); the positions are appended to `cache`."""
+        T, eps = tokens.numel(), self.cfg.rms_eps
+        cache.check_room(T)
+        pos = torch.arange(cache.length, cache.length + T, device=H.device)
+        e = rms_norm(self.token_embd[tokens], self.enorm, eps) @ self.e_proj.T  # [T, dim]
+        x = rms_norm(H, self.hnorm, eps) @ self.h_proj.T + e.unsqueeze(1)  # [T, C, dim]
+        X = self.block(x, tokens, pos, cache[self.layer])
+        cache.advance(T)
+        return X, hc_head(X, self.hc, self.norm, self.output, self.cfg)
+
+
 # ---- the model (one slice) -----------------------------------------------------------------------------
 class DS4Model:
     """Layers `layers` of DeepSeek-V4 (default all), plus the embedding and/or the output head."""
 
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, Tensor], layers: range | None = None, *,
-                 embed: bool = True, output: bool = True, round_trips: RoundTrips = RoundTrips()) -> None:
+                 embed: bool = True, output: bool = True, round_trips: RoundTrips = RoundTrips(),
+                 mtp: bool = False) -> None:
+        """`mtp`: build the MTP layer too (`self.mtp`; its tensors in `weights`, and the token embedding's;
+        needs the head)."""
         self.cfg = cfg
         self.layers = range(cfg.n_layers) if layers is None else layers
         if self.layers.step != 1 or self.layers.start < 0 or self.layers.stop > cfg.n_layers:
             raise ValueError(f"layer slice {self.layers} is not a contiguous range within 0..{cfg.n_layers}")
         self.has_embed, self.has_output, self.round_trips = embed, output, round_trips
-        needed = {s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed, output=output)}
+        if mtp and not output:
+            raise ValueError("the MTP layer runs on the slice that holds the output head")
+        needed = {s.name for s in model_tensors(cfg, "f32", self.layers, embed=embed or mtp, output=output, mtp=mtp)}
         missing = sorted(needed - set(weights))
         if missing:
             raise KeyError(f"weights for the slice are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
@@ -281,6 +326,9 @@ class DS4Model:
             self.out_hc = HyperConnection(w("output_hc_fn.weight"), w("output_hc_scale.weight"),
                                           w("output_hc_base.weight"), cfg)
             self.output_norm, self.output = w("output_norm.weight"), w("output.weight")  # [dim], [vocab, dim]
+        # the MTP layer reads the token embedding: the slice's, or on a slice that does not embed its own copy
+        self.mtp = MTPLayer(cfg, w, w("token_embd.weight") if self.token_embd is None else self.token_embd,
+                            self.output, round_trips) if mtp else None
 
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
                   dtype: torch.dtype = torch.float32) -> KVCache:
@@ -303,10 +351,7 @@ class DS4Model:
         """HC state [T, C, dim] -> logits [T, vocab]: sigmoid-weighted stream sum (no Sinkhorn), norm, output."""
         if not self.has_output:
             raise RuntimeError("this model slice has no output head")
-        mix = hc_mix(X, self.out_hc.fn, self.cfg.rms_eps)  # [T, C]
-        pre = torch.sigmoid(mix * self.out_hc.scale + self.out_hc.base) + self.cfg.hc_eps
-        h = rms_norm((pre.unsqueeze(-1) * X).sum(1), self.output_norm, self.cfg.rms_eps)  # [T, dim]
-        return h @ self.output.T
+        return hc_head(X, self.out_hc, self.output_norm, self.output, self.cfg)
 
     # ---- the backend interface (the same as engine/gpu.py's kernel stage; engine/stage.py drives both) ------
     @torch.inference_mode()
@@ -337,13 +382,25 @@ class DS4Model:
         """One token: `prefill` of [token] (the reference has no faster way)."""
         return self.prefill([token], cache, X, logits=logits)
 
+    @torch.inference_mode()
+    def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
+        """The MTP layer over H [T, C, dim] and the tokens after them, at positions cache.length.. of its own
+        cache (`mtp.new_cache`) -> (its HC states, logits [T, vocab]); see MTPLayer."""
+        assert self.mtp is not None
+        return self.mtp(H.to(self.device, torch.float32), torch.as_tensor(tokens, device=self.device).view(-1), cache)
+
+    def new_mtp_cache(self, ctx: int, chunk: int) -> KVCache:
+        assert self.mtp is not None
+        return self.mtp.new_cache(ctx, chunk, self.device)
+
 
 # ---- random weights (tests, benchmarks) ----------------------------------------------------------------
 def random_weights(cfg: ModelConfig, seed: int = 0, layers: range | None = None, *, embed: bool = True,
-                   output: bool = True) -> dict[str, Tensor]:
+                   output: bool = True, mtp: bool = False) -> dict[str, Tensor]:
     """Float weights of the layout with sensible scales (norms ~1, projections ~1/sqrt(fan_in)), the same
     values the demo model maker draws."""
     from .demo import random_weight
 
     gen = torch.Generator().manual_seed(seed)
-    return {s.name: random_weight(s, cfg, gen) for s in model_tensors(cfg, "f32", layers, embed=embed, output=output)}
+    return {s.name: random_weight(s, cfg, gen)
+            for s in model_tensors(cfg, "f32", layers, embed=embed, output=output, mtp=mtp)}

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .draft import DRAFT_SOURCES, LOOKUP_CONTEXT, MAX_DRAFT_TOKENS, LookupDrafter
+from .draft import DRAFT_SOURCES, LOOKUP_CONTEXT, MAX_DRAFT_TOKENS, LookupDrafter, MtpDrafter
 from .kvdisk import DiskKV, DiskSettings, common_prefix
 from .sampler import Sampler, SamplingParams, StopScanner
 
@@ -508,7 +508,7 @@ class _Stream:
     ttft_ms: float = 0.0
     ended: str | None = None  # why it ends at the end of this step
     matched: str | None = None  # the stop string that ended it
-    drafter: LookupDrafter | None = None  # speculative decoding's draft source, when the server drafts
+    drafter: LookupDrafter | MtpDrafter | None = None  # speculative decoding's draft source, when the server drafts
     drafts: list[int] = field(default_factory=list)  # the drafts verified at the last step, after its token
     rows: torch.Tensor | None = None  # that verification's logits [1 + drafts, vocab]
     step_start: int = 0  # len(outputs) before this step's tokens
@@ -786,6 +786,9 @@ class Scheduler:
         # never more live sessions than the engine has KV slots (an engine loaded with fewer than asked for)
         self.pool = SessionPool(self.engine, min(self.capacity, getattr(self.engine, "sessions", self.capacity)))
         self.batch = min(self.batch, self.pool.capacity)
+        if self.draft == "mtp" and not getattr(self.engine, "has_mtp", False):
+            raise RuntimeError("--draft mtp needs the model's MTP layer: load the engine with it (serve --mtp FILE, "
+                               "or a model file that holds it)")
         self._warm()
         if self.kv_disk is not None:  # after the warm-up: its prompts are neither saved nor restored
             self.pool.disk = self.kv_disk.open(self.engine)
@@ -1124,7 +1127,10 @@ class Scheduler:
         engine's `decode_batch` when it has one, else one after another); -> the ids of the batched ones."""
         singles = [s for s in feed if len(s.feed) == 1]
         for stream in [s for s in singles if s.drafter is not None]:
-            drafts = self._drafts(stream)
+            drafts = self._engine_call([stream], lambda s=stream: self._drafts(s))  # the MTP layer runs here
+            if drafts is None:  # the request failed
+                singles.remove(stream)
+                continue
             if drafts:  # the token and its drafts in one forward, every position's logits back
                 rows = self._engine_call([stream], lambda s=stream, d=drafts: s.live.session.verify(s.feed + d))
                 singles.remove(stream)
@@ -1186,8 +1192,8 @@ class Scheduler:
             disk.save(stream.live.tokens, stream.live.session.save_state)  # type: ignore[attr-defined]
         stream.detok = self._make_detok(self.engine)
         stream.sampler = Sampler(job.sampling)
-        if self.draft == "lookup" and job.guide is None and job.kind != WARM:
-            stream.drafter = LookupDrafter()
+        if self.draft != "off" and job.guide is None and job.kind != WARM:
+            stream.drafter = LookupDrafter() if self.draft == "lookup" else MtpDrafter(stream.live.session)
             stream.drafter.extend(stream.live.tokens[-LOOKUP_CONTEXT:])
         stream.scanner = StopScanner(job.stop)
         if job.banned_tokens or job.logit_bias:  # banned tokens (-inf) and the client's logit_bias, built once

@@ -49,20 +49,21 @@ from typing import Any
 
 import torch
 
-from ds4station.engine.weights import load_tensors
+from ds4station.engine.weights import load_tensors, tensor_view
 from ds4station.kernels.quants import QTensor
 from ds4station.model.gguf import GGUFFile
 from ds4station.model.route import Route, RouteError, Stage, parse_route
 
 from .experts import ExpertCache, ExpertCacheTooSmall
-from .gpu import ALL_ROWS, MIN_BUCKET, GpuStage
+from .gpu import ALL_ROWS, MIN_BUCKET, GpuMTP, GpuStage
 from .kv import KVCache, KVPool, dtype_name
 from .kvdisk import StateFileError, read_state_file, stage_file, write_state_file
-from .model import DS4Model, RoundTrips
+from .model import DS4Model, MTPLayer, RoundTrips
+from .mtp import MtpDrafts
 
 # ---- wire protocol -----------------------------------------------------------------------------------
 (OP_EXTEND, OP_NEW, OP_FREE, OP_TRUNCATE, OP_STATUS, OP_SHUTDOWN, OP_CHECKPOINT, OP_REWIND, OP_BATCH, OP_SAVE,
- OP_LOAD, OP_DROP) = range(1, 13)
+ OP_LOAD, OP_DROP, OP_DRAFT) = range(1, 14)
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 FLAG_FAILED = 2  # OP_SAVE / OP_LOAD: a stage could not save or load its file (its log says why)
 FLAG_ALL = 4  # an extend whose result is every position's (a draft's verification), not only the last one's
@@ -186,6 +187,7 @@ class StageSettings:
     warm: bool = True  # compile the kernels and capture the decode graphs before reporting ready
     world: int = 1
     verify_rows: int = 0  # speculative decoding's verification (a token and its drafts): its graphs captured too
+    mtp: str = ""  # the MTP layer (--draft mtp): "" none, MTP_IN_MODEL from the model file, else its own GGUF
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -196,6 +198,8 @@ class StageSettings:
 
 
 COMPUTE = ("auto", "kernels", "reference")
+MTP_IN_MODEL = "model"  # StageSettings.mtp: the model file holds the MTP layer
+EMBED = "token_embd.weight"
 # Decode graphs captured before ready cover positions up to this many tokens (more buckets are captured
 # when a session first reaches them).
 WARM_POSITIONS = 65536
@@ -276,6 +280,14 @@ class StageRunner:
                  rank: int = 0, progress: Callable[[int, int], None] | None = None) -> None:
         self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
         views = load_tensors(gguf, stage.layers, embed=stage.embed, output=stage.output)
+        mtp_file = None
+        # The stage whose steps end in the head (the last one, holding it) returns logits; with the MTP layer
+        # it holds that too (Engine.load checks the route has such a stage), and the token embedding it reads.
+        self.head_here = stage.output and rank == settings.world - 1
+        if settings.mtp and self.head_here:
+            mtp_file = gguf if settings.mtp == MTP_IN_MODEL else GGUFFile.open_mtp(settings.mtp, gguf.config)
+            views |= {s.name: tensor_view(mtp_file, s.name) for s in mtp_file.mtp_specs()}
+            views.setdefault(EMBED, tensor_view(gguf, EMBED))
         tensors: Mapping[str, QTensor] = views if progress is None else _Progress(views, progress)
         self.experts: ExpertCache | None = None
         self.model: DS4Model | GpuStage
@@ -290,15 +302,22 @@ class StageRunner:
                 self.experts = ExpertCache(self.cfg, tensors, stage.layers, stage.expert_cache_bytes, device,
                                            prefetch=settings.prefetch, where=f"{stage_label(rank, stage)}: ")
             self.model = GpuStage(self.cfg, tensors, stage.layers, embed=stage.embed, output=stage.output,
-                                  device=device, round_trips=round_trips, experts=self.experts)
+                                  device=device, round_trips=round_trips, experts=self.experts,
+                                  mtp=mtp_file is not None)
         else:
             self.model = DS4Model(self.cfg, {name: tensors[name].dequantize().to(device) for name in tensors},
-                                  stage.layers, embed=stage.embed, output=stage.output, round_trips=round_trips)
+                                  stage.layers, embed=stage.embed, output=stage.output, round_trips=round_trips,
+                                  mtp=mtp_file is not None)
         gguf.release()  # the weights are in the stage's own buffers now: the file's pages stop counting here
+        if mtp_file is not None:
+            mtp_file.release()
         # The forms this stage's steps take: the first stage embeds; the head runs inside the step when this
-        # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`).
+        # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`). With the
+        # MTP layer the steps return the HC states, recorded for it, and the head runs after them (`_head`).
         self.embeds = stage.embed
-        self.logits = stage.output and rank == settings.world - 1
+        self.mtp = MtpDrafts(self.model, self.cfg, settings.ctx, settings.chunk, device, settings.sessions) \
+            if mtp_file else None
+        self.logits = self.head_here and self.mtp is None  # the head inside the backend's step
         # the sessions' KV in one pool: any of them decode together in one batched step
         self.slots = self.model.new_caches(settings.sessions, settings.ctx, chunk=settings.chunk,
                                            rollback=settings.rollback, dtype=kv_dtype)
@@ -347,6 +366,12 @@ class StageRunner:
                 slot.reset()
         if self.experts is not None:
             self.experts.dry = False
+        if self.mtp is not None:  # the MTP layer's eager steps: a catch-up of most of a window, one chain depth
+            mcache = self.model.new_mtp_cache(ctx, self.mtp.chunk)
+            H = torch.randn(cfg.window, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
+            tokens = torch.randint(2, cfg.vocab_size, (cfg.window,), generator=gen)
+            self.model.mtp_step(H[:-1], tokens[:-1], mcache)
+            self.model.mtp_step(H[-1:], tokens[-1:], mcache)
         # A static step's graph serves every session of the pool: captured once, on the first slot (a streaming
         # stage's segmented decode graphs are each session's own)
         owners = self.slots if self.experts is not None else self.slots[:1]
@@ -372,18 +397,34 @@ class StageRunner:
                                "use; close a session first (or load with more sessions)")
         free[0].reset()
         self.kv[sid] = free[0]
+        if self.mtp is not None:
+            self.mtp.new_session(sid)
 
     def free(self, sid: int) -> None:
         self.kv.pop(sid, None)
+        if self.mtp is not None:
+            self.mtp.free(sid)
 
     def truncate(self, sid: int, n: int) -> bool:
-        return self.kv[sid].truncate(n)
+        ok = self.kv[sid].truncate(n)
+        if ok and self.mtp is not None:
+            self.mtp.truncate(sid, n)
+        return ok
 
     def checkpoint(self, sid: int) -> None:
         self.kv[sid].checkpoint()
 
     def rewind(self, sid: int, n: int) -> int:
-        return self.kv[sid].rewind(n)
+        kept = self.kv[sid].rewind(n)
+        if kept >= 0 and self.mtp is not None:
+            self.mtp.truncate(sid, kept)
+        return kept
+
+    def draft(self, sid: int, token: int, k: int) -> list[int]:
+        """Up to k drafted tokens after `token` (about to be fed to session `sid`) from the MTP layer."""
+        if self.mtp is None:
+            raise RuntimeError(f"{stage_label(self.rank, self.stage)} holds no MTP layer")
+        return self.mtp.draft(sid, self.kv[sid].length, token, k)
 
     @torch.inference_mode()
     def save_state(self, sid: int, entry: str) -> bool:
@@ -436,10 +477,15 @@ class StageRunner:
         `all_logits`, every position's [T, vocab]). One token decodes (static shapes, a graph replay on a
         GPU); more prefill."""
         cache = self.kv[sid]
+        p0 = cache.length
         if tokens.numel() == 1 and not all_logits:  # the token id as the caller holds it: no device round trip
-            out = self.model.decode(int(tokens[0]), cache, X, logits=self.logits)
-            return out.clone()  # the graph reuses its output buffer
-        return self.model.prefill(tokens, cache, X, logits=self.logits, all_logits=all_logits)
+            out = self.model.decode(int(tokens[0]), cache, X, logits=self.logits).clone()  # the graph's buffer
+        else:
+            out = self.model.prefill(tokens, cache, X, logits=self.logits, all_logits=all_logits)
+        if self.mtp is None:
+            return out
+        self.mtp.record(sid, p0, tokens, out)
+        return self.model.head(out) if all_logits else self.model.head(out[-1:])[0]
 
     @torch.inference_mode()
     def step_batch(self, sids: list[int], tokens: torch.Tensor, X: torch.Tensor | None) -> torch.Tensor:
@@ -448,11 +494,18 @@ class StageRunner:
         read once for all); the reference decodes them one after another."""
         caches = [self.kv[sid] for sid in sids]
         ids = [int(t) for t in tokens.tolist()]
+        p0 = [c.length for c in caches]
         if isinstance(self.model, GpuStage):
-            return self.model.decode_batch(ids, caches, X, logits=self.logits).clone()  # the graph's buffer
-        outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
-                for b, (t, c) in enumerate(zip(ids, caches, strict=True))]
-        return torch.stack(outs) if self.logits else torch.cat(outs)
+            out = self.model.decode_batch(ids, caches, X, logits=self.logits).clone()  # the graph's buffer
+        else:
+            outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
+                    for b, (t, c) in enumerate(zip(ids, caches, strict=True))]
+            out = torch.stack(outs) if self.logits else torch.cat(outs)
+        if self.mtp is None:
+            return out
+        for b, sid in enumerate(sids):
+            self.mtp.record(sid, p0[b], tokens[b:b + 1], out[b:b + 1])
+        return self.model.head(out)
 
     @torch.inference_mode()
     def head(self, X: torch.Tensor) -> torch.Tensor:
@@ -460,10 +513,11 @@ class StageRunner:
         return self.model.head(X.to(self.device, torch.float32))
 
     # ---- reporting ---------------------------------------------------------------------------------
-    def held_weight_bytes(self) -> int:
+    def held_weight_bytes(self, mtp: bool = False) -> int:
         """Bytes of the tensors the stage's model holds (its weights in their kept forms, tables), KV slots
-        and the expert cache's pool excluded: what the plan's `weights` counts."""
-        return held_bytes(self.model, skip=(KVCache, KVPool, ExpertCache))
+        and the expert cache's pool excluded: what the plan's `weights` counts (the MTP layer's only with `mtp`:
+        the footprint counts those apart)."""
+        return held_bytes(self.model, skip=(KVCache, KVPool, ExpertCache) + (() if mtp else (GpuMTP, MTPLayer)))
 
     def kv_bytes(self) -> int:
         """Bytes of every KV slot this stage allocated (what the plan must count)."""
@@ -480,6 +534,8 @@ class StageRunner:
             "kv_bytes": sum(c.nbytes() for c in sessions.values()), "kv_allocated_bytes": self.kv_bytes(),
             "kv_slots": len(self.slots), "warm_s": round(self.warm_s, 3), "weights_held_bytes": self.held,
             "expert_cache": None if self.experts is None else self.experts.report(),
+            # the MTP layer (--draft mtp): its weights as held and every session's state
+            "mtp_bytes": 0 if self.mtp is None else self.held_weight_bytes(mtp=True) - self.held + self.mtp.nbytes(),
         }
 
     def close(self) -> None:
@@ -712,7 +768,7 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
                 link.send(hdr, nxt)
                 link.send(pack(tokens, out, bits), nxt)
             elif flags & FLAG_RESULT:
-                if runner.logits:  # the head is here: only the logits travel back
+                if runner.head_here:  # the head is here: only the logits travel back
                     link.send(out.float(), 0)
                 elif every:  # the head is on rank 0: every position's state
                     link.send(pack(tokens, out, bits), 0)
@@ -730,7 +786,7 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
                 body = torch.cat((sids.view(torch.uint8), pack(tokens, out, bits).to(sids.device)))
                 link.send(header(op, 0, n, bits, flags, payload=body.numel()), nxt)
                 link.send(body, nxt)
-            elif runner.logits:
+            elif runner.head_here:
                 link.send(out.float(), 0)
             else:
                 link.send(pack(tokens, out, bits), 0)
@@ -754,6 +810,13 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
                 link.send(hdr, nxt)
                 link.send(payload, nxt)
             continue
+        if op == OP_DRAFT:  # n: the drafts wanted, arg: the token about to be fed; the MTP stage answers rank 0
+            if last:
+                drafts = runner.draft(sid, arg, n)
+                link.send(torch.tensor(drafts + [-1] * (n - len(drafts)), dtype=torch.int64), 0)
+            else:
+                link.send(hdr, nxt)
+            continue
         if op == OP_NEW:
             runner.new_session(sid)
         elif op == OP_FREE:
@@ -776,6 +839,7 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
             return EXIT_OK
 
 
-__all__ = ["ACTIVATION_BITS", "KV_DTYPES", "Link", "PeerLost", "StageRunner", "StageSettings", "make_process_group",
+__all__ = ["ACTIVATION_BITS", "EMBED", "KV_DTYPES", "MTP_IN_MODEL",
+           "Link", "PeerLost", "StageRunner", "StageSettings", "make_process_group",
            "shutdown_process_group",
            "pack", "payload_bytes", "pin_env", "resolve_device", "run_worker", "stage_label", "unpack"]

@@ -48,16 +48,17 @@ def load_tensors(gguf: GGUFFile, layers: range | None = None, *, embed: bool = T
 
 def write_gguf(path: str | os.PathLike[str], cfg: ModelConfig, tensors: Mapping[str, torch.Tensor | QTensor] | None,
                recipe: str = "q2", tokenizer_meta: Mapping[str, Any] | None = None,
-               extra_meta: Mapping[str, Any] | None = None) -> Path:
+               extra_meta: Mapping[str, Any] | None = None, specs: list[TensorSpec] | None = None) -> Path:
     """Write a DS4 GGUF. Float tensors (torch order) are quantised to the recipe's type for their role;
     QTensor values are written as they are: in their own type when `tensors` is a dict, in the recipe's
     type otherwise (a lazy Mapping makes each tensor when it is asked for, once, in layout order, so the
     whole model never sits in memory). Every tensor of the layout must be present. `tensors=None` writes
     the header and tensor table only and extends the file to its full size without data (a sparse file:
     it costs no disk, and every path that reads only the header works on it). The file appears under its
-    name only once complete."""
+    name only once complete. `specs`: the tensors to write (default: the model's layout in the recipe's types;
+    with the MTP layer, `model_tensors(..., mtp=True)`; the MTP layer alone, `mtp_tensors`)."""
     path = Path(path)
-    specs = model_tensors(cfg, recipe)
+    specs = model_tensors(cfg, recipe) if specs is None else specs
     if tensors is not None:
         names = {s.name for s in specs}
         missing = [n for n in names if n not in tensors]

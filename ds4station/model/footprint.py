@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .config import DEMO, FLASH, TINY, ModelConfig
-from .layout import TensorSpec, model_tensors
+from .layout import TensorSpec, model_tensors, mtp_config
 from .sizes import MiB
 
 KV_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -53,8 +53,11 @@ CPU_DEQUANT_BYTES = 64 * MiB
 
 # Tensors the kernel stage keeps wider than the file stores them (engine/gpu.py): the hyper-connection mixes and
 # the compressors' position biases as fp32 (F16 in the q2 file), the hash-routing tables as int64 (I32).
-WIDENED_ROLES = frozenset({"hc_attn_fn", "hc_ffn_fn", "output_hc_fn", "attn_compressor_ape", "indexer_compressor_ape",
-                           "ffn_gate_tid2eid"})
+WIDENED_ROLES = frozenset({"hc_attn_fn", "hc_ffn_fn", "output_hc_fn", "hc_head_fn", "attn_compressor_ape",
+                           "indexer_compressor_ape", "ffn_gate_tid2eid"})
+# The MTP layer's per-session ring of the model's last HC states (engine/mtp.py) holds the window and this many
+# more positions.
+MTP_RING_EXTRA = 64
 
 
 def kept_bytes(spec: TensorSpec) -> int:
@@ -139,6 +142,15 @@ def kv_bytes(cfg: ModelConfig, layers: Iterable[int] | None, ctx: int, dtype: st
     """KV bytes of one session over `layers` (None: all of them)."""
     layers = range(cfg.n_layers) if layers is None else layers
     return sum(layer_kv_bytes(cfg, i, ctx, dtype, chunk=chunk, rollback=rollback) for i in layers)
+
+
+def mtp_bytes(cfg: ModelConfig, specs: Iterable[TensorSpec], ctx: int, chunk: int, sessions: int) -> int:
+    """What the MTP layer (serve --draft mtp) adds to the stage holding it: its tensors as kept (`specs`: the
+    layer's, as its file stores them), and per session what engine/mtp.py allocates: the layer's own KV (a
+    window-only layer whose pieces are at least a ring long) and the ring of the model's last HC states (fp32)."""
+    ring = cfg.window + MTP_RING_EXTRA
+    per_session = layer_kv_bytes(mtp_config(cfg), cfg.n_layers, ctx, chunk=max(chunk, ring)) + ring * cfg.hc_dim * 4
+    return sum(kept_bytes(s) for s in specs) + sessions * per_session
 
 
 def activation_bytes_per_token(cfg: ModelConfig) -> int:
@@ -293,18 +305,21 @@ class StageFootprint:
     overhead_bytes: int
     expert_cache_bytes: int = 0  # the slot pool, its slot table and device staging buffers
     host_staging_bytes: int = 0  # pinned host memory of a GPU streaming stage (counted against host RAM)
+    mtp_bytes: int = 0  # the MTP layer's weights and per-session state (serve --draft mtp)
 
     @property
     def predicted_bytes(self) -> int:
-        return self.weights_bytes + self.kv_bytes + self.scratch_bytes + self.overhead_bytes + self.expert_cache_bytes
+        return (self.weights_bytes + self.kv_bytes + self.scratch_bytes + self.overhead_bytes + self.expert_cache_bytes
+                + self.mtp_bytes)
 
 
 def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: FootprintSettings, *,
                     embed: bool = False, output: bool = False, expert_cache_bytes: int = 0,
-                    device_kind: str = "gpu") -> StageFootprint:
+                    device_kind: str = "gpu", mtp: Sequence[TensorSpec] = ()) -> StageFootprint:
     """Predicted bytes for a stage holding `layers` (and optionally the embedding / output head), with
     `settings.sessions` KV slots; a streaming stage on a GPU also holds its staging buffers (device and
-    pinned host); a CPU stage ("cpu") has neither staging nor a GPU runtime."""
+    pinned host); a CPU stage ("cpu") has neither staging nor a GPU runtime. `mtp`: the MTP layer's tensors,
+    when the stage holds it (see mtp_bytes)."""
     cfg = model.cfg
     streaming = expert_cache_bytes > 0
     weights = sum(model.layer_weight_bytes(i, streaming) for i in layers)
@@ -316,7 +331,8 @@ def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: Footpr
     if device_kind == "cpu":
         scratch += cpu_dequant_bytes(cfg)
     stage = staging_bytes(model.expert_slot_bytes(layers)) if streaming and device_kind != "cpu" else 0
-    return StageFootprint(weights, kv, scratch, settings.runtime_overhead, cache, stage)
+    extra = mtp_bytes(cfg, mtp, ctx, settings.prefill_chunk, settings.sessions) if mtp else 0
+    return StageFootprint(weights, kv, scratch, settings.runtime_overhead, cache, stage, extra)
 
 
 def cpu_dequant_bytes(cfg: ModelConfig) -> int:
@@ -353,5 +369,5 @@ __all__ = [
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
     "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
-    "shape_from_specs", "stage_footprint", "staging_bytes",
+    "shape_from_specs", "stage_footprint", "staging_bytes", "mtp_bytes",
 ]

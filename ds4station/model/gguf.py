@@ -23,7 +23,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .config import ConfigError, ModelConfig
-from .layout import F32_ROLES, TensorSpec, model_tensors, tensor_bytes
+from .layout import F32_ROLES, MTP_PREFIX, TensorSpec, model_tensors, mtp_tensors, tensor_bytes
 
 # Types a DS4 weight may be stored in (ds4 accepts these; the dequantiser handles all of them).
 WEIGHT_TYPES = {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q2_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ2_XXS, Q.MXFP4}
@@ -45,28 +45,31 @@ class GGUFFile:
     # ---- opening and validation ---------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
-        path = Path(path)
-        if not path.is_file():
-            raise GGUFError(f"{path}: no such file")
+        """A model file: every tensor of the layout, and either all of the MTP layer's (make-model --mtp) or
+        none of them."""
+        path, reader, specs, offsets = _read(path)
         try:
-            reader = _Reader(path)
-        except GGUFError:
-            raise
-        except Exception as e:  # struct.error, ValueError, UnicodeDecodeError, ... on a damaged header
-            raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
-        metadata = reader.fields
-        try:
-            config = ModelConfig.from_metadata(metadata)
+            config = ModelConfig.from_metadata(reader.fields)
         except ConfigError as e:
             raise GGUFError(f"{path}: {e}") from e
-        specs: dict[str, TensorSpec] = {}
-        offsets: dict[str, int] = {}
-        for t in reader.tensors:
-            layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
-            specs[t.name] = TensorSpec(t.name, t.dims, t.qtype, layer)
-            offsets[t.name] = t.data_offset
-        _check_tensors(path, config, specs)
-        return cls(path, config, metadata, specs, reader, offsets)
+        _check_tensors(path, config, specs, mtp=any(n.startswith(MTP_PREFIX) for n in specs))
+        return cls(path, config, reader.fields, specs, reader, offsets)
+
+    @classmethod
+    def open_mtp(cls, path: str | os.PathLike[str], config: ModelConfig) -> GGUFFile:
+        """A GGUF of the MTP layer alone (the published DeepSeek-V4-Flash-MTP file) for the model `config`: its
+        tensors are checked against that model's MTP layout (names, shapes, types); its metadata is not read."""
+        path, reader, specs, offsets = _read(path)
+        _check_tensors(path, config, specs, mtp=True, model=False)
+        return cls(path, config, reader.fields, specs, reader, offsets)
+
+    @property
+    def has_mtp(self) -> bool:
+        """The file holds the MTP layer (validated when it was opened)."""
+        return MTP_PREFIX + "e_proj.weight" in self.specs
+
+    def mtp_specs(self) -> list[TensorSpec]:
+        return [self.specs[s.name] for s in mtp_tensors(self.config, "f32")]
 
     # ---- tensor access ------------------------------------------------------------------------
     def tensor_specs(self, layers: range | None = None, *, embed: bool = True, output: bool = True) -> list[TensorSpec]:
@@ -210,12 +213,34 @@ class _Reader:
         return [self._value(itype) for _ in range(n)]
 
 
-def _check_tensors(path: Path, cfg: ModelConfig, found: Mapping[str, TensorSpec]) -> None:
-    expected = {s.name: s for s in model_tensors(cfg, "f32")}
+def _read(path: str | os.PathLike[str]) -> tuple[Path, _Reader, dict[str, TensorSpec], dict[str, int]]:
+    path = Path(path)
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    try:
+        reader = _Reader(path)
+    except GGUFError:
+        raise
+    except Exception as e:  # struct.error, ValueError, UnicodeDecodeError, ... on a damaged header
+        raise GGUFError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+    specs: dict[str, TensorSpec] = {}
+    offsets: dict[str, int] = {}
+    for t in reader.tensors:
+        layer = int(t.name.split(".")[1]) if t.name.startswith("blk.") else None
+        specs[t.name] = TensorSpec(t.name, t.dims, t.qtype, layer)
+        offsets[t.name] = t.data_offset
+    return path, reader, specs, offsets
+
+
+def _check_tensors(path: Path, cfg: ModelConfig, found: Mapping[str, TensorSpec], *, mtp: bool = False,
+                   model: bool = True) -> None:
+    specs = (model_tensors(cfg, "f32") if model else []) + (mtp_tensors(cfg, "f32") if mtp else [])
+    expected = {s.name: s for s in specs}
     missing = [n for n in expected if n not in found]
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise GGUFError(f"{path}: missing tensor(s) {', '.join(missing[:5])}{more}")
+        what = "the MTP layer's " if all(n.startswith(MTP_PREFIX) for n in missing) else ""
+        raise GGUFError(f"{path}: missing {what}tensor(s) {', '.join(missing[:5])}{more}")
     unexpected = [n for n in found if n not in expected]
     if unexpected:
         raise GGUFError(f"{path}: unexpected tensor(s) for this config: {', '.join(unexpected[:5])}")
@@ -225,7 +250,7 @@ def _check_tensors(path: Path, cfg: ModelConfig, found: Mapping[str, TensorSpec]
             dims = [i for i in range(max(len(got.shape), len(want.shape)))
                     if i >= len(got.shape) or i >= len(want.shape) or got.shape[i] != want.shape[i]]
             raise GGUFError(f"{path}: tensor {name} has shape {list(got.shape)}, expected {list(want.shape)} "
-                            f"(dimension {dims[0]} differs)")
+                            f"(dimension {dims[0]} differs{' for this model' if not model else ''})")
         role = want.role
         if role == "ffn_gate_tid2eid":
             allowed = {Q.I32}

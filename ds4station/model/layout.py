@@ -9,6 +9,7 @@ Shapes are in ggml order (ne[0] is the contiguous, innermost dimension); `torch_
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES
@@ -23,6 +24,7 @@ _Q2 = {
     "attn_output_a": Q.Q8_0, "attn_output_b": Q.Q8_0,
     "ffn_gate_shexp": Q.Q8_0, "ffn_up_shexp": Q.Q8_0, "ffn_down_shexp": Q.Q8_0,
     "ffn_gate_exps": Q.IQ2_XXS, "ffn_up_exps": Q.IQ2_XXS, "ffn_down_exps": Q.Q2_K,
+    "e_proj": Q.Q8_0, "h_proj": Q.Q8_0,
 }
 # q2-q4: as the published "q2-q4-imatrix" Flash file, the routed experts of the last layers in Q4_K (Flash: 37-42,
 # 6 of 43; a smaller model: the same share, at least one layer); q4: as "q4-imatrix", Q4_K routed experts in
@@ -45,7 +47,11 @@ F32_ROLES = {
     "hc_attn_scale", "hc_attn_base", "hc_ffn_scale", "hc_ffn_base", "attn_norm", "ffn_norm",
     "attn_q_a_norm", "attn_kv_a_norm", "attn_sinks", "attn_compressor_norm", "indexer_compressor_norm",
     "exp_probs_b", "output_hc_scale", "output_hc_base", "output_norm",
+    "enorm", "hnorm", "norm", "hc_head_scale", "hc_head_base",
 }
+# DeepSeek-V4's next-token-prediction (MTP) layer: tensors named MTP_PREFIX + role (ds4's names), in the model
+# file (make-model --mtp) or a GGUF of its own (the published DeepSeek-V4-Flash-MTP file, serve --mtp FILE).
+MTP_PREFIX = "mtp.0."
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ class TensorSpec:
 
 def role_of(name: str) -> str:
     parts = name.split(".")
-    if parts[0] == "blk":
+    if parts[0] in ("blk", "mtp"):
         parts = parts[2:]
     if parts[-1] in ("weight", "bias"):
         parts = parts[:-1]
@@ -109,6 +115,35 @@ def quant_type(role: str, recipe: str, q4_experts: bool = False) -> Q:
     if recipe in ("q2", "q2-q4", "q4"):
         return Q.Q4_K if q4_experts and role in _ROUTED else _Q2.get(role, Q.F16)
     return Q.F16
+
+
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """The model's config with the MTP block as one more layer, `cfg.n_layers`: a window-only layer (ratio 0,
+    no compressor or indexer), routed by its scores (not hashed), clamped like the last layer (DeepSeek's
+    reference builds it as `Block(n_layers, ...)`; ds4 runs it with the window-only layers' RoPE)."""
+    return dataclasses.replace(cfg, n_layers=cfg.n_layers + 1, compress_ratios=(*cfg.compress_ratios, 0),
+                               swiglu_clamp=(*cfg.swiglu_clamp, cfg.swiglu_clamp[-1]),
+                               swiglu_clamp_shared=(*cfg.swiglu_clamp_shared, cfg.swiglu_clamp_shared[-1]))
+
+
+def mtp_name(name: str, cfg: ModelConfig) -> str:
+    """A tensor name of mtp_config's last layer (blk.N.x) as the MTP file spells it (mtp.0.x)."""
+    prefix = f"blk.{cfg.n_layers}."
+    return MTP_PREFIX + name[len(prefix):] if name.startswith(prefix) else name
+
+
+def mtp_tensors(cfg: ModelConfig, recipe: str = "q2") -> list[TensorSpec]:
+    """The MTP layer's tensors (ds4's list): its input projections and norms (the token embedding's `e_proj` /
+    `enorm`, the model's last hidden state's `h_proj` / `hnorm`), its own hyper-connection head and norm (the
+    model's embedding and output matrix are shared), then a whole block (mtp_config's last layer)."""
+    d = cfg.dim
+    head = {"e_proj": (d, d), "h_proj": (d, d), "enorm": (d,), "hnorm": (d,), "norm": (d,),
+            "hc_head_fn": (cfg.hc_dim, cfg.hc_mult), "hc_head_scale": (1,), "hc_head_base": (cfg.hc_mult,)}
+    specs = [TensorSpec(f"{MTP_PREFIX}{role}.weight", shape, quant_type(role, recipe), None)
+             for role, shape in head.items()]
+    mcfg = mtp_config(cfg)
+    return specs + [TensorSpec(mtp_name(s.name, cfg), s.shape, s.qtype, None)
+                    for s in layer_tensors(mcfg, cfg.n_layers, recipe)]
 
 
 def layer_tensors(cfg: ModelConfig, layer: int, recipe: str = "q2") -> list[TensorSpec]:
@@ -166,10 +201,11 @@ def global_tensors(cfg: ModelConfig, recipe: str = "q2", *, embed: bool = True,
 
 
 def model_tensors(cfg: ModelConfig, recipe: str = "q2", layers: range | None = None, *,
-                  embed: bool = True, output: bool = True) -> list[TensorSpec]:
-    """The tensors of a layer slice (default: the whole model) plus the embedding / output head."""
+                  embed: bool = True, output: bool = True, mtp: bool = False) -> list[TensorSpec]:
+    """The tensors of a layer slice (default: the whole model) plus the embedding / output head (and with
+    `mtp` the MTP layer after them)."""
     layers = range(cfg.n_layers) if layers is None else layers
     specs = global_tensors(cfg, recipe, embed=embed, output=False)
     for i in layers:
         specs += layer_tensors(cfg, i, recipe)
-    return specs + global_tensors(cfg, recipe, embed=False, output=output)
+    return specs + global_tensors(cfg, recipe, embed=False, output=output) + (mtp_tensors(cfg, recipe) if mtp else [])

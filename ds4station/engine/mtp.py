@@ -1,0 +1,138 @@
+"""Drafts from the model's MTP layer (serve --draft mtp): the stage that holds the embedding, the head and the
+MTP layer keeps, per session, what the layer needs, and proposes the next tokens on request.
+
+The MTP layer (model.MTPLayer, gpu.GpuMTP) at position i reads the model's last HC state h_i and the next
+token x_{i+1} and predicts x_{i+2}. Its block attends over a window of its own KV, so every position's pair
+(h_i, x_{i+1}) must pass through it, in order. Rather than run it beside every step of the model (and undo it
+on every rejected draft), a session records the model's last HC states and tokens of its latest positions
+(`record`, on every step of the stage, into a ring of window + MTP_RING_EXTRA positions) and the layer
+catches up only when drafts are asked for (`draft`): the pairs from where its cache stands (at most one
+window back) to the last token in the KV, then the chain: (h_{p-1}, x_p) gives d_1, (its own state, d_1)
+gives d_2, and so on. The chain's rows are dropped from the layer's cache afterwards (its length goes back to
+p), so what the layer holds depends only on the sequence, never on which drafts were tried. A truncated or
+rewound session clamps the layer's cache with it; positions whose HC state the ring no longer holds (a rewind
+further back than the ring) are skipped, which changes the drafts of the next window only, never the output:
+every draft is verified (the scheduler).
+
+Pairs older than one window are skipped exactly: a pair's KV row depends on that pair alone, and the chain
+reads the rows of its last window only.
+
+Drafts are the layer's greedy tokens. With random weights (the demo model, `make-model --mtp`) they are
+rarely right; DeepSeek trained the published layer to predict the model's next token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ds4station.model.config import ModelConfig
+from ds4station.model.footprint import MTP_RING_EXTRA
+
+from .kv import KVCache
+
+
+@dataclass
+class _MtpSession:
+    cache: KVCache  # the MTP layer's own KV (its length: the pairs (h_i, x_{i+1}) it holds, i < length)
+    hidden: torch.Tensor  # [ring, C, dim]: the model's last HC state of recent positions, by position % ring
+    tokens: list[int]  # the token at each ring position
+    positions: list[int] = field(default_factory=list)  # the position each ring row holds (-1: none)
+
+
+class MtpDrafts:
+    """The MTP layer's state of every session of one stage, and its drafts. `model`: the stage's backend (a
+    DS4Model or GpuStage built with the MTP layer: `mtp_step`, `new_mtp_cache`). One state per KV slot is
+    allocated here, at load (model/footprint.py's mtp_bytes counts them), and a session takes a free one."""
+
+    def __init__(self, model, cfg: ModelConfig, ctx: int, chunk: int, device: torch.device,  # noqa: ANN001
+                 slots: int) -> None:
+        self.model, self.cfg, self.ctx, self.device = model, cfg, ctx, device
+        self.ring = cfg.window + MTP_RING_EXTRA  # beyond the window: a verification's rows and the chain's start
+        self.chunk = max(chunk, self.ring)  # the layer's cache takes a whole catch-up (at most a window) at once
+        self.free_states = [_MtpSession(model.new_mtp_cache(ctx, self.chunk),
+                                        torch.zeros(self.ring, cfg.hc_mult, cfg.dim, device=device),
+                                        [0] * self.ring, [-1] * self.ring) for _ in range(slots)]
+        self.allocated = [*self.free_states]
+        self.sessions: dict[int, _MtpSession] = {}
+        self.steps = 0  # layer forwards run (catch-ups and chain depths)
+
+    def new_session(self, sid: int) -> None:
+        s = self.free_states.pop()  # the KV slots and these states are as many: a session has both or neither
+        s.cache.reset()
+        s.positions[:] = [-1] * self.ring
+        self.sessions[sid] = s
+
+    def free(self, sid: int) -> None:
+        s = self.sessions.pop(sid, None)
+        if s is not None:
+            self.free_states.append(s)
+
+    def record(self, sid: int, p0: int, tokens: torch.Tensor, X: torch.Tensor) -> None:
+        """The model's last HC states X [T, C, dim] of tokens [T] at positions p0.. (the last `ring` are kept)."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return
+        T = X.shape[0]
+        k = min(T, self.ring)
+        at = [(p0 + j) % self.ring for j in range(T - k, T)]
+        s.hidden[torch.as_tensor(at, device=s.hidden.device)] = X[T - k:].to(s.hidden.device, torch.float32)
+        ids = tokens.view(-1).tolist()
+        for j, slot in zip(range(T - k, T), at, strict=True):
+            s.tokens[slot], s.positions[slot] = int(ids[j]), p0 + j
+
+    def truncate(self, sid: int, n: int) -> None:
+        """The session keeps its first n positions: the layer keeps the pairs that only they make (i < n - 1)."""
+        s = self.sessions.get(sid)
+        if s is None:
+            return
+        m = min(s.cache.length, max(n - 1, 0))
+        if not s.cache.truncate(m):  # its ring no longer holds what position m needs: caught up again
+            s.cache.reset()
+        for slot, q in enumerate(s.positions):
+            if q >= n:
+                s.positions[slot] = -1
+
+    def _held(self, s: _MtpSession, q: int) -> bool:
+        return q >= 0 and s.positions[q % self.ring] == q
+
+    @torch.inference_mode()
+    def draft(self, sid: int, length: int, token: int, k: int) -> list[int]:
+        """Up to k tokens after `token`, the token about to be fed at position `length` (the session holds
+        positions 0..length-1). [] when the ring does not hold the model's state at length - 1."""
+        s = self.sessions[sid]
+        last = length - 1
+        if k <= 0 or not self._held(s, last):
+            return []
+        cache, W = s.cache, self.cfg.window
+        start = max(cache.length, last - (W - 1))  # pairs older than one window are never read again
+        first = start
+        while first < last and not self._held(s, first):  # the ring lost them (a far rewind): skipped
+            first += 1
+        held_from = first
+        while held_from > start and self._held(s, held_from - 1):
+            held_from -= 1
+        cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
+        # catch up: the pairs (h_i, x_{i+1}) for i in [held_from, last)
+        if held_from < last:
+            slots = [q % self.ring for q in range(held_from, last)]
+            H = s.hidden[torch.as_tensor(slots, device=s.hidden.device)]
+            nxt = torch.as_tensor([s.tokens[(q + 1) % self.ring] for q in range(held_from, last)])
+            self.model.mtp_step(H, nxt, cache)
+            self.steps += 1
+        # the chain: depth 1 from the model's state at `last`, each further one from the depth before
+        out: list[int] = []
+        h, t = s.hidden[last % self.ring].unsqueeze(0), token
+        for _ in range(min(k, self.ctx - 1 - last)):
+            X, logits = self.model.mtp_step(h, torch.as_tensor([t]), cache)
+            self.steps += 1
+            t = int(logits[-1].argmax())
+            out.append(t)
+            h = X[-1:]
+        cache.length = min(cache.length, length)  # the chain's rows past (h_last, token) are dropped
+        return out
+
+    def nbytes(self) -> int:
+        """What the sessions' states hold, all of them (their caches and rings)."""
+        return sum(s.cache.nbytes() + s.hidden.numel() * s.hidden.element_size() for s in self.allocated)
