@@ -16,7 +16,17 @@ import pytest
 from ds4station.engine import chat
 from ds4station.engine.demo import make_model
 from ds4station.engine.sampler import SamplingParams as Sampling
-from ds4station.engine.scheduler import SHUTTING_DOWN, Finished, Job, NotReady, QueueFull, Scheduler, Text, Timings
+from ds4station.engine.scheduler import (
+    SHUTTING_DOWN,
+    Finished,
+    Job,
+    NotReady,
+    Prefill,
+    QueueFull,
+    Scheduler,
+    Text,
+    Timings,
+)
 from ds4station.server.toolguide import ToolCallGuide
 
 CTX = 1024
@@ -607,3 +617,43 @@ def test_the_step_log_says_where_each_step_went(engine, make_scheduler) -> None:
     assert ats == sorted(ats)
     assert st["batch"]["last_step"]["ms"] == steps[-1]["total_ms"]
     assert all(r["queue_ms"] >= 0 for r in st["recent"][-2:])
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["blocking", "queued"])
+def test_a_prompt_that_ends_takes_its_first_token_before_the_next_piece(engine, monkeypatch, queued: bool) -> None:
+    """In the step where a short request's prompt ends, its first token is sampled (and on an engine whose
+    steps block, sent) before the long prompt's piece of that step runs, so a request arriving during a long
+    prefill waits for the piece already running, not also for the next one; and every running request's
+    token is sampled before the step's pieces are prefilled (here: the short request's later tokens)."""
+    from ds4station.engine import scheduler as scheduler_module
+    from ds4station.engine.tokenizer import DEMO_CORPUS
+
+    log: list[tuple[str, int]] = []
+    post, choose = scheduler_module.Handle._post, Scheduler._choose
+
+    def logged_post(self, event) -> None:  # noqa: ANN001
+        if isinstance(event, (Prefill, Text)):
+            log.append((type(event).__name__.lower(), self.job.id))
+        post(self, event)
+
+    def logged_choose(self, stream) -> None:  # noqa: ANN001
+        log.append(("choose", stream.job.id))
+        choose(self, stream)
+
+    monkeypatch.setattr(scheduler_module.Handle, "_post", logged_post)
+    monkeypatch.setattr(Scheduler, "_choose", logged_choose)
+    s = Scheduler(lambda: _QueuedSteps(engine) if queued else engine, ctx=CTX, owns_engine=False, sessions=2,
+                  prefill_budget=32).start()
+    assert s.ready.wait(30) and s.state == "ready", s.error
+    try:
+        long = greedy(prompt(engine, DEMO_CORPUS)[:700], 2)
+        short = greedy(prompt(engine, "hi"), 6)
+        run_together(s, long, short, gap=0.1)
+    finally:
+        s.stop()
+    first = log.index(("prefill", short.id))  # the step its whole prompt went in
+    after = log[first + 1:]
+    nxt = after.index(("prefill", long.id))  # the long prompt's piece of that same step
+    assert ("choose", short.id) in after[:nxt], log
+    if not queued:
+        assert ("text", short.id) in after[:nxt], log

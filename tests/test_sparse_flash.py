@@ -151,3 +151,28 @@ def test_the_control_panel_plans_the_file(flash: Path) -> None:
     asyncio.run(flow())
     for text in shown.values():
         assert "flash-q2.gguf" in text and "✓ fits" in text and "-42 " in text, text
+
+
+def test_a_flash_file_with_the_mtp_layer_and_serves_accounting_of_it(tmp_path: Path) -> None:
+    """The full shape with the MTP layer (make-model --preset flash --mtp writes this layout), sparse: it opens
+    and validates with the layer, and serve's plan of it (before any weight is read) counts what `--draft mtp`
+    adds to the last stage: the layer's 1.86 GiB, on a pipeline also the token embedding's copy."""
+    from ds4station.commands import serve
+    from ds4station.engine.engine import check_mtp
+    from ds4station.model.footprint import mtp_bytes
+    from ds4station.model.route import parse_route
+
+    path = tmp_path / "flash-q2-mtp.gguf"
+    write_gguf(path, FLASH, None, recipe="q2", tokenizer_meta=tokenizer_metadata(build_demo_vocab(FLASH.vocab_size)),
+               specs=model_tensors(FLASH, "q2", mtp=True))
+    f = GGUFFile.open(path)
+    assert f.has_mtp and len(f.specs) == len(model_tensors(FLASH, "q2")) + 32
+    layer = sum(s.n_bytes for s in f.mtp_specs())
+    assert 1.8 * GiB < layer < 1.9 * GiB
+    one = parse_route("cuda:0=embed,0-42,output", FLASH.n_layers)
+    two = parse_route("cuda:0=embed,0-20; cuda:1=21-42,output", FLASH.n_layers)
+    assert serve.mtp_tensor_specs(f, one, check_mtp(f, one, "model")) == f.mtp_specs()
+    specs = serve.mtp_tensor_specs(f, two, check_mtp(f, two, "model"))
+    assert specs[-1].name == "token_embd.weight" and len(specs) == 33
+    extra = mtp_bytes(FLASH, specs, 65536, 2048, 2)
+    assert extra - mtp_bytes(FLASH, f.mtp_specs(), 65536, 2048, 2) == f.specs["token_embd.weight"].n_bytes

@@ -5,10 +5,13 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
   the HTTP server answers /health while the weights load, and runs two short requests of its own before it
   says ready (first-use costs paid before the first client);
 - continuous batching: up to `batch` requests run at once (each holds one live session); every scheduler
-  step prefills prompt pieces within `prefill_budget` tokens (the shortest remaining prompt first), then
-  runs one batched decode step for every request that continues with one token (`decode_batch`: each weight
-  read once for all of them); a new request joins at the next step and a finished one leaves at the end of
-  its step. Requests beyond the batch wait in a bounded queue; a full queue raises `QueueFull` at once so
+  step samples the running requests' next tokens (the previous step's logits), prefills prompt pieces within
+  `prefill_budget` tokens (the shortest remaining prompt first; a prompt that ends samples its first token
+  before the next piece is queued), then runs one batched decode step for every request that continues with
+  one token (`decode_batch`: each weight read once for all of them). A new request joins at the next step
+  (a GPU's unfinished prompt pieces are waited for between two steps, before new requests are admitted, so
+  one that arrived while they ran joins at once) and a finished one leaves at the end of its step. Requests
+  beyond the batch wait in a bounded queue; a full queue raises `QueueFull` at once so
   the server can answer 503 + Retry-After instead of piling up work. `steps` is the step log (who decoded,
   who prefilled how much) and `batch_totals` its counters;
 - up to `max_sessions` live KV states are kept; each request is served from the idle session with the
@@ -615,6 +618,7 @@ class Scheduler:
         self.prefill_budget = budget
         self._streams: list[_Stream] = []  # the running requests, in order of admission
         self._fence: Any = None  # a CUDA event after the last step's unfinished prompt pieces
+        self._fence_ms = 0.0  # waited for it before the next step (between steps: see _main), for its record
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
         self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
         self.draft_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verifications, drafted / accepted tokens
@@ -773,6 +777,12 @@ class Scheduler:
                 except Exception as e:  # the engine went down while the session was being set up
                     self._engine_failed(e, item)
                     continue
+            # the previous step's prompt pieces are done: a request that arrived while they ran joins this step
+            try:
+                self._wait_fence()
+            except Exception as e:  # the device failed under them
+                self._engine_failed(e)
+                continue
             stopping = self._admit_queued()
             while self._streams:
                 self._step_guarded()
@@ -1035,9 +1045,10 @@ class Scheduler:
             self._recover(down)
 
     def _step(self) -> None:
-        """One scheduler step: cancelled requests leave; prompt pieces within the prefill budget (the
-        shortest remaining prompt first, so a short request is not stuck behind a long one); then every
-        decoding request takes its next token(s) and all that continue with one token run one batched
+        """One scheduler step: cancelled requests leave; every decoding request takes its next token(s) (from
+        the previous step's logits); prompt pieces within the prefill budget, the shortest remaining prompt
+        first, so a short request is not stuck behind a long one (a prompt that ends takes its first token
+        at once, before the next piece is queued); then all that continue with one token run one batched
         decode step (several tokens, e.g. a forced tool call, run as their own prefill)."""
         clock = [time.monotonic()]
 
@@ -1050,12 +1061,30 @@ class Scheduler:
         for stream in list(self._streams):
             if stream.job.cancel.is_set():
                 self._end(stream, "cancelled")
-        if self._fence is not None:  # the previous step's prompt pieces are done before more are queued
-            self._fence.synchronize()
-            self._fence = None
-        wait_ms = lap()
+        self._wait_fence()  # (done between steps already, see _main)
+        lap()
+        wait_ms, self._fence_ms = self._fence_ms, 0.0
+        queued = bool(getattr(self.engine, "queues_steps", False))
+        sample_ms = show_ms = 0.0
+
+        def take(streams: list[_Stream]) -> None:  # their next tokens; on an engine that blocks, their texts too
+            nonlocal sample_ms, show_ms
+            for stream in streams:
+                if stream.ended is None:
+                    self._choose(stream)
+            sample_ms += lap()
+            if not queued:  # a step that blocks would hold the texts back: they go out first
+                for stream in streams:
+                    self._show(stream)
+                show_ms += lap()
+
+        # The running requests' tokens first: their logits are the previous step's, so sampling them waits for
+        # nothing this step queues (their texts go out one prompt piece earlier than after it).
+        ready = [s for s in self._streams if s.phase == "decode"]
+        take(ready)
         budget = self.prefill_budget
         prefilled: dict[int, int] = {}
+        prefill_ms = 0.0
         for stream in sorted((s for s in self._streams if s.phase == "prefill"), key=lambda s: len(s.todo) - s.done):
             if budget <= 0:
                 break
@@ -1070,24 +1099,18 @@ class Scheduler:
             prefilled[stream.job.id] = n
             stream.handle._post(Prefill(stream.done, len(stream.todo), stream.cached))
             if stream.done == len(stream.todo):
+                # its first token now, before a longer prompt's piece is queued behind it (a short request that
+                # arrived during a long prefill waits for that piece no longer than it must)
                 self._begin_decode(stream)
+                prefill_ms += lap()
+                take([stream])
+                ready.append(stream)
             elif logits.is_cuda:
                 # A GPU prefill piece returns once its kernels are queued: without a fence the loop would queue
                 # the whole prompt ahead, and a request arriving meanwhile would wait behind all of it.
                 self._fence = torch.cuda.Event()
                 self._fence.record()
-        prefill_ms = lap()
-        ready = [s for s in self._streams if s.phase == "decode"]
-        for stream in ready:
-            if stream.ended is None:
-                self._choose(stream)
-        sample_ms = lap()
-        show_ms = 0.0
-        queued = bool(getattr(self.engine, "queues_steps", False))
-        if not queued:  # a step that blocks would hold the texts back: they go out first
-            for stream in ready:
-                self._show(stream)
-            show_ms = lap()
+        prefill_ms += lap()
         feed = [s for s in ready if s.ended is None]
         decoded = self._forward(feed)
         forward_ms = lap()
@@ -1108,6 +1131,16 @@ class Scheduler:
             self.batch_totals["max_batch"] = max(self.batch_totals["max_batch"], len(decoded))
             self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started, wait_ms,
                                          prefill_ms, sample_ms, forward_ms, show_ms, (clock[0] - started) * 1000))
+
+    def _wait_fence(self) -> None:
+        """Wait for the last step's unfinished prompt pieces (a GPU's queued work) before more are queued."""
+        if self._fence is not None:
+            t = time.monotonic()
+            try:
+                self._fence.synchronize()
+            finally:
+                self._fence = None
+                self._fence_ms += (time.monotonic() - t) * 1000
 
     def _engine_call(self, streams: list[_Stream], call: Callable[[], Any]) -> Any:
         """Run an engine call for these requests; when it fails with the engine still up (the request's own
