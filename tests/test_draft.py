@@ -311,3 +311,32 @@ def test_serve_reports_drafts_in_status_and_metrics(engine: Engine, model_path: 
             assert r.json()["timings"]["draft_n"] == draft["drafted"]
     finally:
         srv.stop()
+
+
+def test_requests_decoding_together_take_the_batched_step_instead_of_drafts(engine: Engine) -> None:
+    """Two requests decoding at once run the batched step (no drafts: each verification would read the weights
+    for one request); the one still running after the other finished drafts again; both outputs are plain
+    decoding's."""
+    alone = [generate(engine, PROMPT, n)[0] for n in (N_NEW, 10)]
+    s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=2, draft="lookup",
+                  draft_tokens=3).start()
+    assert s.ready.wait(60) and s.state == "ready", s.error
+
+    async def both() -> list[Finished]:
+        async def one(n: int) -> Finished:
+            fin = None
+            job = Job(prompt=PROMPT, max_tokens=n, sampling=SamplingParams(temperature=0.0))
+            async for ev in s.submit(job).events():
+                fin = ev if isinstance(ev, Finished) else fin
+            assert fin is not None
+            return fin
+
+        return list(await asyncio.gather(one(N_NEW), one(10)))
+
+    try:
+        fins = asyncio.run(both())
+        assert [f.output for f in fins] == alone
+        assert any(len(r.decoded) == 2 for r in s.steps)  # together in the batched step
+        assert fins[1].timings.draft_n == 0 and fins[0].timings.draft_n > 0  # drafts only once alone
+    finally:
+        s.stop()

@@ -1157,9 +1157,12 @@ class Scheduler:
 
     def _forward(self, feed: list[_Stream]) -> list[int]:
         """Feed every request its accepted tokens: one batched decode step for those with one token (the
-        engine's `decode_batch` when it has one, else one after another); -> the ids of the batched ones."""
+        engine's `decode_batch` when it has one, else one after another), or for a request decoding alone with a
+        draft source, its token and drafts in one verification; -> the ids of the batched ones."""
         singles = [s for s in feed if len(s.feed) == 1]
-        for stream in [s for s in singles if s.drafter is not None]:
+        # Drafts only for a request that decodes alone: a verification reads every weight for its one request,
+        # so beside others the batched step (every weight read once for all of them) is the better step.
+        for stream in [s for s in singles if s.drafter is not None and len(singles) == 1]:
             drafts = self._engine_call([stream], lambda s=stream: self._drafts(s))  # the MTP layer runs here
             if drafts is None:  # the request failed
                 singles.remove(stream)
