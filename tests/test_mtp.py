@@ -135,19 +135,25 @@ def test_engine_and_serve_refuse_a_missing_mtp_layer(mtp_model: Path, tmp_path: 
         a.extend(prompt)
         b.extend(prompt)
         assert a.draft(9, 3) == b.draft(9, 3)
-    with pytest.raises(Exception, match="beside the output head on the route's last stage"):
-        Engine.load(mtp_model, 256, "cpu=embed,0-2,output; cpu=3-5", mtp="model", warm=False)
 
 
-def test_mtp_drafts_through_worker_processes(engine: Engine, mtp_model: Path) -> None:
-    """On a pipeline the MTP layer runs on the last stage, beside the head, with its own copy of the token
-    embedding; drafts come back to rank 0 (OP_DRAFT) and equal the one-stage engine's, also after a
+ROUTES = {"head on the last stage": ("cpu=embed,0-2; cpu=3-5,output", 1),
+          "head on stage 0": ("cpu=embed,0-2,output; cpu=3-5", 0)}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_mtp_drafts_through_worker_processes(engine: Engine, mtp_model: Path, route: str) -> None:
+    """On a pipeline the MTP layer runs beside the head: on the last stage (with its own copy of the token
+    embedding; drafts come back to rank 0, OP_DRAFT), or on stage 0 when it applies the head to what the last
+    stage sends back (then every prefill piece's last states come back too, FLAG_TAIL, for the layer's ring).
+    Either way the drafts equal the one-stage engine's, after a prefill of several pieces and after a
     verification's rejected drafts were truncated away on every stage."""
+    text, at_stage = ROUTES[route]
     gen = torch.Generator().manual_seed(8)
     seq = torch.randint(2, 500, (180,), generator=gen).tolist()
-    with Engine.load(mtp_model, CTX, "cpu=embed,0-2; cpu=3-5,output", activation_bits=32, chunk=CHUNK,
-                     mtp="model") as pipe:
-        assert pipe.stage_stats()[1]["mtp_bytes"] > 0 and pipe.stage_stats()[0]["mtp_bytes"] == 0
+    with Engine.load(mtp_model, CTX, text, activation_bits=32, chunk=CHUNK, mtp="model") as pipe:
+        stats = pipe.stage_stats()
+        assert stats[at_stage]["mtp_bytes"] > 0 and stats[1 - at_stage]["mtp_bytes"] == 0
         a, b = pipe.new_session(), engine.new_session()
         try:
             for s in (a, b):
@@ -179,6 +185,29 @@ def test_the_footprint_counts_what_the_mtp_layer_allocates(mtp_model: Path) -> N
         want = mtp_bytes(f.config, f.mtp_specs(), ctx, chunk, sessions)
         assert abs(got - want) <= 0.03 * (want - state), (got, want)
         assert e.stage_stats()[0]["weights_held_bytes"] == e.runner.held_weight_bytes()  # without the layer
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_batched_steps_keep_the_mtp_layers_ring(engine: Engine, mtp_model: Path, route: str) -> None:
+    """Batched decode steps record every session's state for the MTP layer (on a pipeline's last stage, or on
+    stage 0 from the states the head reads): drafts after them equal the one-stage engine's."""
+    gen = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(2, 500, (n,), generator=gen).tolist() for n in (70, 90)]
+    with Engine.load(mtp_model, CTX, ROUTES[route][0], activation_bits=32, chunk=CHUNK, sessions=2,
+                     mtp="model") as pipe:
+        got, want = [], []
+        for e, out in ((pipe, got), (engine, want)):
+            ss = [e.new_session() for _ in prompts]
+            try:
+                for s, p in zip(ss, prompts, strict=True):
+                    s.extend(p)
+                for t in range(4):
+                    e.decode_batch(ss, [100 + t, 200 + t])
+                out += [s.draft(7, 3) for s in ss]
+            finally:
+                for s in ss:
+                    s.close()
+        assert got == want
 
 
 # ---- the layer's numerics --------------------------------------------------------------------------------------

@@ -156,7 +156,8 @@ def test_the_control_panel_plans_the_file(flash: Path) -> None:
 def test_a_flash_file_with_the_mtp_layer_and_serves_accounting_of_it(tmp_path: Path) -> None:
     """The full shape with the MTP layer (make-model --preset flash --mtp writes this layout), sparse: it opens
     and validates with the layer, and serve's plan of it (before any weight is read) counts what `--draft mtp`
-    adds to the last stage: the layer's 1.86 GiB, on a pipeline also the token embedding's copy."""
+    adds to the stage holding the head: the layer's 1.86 GiB, on a pipeline's last stage also the token
+    embedding's copy."""
     from ds4station.commands import serve
     from ds4station.engine.engine import check_mtp
     from ds4station.model.footprint import mtp_bytes
@@ -171,8 +172,10 @@ def test_a_flash_file_with_the_mtp_layer_and_serves_accounting_of_it(tmp_path: P
     assert 1.8 * GiB < layer < 1.9 * GiB
     one = parse_route("cuda:0=embed,0-42,output", FLASH.n_layers)
     two = parse_route("cuda:0=embed,0-20; cuda:1=21-42,output", FLASH.n_layers)
-    assert serve.mtp_tensor_specs(f, one, check_mtp(f, one, "model")) == f.mtp_specs()
-    specs = serve.mtp_tensor_specs(f, two, check_mtp(f, two, "model"))
+    assert serve.mtp_tensor_specs(f, one, check_mtp(f, "model")) == f.mtp_specs()
+    specs = serve.mtp_tensor_specs(f, two, check_mtp(f, "model"))
     assert specs[-1].name == "token_embd.weight" and len(specs) == 33
+    head_first = parse_route("cuda:0=embed,0-20,output; cuda:1=21-42", FLASH.n_layers)  # as `plan` proposes
+    assert serve.mtp_tensor_specs(f, head_first, "model") == f.mtp_specs()  # stage 0 embeds: no copy
     extra = mtp_bytes(FLASH, specs, 65536, 2048, 2)
     assert extra - mtp_bytes(FLASH, f.mtp_specs(), 65536, 2048, 2) == f.specs["token_embd.weight"].n_bytes

@@ -142,7 +142,7 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
                            args.device)
     if args.mtp and args.draft != "mtp":
         raise ValueError("--mtp FILE is the MTP layer for --draft mtp; add --draft mtp (or drop --mtp)")
-    mtp = check_mtp(gguf, route, (args.mtp or MTP_IN_MODEL) if args.draft == "mtp" else None)
+    mtp = check_mtp(gguf, (args.mtp or MTP_IN_MODEL) if args.draft == "mtp" else None)
     chunk = args.prefill_chunk or default_chunk(route.stages[0].device)
     batch = sessions if args.batch is None else args.batch
     if not 1 <= batch <= sessions:
@@ -162,10 +162,10 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     mtp_specs = mtp_tensor_specs(gguf, route, mtp)
     if mtp_specs:
-        extra = mtp_bytes(cfg, mtp_specs, ctx, chunk, sessions)
+        extra, at = mtp_bytes(cfg, mtp_specs, ctx, chunk, sessions), route.output_stage
         print(f"ds4station serve: --draft mtp: the MTP layer ({'the model file' if mtp == MTP_IN_MODEL else mtp}) "
-              f"adds {extra / 2**20:.1f} MiB to stage {len(route) - 1} (its weights"
-              f"{'' if route.stages[-1].embed else ', a copy of the token embedding'} and {sessions} session(s)' "
+              f"adds {extra / 2**20:.1f} MiB to stage {at} (its weights"
+              f"{'' if route.stages[at].embed else ', a copy of the token embedding'} and {sessions} session(s)' "
               "state)", file=sys.stderr)
     for warning in check_host_memory(gguf, route, ctx, chunk, sessions, rollback, kv_dtype, mtp_specs):
         print(f"warning: {warning}", file=sys.stderr)
@@ -224,14 +224,15 @@ def available_ram() -> int:
 
 
 def mtp_tensor_specs(gguf: Any, route: Any, mtp: str) -> list[Any]:
-    """What the MTP layer (check_mtp's answer: "", MTP_IN_MODEL or a path) puts on the route's last stage: its
-    tensors as their file stores them, and the token embedding where that stage does not embed."""
+    """What the MTP layer (check_mtp's answer: "", MTP_IN_MODEL or a path) puts on its stage, the one holding
+    the output head: its tensors as their file stores them, and the token embedding where that stage does not
+    embed."""
     from ds4station.engine.stage import EMBED, MTP_IN_MODEL
     from ds4station.model.gguf import GGUFFile
 
     if not mtp:
         return []
-    embed = [] if route.stages[-1].embed else [gguf.specs[EMBED]]
+    embed = [] if route.stages[route.output_stage].embed else [gguf.specs[EMBED]]
     if mtp == MTP_IN_MODEL:
         return gguf.mtp_specs() + embed
     f = GGUFFile.open_mtp(mtp, gguf.config)
@@ -246,7 +247,7 @@ def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int
     """The host-memory guard: what the route draws on system RAM (CPU stages, pinned staging of streaming GPU
     stages; the page cache its streamed experts want) against what is available now. Raises ValueError when it
     cannot run; -> warnings (below the host reserve, streamed experts partly on the disk). `mtp`: what the MTP
-    layer puts on the last stage (mtp_tensor_specs)."""
+    layer puts on its stage (mtp_tensor_specs)."""
     from ds4station.model.footprint import stage_footprint
     from ds4station.planner import shape_from_specs
     from ds4station.planner.launch import ENGINE_KV_DTYPES
@@ -258,7 +259,7 @@ def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int
     kinds = ["cpu" if s.device == "cpu" else "gpu" for s in route.stages]
     footprints = [stage_footprint(shape, s.layers, ctx, fs, embed=s.embed, output=s.output,
                                   expert_cache_bytes=s.expert_cache_bytes, device_kind=k,
-                                  mtp=(mtp or []) if i == len(route.stages) - 1 else [])
+                                  mtp=(mtp or []) if i == route.output_stage else [])
                   for i, (s, k) in enumerate(zip(route.stages, kinds, strict=True))]
     errors, warnings = host_messages(host_need(shape, list(route.stages), footprints, kinds), available_ram())
     if errors:

@@ -65,6 +65,7 @@ from .stage import (
     FLAG_ALL,
     FLAG_FAILED,
     FLAG_RESULT,
+    FLAG_TAIL,
     HEADER_LEN,
     KV_DTYPES,
     MTP_IN_MODEL,
@@ -92,6 +93,7 @@ from .stage import (
     resolve_device,
     shutdown_process_group,
     stage_label,
+    tail_rows,
     unpack,
 )
 
@@ -289,7 +291,7 @@ class Engine:
         path = str(path)
         gguf = GGUFFile.open(path)
         route = check_settings(gguf, ctx, route, expert_cache, activation_bits, device)
-        mtp = check_mtp(gguf, route, mtp)
+        mtp = check_mtp(gguf, mtp)
         chunk = default_chunk(route.stages[0].device) if chunk is None else chunk
         if chunk < 1 or rollback < 0:
             raise ValueError(f"prefill chunk {chunk} / rollback {rollback}: use a chunk >= 1 and a rollback >= 0")
@@ -540,6 +542,10 @@ class Engine:
             ids = torch.as_tensor(tokens, dtype=torch.long)
             pending: list[_Pending] = []
             logits: torch.Tensor | None = None
+            # rank 0 applies the head and holds the MTP layer: each piece's last states come back to be recorded
+            tails = self.world > 1 and runner.mtp is not None
+            received: list[tuple[int, int, torch.Tensor]] = []  # (first position, rows, buffer) per piece
+            p0 = cache.length
             for s in range(0, len(tokens), step):
                 piece = ids[s: s + step]
                 final = s + step >= len(tokens)
@@ -548,19 +554,34 @@ class Engine:
                     logits = out if final else None
                     continue
                 payload = pack(piece, out, bits)
-                flags = (FLAG_RESULT if final else 0) | (FLAG_ALL if every else 0)
+                flags = (FLAG_RESULT if final else 0) | (FLAG_ALL if every else 0) | (FLAG_TAIL if tails else 0)
                 hdr = header(OP_EXTEND, session.sid, piece.numel(), bits, flags, payload=payload.numel())
                 for t in (hdr, payload):
                     pending.append(self._isend(t, 1))
-            if self.world > 1:
+                if tails:
+                    k = tail_rows(piece.numel(), every, self.cfg)
+                    done, buf = self._irecv((payload_bytes(k, bits, self.cfg.hc_mult, self.cfg.dim),), torch.uint8,
+                                            self.world - 1)
+                    pending.append(done)
+                    received.append((p0 + s + piece.numel() - k, k, buf))
+            if tails:
+                self._await(pending, self.world - 1)
+                assert runner.mtp is not None
+                for start, k, buf in received:
+                    rows, X = unpack(buf, k, bits, self.cfg.hc_mult, self.cfg.dim)
+                    runner.mtp.record(session.sid, start, rows, X)
+                logits = runner.head(X if every else X[-1:])
+                logits = logits if every else logits[0]
+            elif self.world > 1:
                 logits = self._result(bits, pending, len(tokens) if every else None)
             session.tokens += tokens
         assert logits is not None
         return logits
 
-    def _result(self, bits: int, pending: list[_Pending], rows: int | None = None) -> torch.Tensor:
-        """Receive the last stage's answer to the final piece: logits, or the state for our head. -> [vocab];
-        with `rows` (a batched step) [rows, vocab]."""
+    def _result(self, bits: int, pending: list[_Pending], rows: int | None = None,
+                record: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Receive the last stage's answer to the final piece: logits, or the state for our head (given to
+        `record` first). -> [vocab]; with `rows` (a batched step) [rows, vocab]."""
         assert self.runner is not None
         last = self.world - 1
         cfg, n = self.cfg, rows or 1
@@ -572,6 +593,8 @@ class Engine:
         self._await(pending, last)
         if not self.route.stages[last].output:
             _, X = unpack(buf, n, bits, cfg.hc_mult, cfg.dim)
+            if record is not None:
+                record(X)
             buf = self.runner.head(X)
         return buf if rows else buf[0]
 
@@ -597,6 +620,7 @@ class Engine:
                                      "start a new session or load with a larger --ctx")
             sids = [s.sid for s in sessions]
             ids = torch.as_tensor(list(tokens), dtype=torch.long)
+            p0 = [runner.kv[sid].length for sid in sids]
             out = runner.step_batch(sids, ids, None)
             if self.world == 1:
                 logits = out
@@ -606,7 +630,9 @@ class Engine:
                 body = torch.cat((torch.as_tensor(sids, dtype=torch.int64).view(torch.uint8).to(body.device), body))
                 pending = [self._isend(t, 1) for t in (header(OP_BATCH, 0, len(sids), b, FLAG_RESULT,
                                                               payload=body.numel()), body)]
-                logits = self._result(b, pending, len(sids))
+                # the MTP layer beside rank 0's head records the states the head reads
+                record = None if runner.mtp is None else (lambda X: runner.record_batch(sids, p0, ids, X))
+                logits = self._result(b, pending, len(sids), record)
             for s, t in zip(sessions, tokens, strict=True):
                 s.tokens.append(int(t))
         return logits
@@ -624,7 +650,7 @@ class Engine:
         with self._lock:
             self._raise_if_down()
             self._flush_released()
-            if self.world == 1:
+            if runner.mtp is not None:  # beside the head on rank 0 (one stage, or the head applied here)
                 return runner.draft(session.sid, int(token), k)
             last = self.world - 1  # the MTP layer is on the last stage, beside the head
             pending = self._broadcast(header(OP_DRAFT, session.sid, k, arg=int(token)))
@@ -860,15 +886,13 @@ def check_expert_caches(gguf: GGUFFile, route: Route) -> None:
                                                         need // cfg.n_experts, f"{stage_label(rank, stage)}: "))
 
 
-def check_mtp(gguf: GGUFFile, route: Route, mtp: str | os.PathLike[str] | None) -> str:
-    """The MTP layer for a route (serve --draft mtp, --mtp FILE): MTP_IN_MODEL when the model file holds it,
+def check_mtp(gguf: GGUFFile, mtp: str | os.PathLike[str] | None) -> str:
+    """The MTP layer (serve --draft mtp, --mtp FILE): MTP_IN_MODEL when the model file holds it,
     or the resolved path of its own GGUF, checked against the model's MTP layout (GGUFError names a missing or
-    malformed tensor); "" for none."""
+    malformed tensor); "" for none. It runs beside the output head, on the stage that holds it
+    (`Route.output_stage`)."""
     if not mtp:
         return ""
-    if not route.stages[-1].output:
-        raise RouteError("the MTP layer runs beside the output head on the route's last stage; this route has the "
-                         "head on stage 0 (the last stage sends its state back): give the last stage the output")
     if str(mtp) == MTP_IN_MODEL:
         if not gguf.has_mtp:
             raise GGUFError(f"{gguf.path}: the model file has no MTP layer (no {MTP_PREFIX}* tensors); give the "

@@ -51,6 +51,7 @@ import torch
 
 from ds4station.engine.weights import load_tensors, tensor_view
 from ds4station.kernels.quants import QTensor
+from ds4station.model.footprint import MTP_RING_EXTRA
 from ds4station.model.gguf import GGUFFile
 from ds4station.model.route import Route, RouteError, Stage, parse_route
 
@@ -67,6 +68,9 @@ from .mtp import MtpDrafts
 FLAG_RESULT = 1  # the last piece of an extend: the last stage sends the result back to rank 0
 FLAG_FAILED = 2  # OP_SAVE / OP_LOAD: a stage could not save or load its file (its log says why)
 FLAG_ALL = 4  # an extend whose result is every position's (a draft's verification), not only the last one's
+# An extend of a route whose rank 0 applies the head and holds the MTP layer: the last stage sends back every
+# piece's last states (`tail_rows` of them), which rank 0 records for the layer (engine/mtp.py).
+FLAG_TAIL = 8
 HEADER_LEN = 8
 ACTIVATION_BITS = (16, 32)
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +79,11 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": to
 PG_TIMEOUT = datetime.timedelta(days=3650)
 
 EXIT_OK, EXIT_ERROR, EXIT_CONFIG, EXIT_ORPHANED = 0, 1, 2, 3
+
+
+def tail_rows(n: int, every: bool, cfg: Any) -> int:
+    """States a FLAG_TAIL piece of n tokens sends back: all of a verification's, else the MTP ring's worth."""
+    return n if every else min(n, cfg.window + MTP_RING_EXTRA)
 
 
 def header(op: int, sid: int = 0, n: int = 0, bits: int = 0, flags: int = 0, arg: int = 0,
@@ -281,10 +290,11 @@ class StageRunner:
         self.cfg, self.stage, self.settings, self.device, self.rank = gguf.config, stage, settings, device, rank
         views = load_tensors(gguf, stage.layers, embed=stage.embed, output=stage.output)
         mtp_file = None
-        # The stage whose steps end in the head (the last one, holding it) returns logits; with the MTP layer
-        # it holds that too (Engine.load checks the route has such a stage), and the token embedding it reads.
+        # The stage whose steps end in the head (the last one, holding it) returns logits. The MTP layer sits
+        # beside the head: on that stage (with a copy of the token embedding it reads), or on rank 0 when rank 0
+        # applies the head to the states the last stage sends back (and records them, Engine._extend).
         self.head_here = stage.output and rank == settings.world - 1
-        if settings.mtp and self.head_here:
+        if settings.mtp and stage.output:
             mtp_file = gguf if settings.mtp == MTP_IN_MODEL else GGUFFile.open_mtp(settings.mtp, gguf.config)
             views |= {s.name: tensor_view(mtp_file, s.name) for s in mtp_file.mtp_specs()}
             views.setdefault(EMBED, tensor_view(gguf, EMBED))
@@ -482,7 +492,7 @@ class StageRunner:
             out = self.model.decode(int(tokens[0]), cache, X, logits=self.logits).clone()  # the graph's buffer
         else:
             out = self.model.prefill(tokens, cache, X, logits=self.logits, all_logits=all_logits)
-        if self.mtp is None:
+        if self.mtp is None or not self.head_here:
             return out
         self.mtp.record(sid, p0, tokens, out)
         return self.model.head(out) if all_logits else self.model.head(out[-1:])[0]
@@ -501,11 +511,16 @@ class StageRunner:
             outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
                     for b, (t, c) in enumerate(zip(ids, caches, strict=True))]
             out = torch.stack(outs) if self.logits else torch.cat(outs)
-        if self.mtp is None:
+        if self.mtp is None or not self.head_here:
             return out
-        for b, sid in enumerate(sids):
-            self.mtp.record(sid, p0[b], tokens[b:b + 1], out[b:b + 1])
+        self.record_batch(sids, p0, tokens, out)
         return self.model.head(out)
+
+    def record_batch(self, sids: list[int], p0: list[int], tokens: torch.Tensor, X: torch.Tensor) -> None:
+        """A batched step's last states X [B, C, dim] for the MTP layer (session sids[b] at position p0[b])."""
+        assert self.mtp is not None
+        for b, sid in enumerate(sids):
+            self.mtp.record(sid, p0[b], tokens[b:b + 1], X[b:b + 1])
 
     @torch.inference_mode()
     def head(self, X: torch.Tensor) -> torch.Tensor:
@@ -767,10 +782,14 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
             if not last:
                 link.send(hdr, nxt)
                 link.send(pack(tokens, out, bits), nxt)
-            elif flags & FLAG_RESULT:
-                if runner.head_here:  # the head is here: only the logits travel back
+            elif runner.head_here:  # the head is here: only the logits travel back
+                if flags & FLAG_RESULT:
                     link.send(out.float(), 0)
-                elif every:  # the head is on rank 0: every position's state
+            elif flags & FLAG_TAIL:  # the head and the MTP layer are on rank 0: the states it records
+                k = tail_rows(tokens.numel(), every, cfg)
+                link.send(pack(tokens[-k:], out[-k:], bits), 0)
+            elif flags & FLAG_RESULT:
+                if every:  # the head is on rank 0: every position's state
                     link.send(pack(tokens, out, bits), 0)
                 else:  # the last position's state
                     link.send(pack(tokens[-1:], out[-1:], bits), 0)
