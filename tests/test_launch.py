@@ -219,3 +219,51 @@ def test_a_loaded_stage_stops_holding_the_files_pages(model_path: Path) -> None:
         assert len(engine.new_session().extend(list(range(5, 40)))) == engine.cfg.vocab_size
     finally:
         engine.close()
+
+
+def test_plan_draft_mtp_counts_the_layer_and_serve_plan_runs_it(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --draft mtp` counts the MTP layer on the stage holding the head and writes `draft = "mtp"`
+    (and `mtp` for the layer's own file); `serve --plan` then drafts with it, and what the engine allocates for
+    the layer is what the plan predicted (within 3%, as the weights are checked). Without a layer to count,
+    plan refuses; a launch file's bad draft, or an `mtp` without draft = "mtp", is refused by key."""
+    mtp_model = make_model(tmp_path / "tiny-mtp.gguf", preset="tiny", seed=0, mtp=True)
+    plain = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0)
+    out = tmp_path / "plan.toml"
+    args = ("--gpus", "cpu", "--host-ram", "16GiB", "--sessions", "2", "--prefill-chunk", "64", "--rollback", "128")
+    assert _plan("--model", str(mtp_model), *args, "--draft", "mtp", "--out", str(out)) == 0
+    printed = capsys.readouterr().out
+    assert "the MTP layer (--draft mtp) is on stage 0" in printed
+    launch = read_launch(out)
+    assert launch.draft == "mtp" and launch.mtp is None and 'draft = "mtp"' in out.read_text()
+    assert _plan("--model", str(plain), *args, "--draft", "mtp") == 2
+    assert "has no MTP layer" in capsys.readouterr().err
+    args_ns = _serve_args("--plan", str(out))
+    app, _ = serve.build(args_ns)
+    assert args_ns.draft == "mtp"
+    srv = BackgroundServer(app).start()
+    try:
+        assert srv.wait_ready(60)
+        st = httpx.get(srv.url + "/status").json()
+        assert st["draft"]["source"] == "mtp"
+        f = GGUFFile.open(mtp_model)
+        settings = load_preset("speed")
+        settings = dataclasses.replace(settings, footprint=dataclasses.replace(
+            settings.footprint, sessions=2, prefill_chunk=64, rollback=128, mtp=True))
+        shape = shape_from_specs(f.path.name, f.config, f.tensor_specs(), f.mtp_specs())
+        predicted = evaluate(shape, parse_route(launch.route, 6), parse_gpu_spec("cpu", 16 * GiB), settings,
+                             launch.ctx).stages[0].footprint
+        got = st["stages"][0]
+        assert abs(got["mtp_bytes"] - predicted.mtp_bytes) <= 0.03 * predicted.mtp_bytes, (got, predicted)
+    finally:
+        srv.stop()
+    with pytest.raises(ValueError, match="sets draft = 'mtp' but --draft lookup"):
+        serve.build(_serve_args("--plan", str(out), "--draft", "lookup"))
+    bad = tmp_path / "bad.toml"
+    for body, msg in [('route = "cpu=embed,0-5,output"\nctx = 4096\ndraft = "medusa"\n', "draft = 'medusa'"),
+                      ('route = "cpu=embed,0-5,output"\nctx = 4096\nmtp = "/m.gguf"\n', 'for draft = "mtp"')]:
+        bad.write_text(body)
+        with pytest.raises(LaunchError, match=msg):
+            read_launch(bad)
+    full = Launch("cpu=embed,0-5,output", 4096, 2, 64, 128, "f32", str(plain), "speed", "mtp", "/m/mtp.gguf")
+    assert read_launch(write_launch(tmp_path / "full.toml", full)) == full

@@ -15,6 +15,7 @@ from ds4station.model.footprint import (
     kept_bytes,
     kv_bytes,
     kv_bytes_per_token,
+    mtp_bytes,
     named_shape,
     shape_from_specs,
     stage_footprint,
@@ -111,9 +112,13 @@ def test_stage_footprint_parts() -> None:
         indexer_scratch_bytes(FLASH, 32768, 512)
 
 
-def test_planner_fast_path_equals_stage_footprint() -> None:
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+def test_planner_fast_path_equals_stage_footprint(mtp: bool) -> None:
+    """The planner's O(1) prediction equals stage_footprint, also with the MTP layer beside the head (plan
+    --draft mtp: the first device holds the embedding, the head and the layer)."""
     m = named_shape("flash-q2")
     settings = load_preset("context")
+    settings = dataclasses.replace(settings, footprint=dataclasses.replace(settings.footprint, mtp=mtp))
     devices = parse_gpu_spec("32GiB,16GiBx2,cpu", 64 * GiB)
     p = _Planner(m, devices, settings, None)
     rng = random.Random(7)
@@ -126,6 +131,11 @@ def test_planner_fast_path_equals_stage_footprint() -> None:
         want = stage_footprint(m, range(a, b), ctx, settings.footprint, embed=j == 0, output=j == 0,
                                expert_cache_bytes=p.cache_for(j, cache), device_kind=devices[j].kind).predicted_bytes
         assert p.predicted(j, a, b, ctx, cache) == want
+    if mtp:  # what the layer adds to the first device (the same at any context: a window-only layer)
+        plain = dataclasses.replace(settings.footprint, mtp=False)
+        extra = stage_footprint(m, range(0, 9), 65536, settings.footprint, embed=True, output=True).predicted_bytes \
+            - stage_footprint(m, range(0, 9), 65536, plain, embed=True, output=True).predicted_bytes
+        assert extra == mtp_bytes(m.cfg, m.mtp_specs, 65536, plain.prefill_chunk, plain.sessions) > GiB
 
 
 def test_sizes() -> None:

@@ -153,15 +153,14 @@ def test_the_control_panel_plans_the_file(flash: Path) -> None:
         assert "flash-q2.gguf" in text and "✓ fits" in text and "-42 " in text, text
 
 
-def test_a_flash_file_with_the_mtp_layer_and_serves_accounting_of_it(tmp_path: Path) -> None:
+def test_a_flash_file_with_the_mtp_layer_and_its_footprint(tmp_path: Path) -> None:
     """The full shape with the MTP layer (make-model --preset flash --mtp writes this layout), sparse: it opens
-    and validates with the layer, and serve's plan of it (before any weight is read) counts what `--draft mtp`
-    adds to the stage holding the head: the layer's 1.86 GiB, on a pipeline's last stage also the token
-    embedding's copy."""
+    and validates with the layer, and the footprint serve and plan use (before any weight is read) counts what
+    `--draft mtp` adds to the stage holding the head: the layer's 1.86 GiB and its sessions' state, on a
+    pipeline's last stage also a copy of the token embedding."""
     from ds4station.commands import serve
     from ds4station.engine.engine import check_mtp
-    from ds4station.model.footprint import mtp_bytes
-    from ds4station.model.route import parse_route
+    from ds4station.model.footprint import FootprintSettings, mtp_bytes, stage_footprint
 
     path = tmp_path / "flash-q2-mtp.gguf"
     write_gguf(path, FLASH, None, recipe="q2", tokenizer_meta=tokenizer_metadata(build_demo_vocab(FLASH.vocab_size)),
@@ -170,12 +169,13 @@ def test_a_flash_file_with_the_mtp_layer_and_serves_accounting_of_it(tmp_path: P
     assert f.has_mtp and len(f.specs) == len(model_tensors(FLASH, "q2")) + 32
     layer = sum(s.n_bytes for s in f.mtp_specs())
     assert 1.8 * GiB < layer < 1.9 * GiB
-    one = parse_route("cuda:0=embed,0-42,output", FLASH.n_layers)
-    two = parse_route("cuda:0=embed,0-20; cuda:1=21-42,output", FLASH.n_layers)
-    assert serve.mtp_tensor_specs(f, one, check_mtp(f, "model")) == f.mtp_specs()
-    specs = serve.mtp_tensor_specs(f, two, check_mtp(f, "model"))
-    assert specs[-1].name == "token_embd.weight" and len(specs) == 33
-    head_first = parse_route("cuda:0=embed,0-20,output; cuda:1=21-42", FLASH.n_layers)  # as `plan` proposes
-    assert serve.mtp_tensor_specs(f, head_first, "model") == f.mtp_specs()  # stage 0 embeds: no copy
-    extra = mtp_bytes(FLASH, specs, 65536, 2048, 2)
-    assert extra - mtp_bytes(FLASH, f.mtp_specs(), 65536, 2048, 2) == f.specs["token_embd.weight"].n_bytes
+    shape = serve.serve_shape(f, check_mtp(f, "model"))
+    fs = FootprintSettings(mtp=True)
+    want = mtp_bytes(FLASH, f.mtp_specs(), 65536, fs.prefill_chunk, fs.sessions)
+    assert stage_footprint(shape, range(0, 21), 65536, fs, embed=True, output=True).mtp_bytes == want
+    last = stage_footprint(shape, range(21, 43), 65536, fs, output=True).mtp_bytes
+    assert last - want == f.specs["token_embd.weight"].n_bytes  # its own copy of the embedding
+    assert stage_footprint(shape, range(21, 43), 65536, fs).mtp_bytes == 0  # not beside the head
+    plain = serve.serve_shape(f, "")
+    with pytest.raises(ValueError, match="has no MTP layer to plan for"):
+        stage_footprint(plain, range(0, 43), 65536, fs, embed=True, output=True)

@@ -28,6 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "preset's)")
     p.add_argument("--rollback", type=token_count, metavar="N", help="positions a session can roll back (default: "
                    "the preset's)")
+    p.add_argument("--draft", choices=("off", "lookup", "mtp"), default="off",
+                   help="the speculative decoding serve will run (serve --draft): 'mtp' counts the MTP layer beside "
+                        "the output head (its weights and every session's state); written to the launch file")
+    p.add_argument("--mtp", metavar="FILE", help="the MTP layer's own GGUF for --draft mtp (default: the model "
+                   "file's own; a named shape has one)")
     p.add_argument("--out", metavar="FILE", help="also write the plan as a launch file for `ds4station serve --plan "
                    "FILE`")
     p.add_argument("--desktop-headroom", metavar="SIZE", help="memory left free on the card driving the display")
@@ -62,9 +67,29 @@ def run(args: argparse.Namespace) -> int:
             except GGUFError as e:
                 print(f"error: {e}", file=sys.stderr)
                 return 2
-            model = shape_from_specs(f.path.name, f.config, f.tensor_specs())
+            layer = f.mtp_specs() if f.has_mtp else []
+            if args.mtp:
+                try:
+                    layer = GGUFFile.open_mtp(args.mtp, f.config).mtp_specs()
+                except GGUFError as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    return 2
+            model = shape_from_specs(f.path.name, f.config, f.tensor_specs(), layer)
         else:
+            if args.mtp:
+                print("error: --mtp FILE goes with --model FILE (a named shape has its MTP layer)", file=sys.stderr)
+                return 2
             model = named_shape(args.shape or "flash-q2")
+        if args.mtp and args.draft != "mtp":
+            print("error: --mtp FILE is the MTP layer for --draft mtp; add --draft mtp (or drop --mtp)",
+                  file=sys.stderr)
+            return 2
+        if args.draft == "mtp":
+            settings = dataclasses.replace(settings, footprint=dataclasses.replace(settings.footprint, mtp=True))
+            if not model.mtp_specs:
+                print(f"error: {model.name} has no MTP layer (no mtp.0.* tensors): give the layer's own GGUF with "
+                      "--mtp FILE (`ds4station pull mtp`), or plan without --draft mtp", file=sys.stderr)
+                return 2
         if args.gpus == "auto":
             from ds4station.hardware import detect
 
@@ -103,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         from ds4station.planner.launch import launch_from_plan, write_launch
 
         demo = not args.model and (args.shape or "flash-q2") == DEMO_SHAPE  # the built-in demo model
-        write_launch(args.out, launch_from_plan(plan, str(args.model) if args.model else "" if demo else None), plan)
+        write_launch(args.out, launch_from_plan(plan, str(args.model) if args.model else "" if demo else None,
+                                                draft=args.draft, mtp=args.mtp), plan)
     if args.json:
         print(json.dumps(plan.to_dict(), indent=1))
         return 0
@@ -130,5 +156,9 @@ def _print(plan, model_bytes: int) -> None:  # type: ignore[no-untyped-def]
               f"{f.scratch_bytes / g:8.2f} {f.overhead_bytes / g:8.2f} {f.expert_cache_bytes / g:7.2f} "
               f"{f.predicted_bytes / g:10.2f} {s.available_bytes / g:10.2f} {s.spare_bytes / g:7.2f}  "
               f"{s.budget.describe()}" + (f", >= {s.decode_ms:.1f} ms/token" if s.decode_ms else ""))
+    for i, s in enumerate(plan.stages):
+        if s.footprint.mtp_bytes:
+            print(f"the MTP layer (--draft mtp) is on stage {i}: {s.footprint.mtp_bytes / g:.2f} GiB of its "
+                  "predicted bytes (its weights and every session's state)")
     for note in plan.notes:
         print(f"note: {note}")

@@ -116,8 +116,9 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     from ds4station.engine.engine import Engine, check_mtp, check_settings, default_chunk, default_prefill_budget
     from ds4station.engine.scheduler import Scheduler
     from ds4station.engine.stage import MTP_IN_MODEL
-    from ds4station.model.footprint import kv_bytes, mtp_bytes
+    from ds4station.model.footprint import kv_bytes, stage_mtp_bytes
     from ds4station.model.gguf import GGUFFile
+    from ds4station.planner.launch import ENGINE_KV_DTYPES
     from ds4station.server.app import create_app
     from ds4station.server.trace import RequestTrace
 
@@ -160,14 +161,17 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
           f"{per_session / 2**20:.1f} MiB per session x {sessions} session(s) = "
           f"{per_session * sessions / 2**20:.1f} MiB", file=sys.stderr)
 
-    mtp_specs = mtp_tensor_specs(gguf, route, mtp)
-    if mtp_specs:
-        extra, at = mtp_bytes(cfg, mtp_specs, ctx, chunk, sessions), route.output_stage
+    shape = serve_shape(gguf, mtp)  # the model as the footprint sees it, with the MTP layer's tensors if any
+    fs = FootprintSettings(prefill_chunk=chunk, kv_dtype={v: k for k, v in ENGINE_KV_DTYPES.items()}[kv_dtype],
+                           sessions=sessions, rollback=rollback, mtp=bool(mtp))
+    if mtp:
+        at = route.output_stage
+        extra = stage_mtp_bytes(shape, ctx, fs, embed=route.stages[at].embed)
         print(f"ds4station serve: --draft mtp: the MTP layer ({'the model file' if mtp == MTP_IN_MODEL else mtp}) "
               f"adds {extra / 2**20:.1f} MiB to stage {at} (its weights"
               f"{'' if route.stages[at].embed else ', a copy of the token embedding'} and {sessions} session(s)' "
               "state)", file=sys.stderr)
-    for warning in check_host_memory(gguf, route, ctx, chunk, sessions, rollback, kv_dtype, mtp_specs):
+    for warning in check_host_memory(shape, route, ctx, fs):
         print(f"warning: {warning}", file=sys.stderr)
 
     def load() -> Any:
@@ -223,44 +227,36 @@ def available_ram() -> int:
     return int(psutil.virtual_memory().available)
 
 
-def mtp_tensor_specs(gguf: Any, route: Any, mtp: str) -> list[Any]:
-    """What the MTP layer (check_mtp's answer: "", MTP_IN_MODEL or a path) puts on its stage, the one holding
-    the output head: its tensors as their file stores them, and the token embedding where that stage does not
-    embed."""
-    from ds4station.engine.stage import EMBED, MTP_IN_MODEL
+def serve_shape(gguf: Any, mtp: str) -> Any:
+    """The model file's shape for the footprint, with the MTP layer's tensors as their file stores them when
+    `mtp` (check_mtp's answer: "", MTP_IN_MODEL or the layer's own GGUF) names one."""
+    from ds4station.engine.stage import MTP_IN_MODEL
+    from ds4station.model.footprint import shape_from_specs
     from ds4station.model.gguf import GGUFFile
 
-    if not mtp:
-        return []
-    embed = [] if route.stages[route.output_stage].embed else [gguf.specs[EMBED]]
+    layer = []
     if mtp == MTP_IN_MODEL:
-        return gguf.mtp_specs() + embed
-    f = GGUFFile.open_mtp(mtp, gguf.config)
-    try:
-        return f.mtp_specs() + embed
-    finally:
-        f.release()
+        layer = gguf.mtp_specs()
+    elif mtp:
+        f = GGUFFile.open_mtp(mtp, gguf.config)
+        try:
+            layer = f.mtp_specs()
+        finally:
+            f.release()
+    return shape_from_specs(gguf.path.name, gguf.config, gguf.tensor_specs(), layer)
 
 
-def check_host_memory(gguf: Any, route: Any, ctx: int, chunk: int, sessions: int, rollback: int,
-                      kv_dtype: str, mtp: list[Any] | None = None) -> list[str]:
+def check_host_memory(shape: Any, route: Any, ctx: int, fs: FootprintSettings) -> list[str]:
     """The host-memory guard: what the route draws on system RAM (CPU stages, pinned staging of streaming GPU
     stages; the page cache its streamed experts want) against what is available now. Raises ValueError when it
-    cannot run; -> warnings (below the host reserve, streamed experts partly on the disk). `mtp`: what the MTP
-    layer puts on its stage (mtp_tensor_specs)."""
+    cannot run; -> warnings (below the host reserve, streamed experts partly on the disk)."""
     from ds4station.model.footprint import stage_footprint
-    from ds4station.planner import shape_from_specs
-    from ds4station.planner.launch import ENGINE_KV_DTYPES
     from ds4station.planner.propose import host_messages, host_need
 
-    kv = {v: k for k, v in ENGINE_KV_DTYPES.items()}[kv_dtype]
-    shape = shape_from_specs(gguf.path.name, gguf.config, gguf.tensor_specs())
-    fs = FootprintSettings(prefill_chunk=chunk, kv_dtype=kv, sessions=sessions, rollback=rollback)
     kinds = ["cpu" if s.device == "cpu" else "gpu" for s in route.stages]
     footprints = [stage_footprint(shape, s.layers, ctx, fs, embed=s.embed, output=s.output,
-                                  expert_cache_bytes=s.expert_cache_bytes, device_kind=k,
-                                  mtp=(mtp or []) if i == route.output_stage else [])
-                  for i, (s, k) in enumerate(zip(route.stages, kinds, strict=True))]
+                                  expert_cache_bytes=s.expert_cache_bytes, device_kind=k)
+                  for s, k in zip(route.stages, kinds, strict=True)]
     errors, warnings = host_messages(host_need(shape, list(route.stages), footprints, kinds), available_ram())
     if errors:
         raise ValueError(errors[0] + "; free memory, shorten --ctx, use fewer --sessions or move CPU layers to a GPU")
@@ -291,6 +287,13 @@ def apply_launch(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.expert_cache is not None:
         raise ValueError(f"{where}: the launch file's route sets each stage's expert cache; drop --expert-cache")
+    if launch.draft != "off":  # planned with it (the MTP layer counted): --draft may repeat it, not change it
+        if args.draft not in ("off", launch.draft):
+            raise ValueError(f"{where} sets draft = {launch.draft!r} but --draft {args.draft} was given; drop "
+                             "--draft or write a new launch file with `ds4station plan ... --out`")
+        if launch.mtp is not None and args.mtp is not None and args.mtp != launch.mtp:
+            raise ValueError(f"{where} sets mtp = {launch.mtp!r} but --mtp {args.mtp!r} was given; drop --mtp")
+        args.draft, args.mtp = launch.draft, args.mtp if launch.mtp is None else launch.mtp
     args.kv_dtype = launch.engine_kv_dtype
 
 

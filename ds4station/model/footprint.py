@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from .config import DEMO, FLASH, TINY, ModelConfig
-from .layout import TensorSpec, model_tensors, mtp_config
+from .layout import MTP_PREFIX, TensorSpec, model_tensors, mtp_config, mtp_tensors
 from .sizes import MiB
 
 KV_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2}
@@ -188,6 +188,7 @@ class ModelShape:
     name: str
     cfg: ModelConfig
     specs: tuple[TensorSpec, ...] = field(repr=False)
+    mtp_specs: tuple[TensorSpec, ...] = field(default=(), repr=False)  # the MTP layer's, when the model has one
 
     @cached_property
     def _tables(self) -> tuple[list[int], list[int], int, int, list[int]]:
@@ -267,12 +268,14 @@ def named_shape(name: str) -> ModelShape:
         cfg, recipe = SHAPES[name]
     except KeyError:
         raise ValueError(f"unknown shape {name!r}; choose one of {', '.join(SHAPES)}") from None
-    return ModelShape(name, cfg, tuple(model_tensors(cfg, recipe)))
+    return ModelShape(name, cfg, tuple(model_tensors(cfg, recipe)), tuple(mtp_tensors(cfg, recipe)))
 
 
-def shape_from_specs(name: str, cfg: ModelConfig, specs: Sequence[TensorSpec]) -> ModelShape:
-    """From a GGUF file's tensor table (model.gguf.GGUFFile.tensor_specs())."""
-    return ModelShape(name, cfg, tuple(specs))
+def shape_from_specs(name: str, cfg: ModelConfig, specs: Sequence[TensorSpec],
+                     mtp: Sequence[TensorSpec] = ()) -> ModelShape:
+    """From a GGUF file's tensor table (model.gguf.GGUFFile.tensor_specs(); `mtp`: its MTP layer's, or those of
+    the layer's own file)."""
+    return ModelShape(name, cfg, tuple(specs), tuple(mtp))
 
 
 @dataclass(frozen=True)
@@ -285,6 +288,7 @@ class FootprintSettings:
     # Measured peak temporaries of a prefill chunk over `activation_bytes_per_token` x chunk. 1.0 is the budget
     # the shapes need; engine/gpu.py measured 2.8 (H200, layers 0-3 + head, chunk 256, 2026-11-29).
     activation_factor: float = 1.0
+    mtp: bool = False  # the MTP layer beside the output head (serve --draft mtp): see mtp_bytes
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPE_BYTES:
@@ -315,11 +319,11 @@ class StageFootprint:
 
 def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: FootprintSettings, *,
                     embed: bool = False, output: bool = False, expert_cache_bytes: int = 0,
-                    device_kind: str = "gpu", mtp: Sequence[TensorSpec] = ()) -> StageFootprint:
+                    device_kind: str = "gpu") -> StageFootprint:
     """Predicted bytes for a stage holding `layers` (and optionally the embedding / output head), with
     `settings.sessions` KV slots; a streaming stage on a GPU also holds its staging buffers (device and
-    pinned host); a CPU stage ("cpu") has neither staging nor a GPU runtime. `mtp`: the MTP layer's tensors,
-    when the stage holds it (see mtp_bytes)."""
+    pinned host); a CPU stage ("cpu") has neither staging nor a GPU runtime. With `settings.mtp`, the stage
+    holding the head holds the MTP layer too (stage_mtp_bytes)."""
     cfg = model.cfg
     streaming = expert_cache_bytes > 0
     weights = sum(model.layer_weight_bytes(i, streaming) for i in layers)
@@ -331,8 +335,20 @@ def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: Footpr
     if device_kind == "cpu":
         scratch += cpu_dequant_bytes(cfg)
     stage = staging_bytes(model.expert_slot_bytes(layers)) if streaming and device_kind != "cpu" else 0
-    extra = mtp_bytes(cfg, mtp, ctx, settings.prefill_chunk, settings.sessions) if mtp else 0
+    extra = stage_mtp_bytes(model, ctx, settings, embed=embed) if output else 0
     return StageFootprint(weights, kv, scratch, settings.runtime_overhead, cache, stage, extra)
+
+
+def stage_mtp_bytes(model: ModelShape, ctx: int, settings: FootprintSettings, *, embed: bool) -> int:
+    """What the MTP layer adds to the stage holding the output head (0 unless `settings.mtp`): mtp_bytes over
+    the model's MTP tensors, and the token embedding's copy on a stage that does not embed."""
+    if not settings.mtp:
+        return 0
+    if not model.mtp_specs:
+        raise ValueError(f"{model.name} has no MTP layer to plan for (no {MTP_PREFIX}* tensors): give the layer's "
+                         "own GGUF (--mtp FILE) or plan without --draft mtp")
+    specs = [*model.mtp_specs, *([] if embed else [s for s in model.specs if s.role == "token_embd"])]
+    return mtp_bytes(model.cfg, specs, ctx, settings.prefill_chunk, settings.sessions)
 
 
 def cpu_dequant_bytes(cfg: ModelConfig) -> int:
@@ -369,5 +385,5 @@ __all__ = [
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
     "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
-    "shape_from_specs", "stage_footprint", "staging_bytes", "mtp_bytes",
+    "shape_from_specs", "stage_footprint", "staging_bytes", "mtp_bytes", "stage_mtp_bytes",
 ]

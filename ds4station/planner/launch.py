@@ -14,6 +14,8 @@ plan predicted. Unknown keys are refused with the key named (a typo must not sil
     prefill_chunk = 2048
     rollback = 1024
     kv_dtype = "f32"
+    draft = "mtp"                                 # serve --draft (absent: off); plan counted the MTP layer
+    mtp = "/models/DeepSeek-V4-Flash-MTP.gguf"   # serve --mtp (absent: the model file's own layer)
 
 No torch here (the planner's side); `serve` turns it into Engine.load arguments.
 """
@@ -33,7 +35,8 @@ from .presets import PresetError, _check_keys
 from .propose import Plan
 
 LAUNCH_KEYS = frozenset({"kind", "model", "preset", "route", "ctx", "sessions", "prefill_chunk", "rollback",
-                         "kv_dtype"})
+                         "kv_dtype", "draft", "mtp"})
+DRAFTS = ("off", "lookup", "mtp")  # serve --draft
 # the planner's KV dtype names -> the engine's
 ENGINE_KV_DTYPES = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
@@ -52,16 +55,20 @@ class Launch:
     kv_dtype: str = "f32"
     model: str | None = None  # "": the built-in demo model; None: not set (a plan for a named shape)
     preset: str = ""
+    draft: str = "off"  # serve --draft
+    mtp: str | None = None  # serve --mtp FILE (None: the model file's own MTP layer, with draft "mtp")
 
     @property
     def engine_kv_dtype(self) -> str:
         return ENGINE_KV_DTYPES[self.kv_dtype]
 
 
-def launch_from_plan(plan: Plan, model: str | None) -> Launch:
+def launch_from_plan(plan: Plan, model: str | None, *, draft: str = "off", mtp: str | None = None) -> Launch:
     fs = plan.footprint
+    if (draft == "mtp") != fs.mtp:
+        raise LaunchError(f"draft {draft!r}: the plan was made {'with' if fs.mtp else 'without'} the MTP layer")
     return Launch(str(plan.route), plan.ctx, fs.sessions, fs.prefill_chunk, fs.rollback, fs.kv_dtype, model,
-                  plan.preset)
+                  plan.preset, draft, mtp)
 
 
 def launch_text(launch: Launch, plan: Plan | None = None) -> str:
@@ -80,13 +87,20 @@ def launch_text(launch: Launch, plan: Plan | None = None) -> str:
     lines += [f"route = {q(launch.route)}", f"ctx = {launch.ctx}", f"sessions = {launch.sessions}",
               f"prefill_chunk = {launch.prefill_chunk}", f"rollback = {launch.rollback}",
               f"kv_dtype = {q(launch.kv_dtype)}"]
+    if launch.draft != "off":
+        lines.append(f"draft = {q(launch.draft)}")
+    if launch.mtp is not None:
+        lines.append(f"mtp = {q(launch.mtp)}")
     if plan is not None:
-        lines.append("# predicted per stage (GiB): weights + KV + scratch + runtime + cache = total / available")
+        mtp = plan.footprint.mtp
+        lines.append("# predicted per stage (GiB): weights + KV + scratch + runtime + cache" + (" + MTP" if mtp else "")
+                     + " = total / available")
         for i, s in enumerate(plan.stages):
             f = s.footprint
             lines.append(f"#   stage {i} {s.stage.device}: {gib(f.weights_bytes)} + {gib(f.kv_bytes)} + "
-                         f"{gib(f.scratch_bytes)} + {gib(f.overhead_bytes)} + {gib(f.expert_cache_bytes)} = "
-                         f"{gib(f.predicted_bytes)} / {gib(s.available_bytes)}")
+                         f"{gib(f.scratch_bytes)} + {gib(f.overhead_bytes)} + {gib(f.expert_cache_bytes)} "
+                         + (f"+ {gib(f.mtp_bytes)} " if mtp else "")
+                         + f"= {gib(f.predicted_bytes)} / {gib(s.available_bytes)}")
     return "\n".join(lines) + "\n"
 
 
@@ -140,9 +154,15 @@ def read_launch(path: str | Path) -> Launch:
     if not route.strip():
         raise LaunchError(f"{where}: route is empty")
     model = text("model", "") if "model" in data else None
+    draft = text("draft", "off")
+    if draft not in DRAFTS:
+        raise LaunchError(f"{where}: draft = {draft!r}; choose one of {', '.join(DRAFTS)}")
+    mtp = text("mtp", "") if "mtp" in data else None
+    if mtp is not None and draft != "mtp":
+        raise LaunchError(f"{where}: mtp = {mtp!r} is the MTP layer for draft = \"mtp\"; set it or drop mtp")
     return Launch(route=route, ctx=integer("ctx", 0, 16), sessions=integer("sessions", 2, 1),
                   prefill_chunk=integer("prefill_chunk", 2048, 1), rollback=integer("rollback", 1024, 0),
-                  kv_dtype=kv, model=model, preset=text("preset", ""))
+                  kv_dtype=kv, model=model, preset=text("preset", ""), draft=draft, mtp=mtp)
 
 
 __all__ = ["ENGINE_KV_DTYPES", "LAUNCH_KEYS", "Launch", "LaunchError", "launch_from_plan", "launch_text",

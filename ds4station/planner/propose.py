@@ -32,6 +32,7 @@ from ds4station.model.footprint import (
     layer_kv_bytes,
     scratch_bytes,
     stage_footprint,
+    stage_mtp_bytes,
 )
 from ds4station.model.route import Route, Stage
 from ds4station.model.sizes import MiB, format_size, gib
@@ -74,7 +75,7 @@ class StagePlan:
             "first_layer": s.first_layer, "last_layer": s.last_layer, "embed": s.embed, "output": s.output,
             "weights_bytes": f.weights_bytes, "kv_bytes": f.kv_bytes, "scratch_bytes": f.scratch_bytes,
             "overhead_bytes": f.overhead_bytes, "expert_cache_bytes": f.expert_cache_bytes,
-            "predicted_bytes": f.predicted_bytes, "available_bytes": self.available_bytes,
+            "mtp_bytes": f.mtp_bytes, "predicted_bytes": f.predicted_bytes, "available_bytes": self.available_bytes,
             "total_bytes": self.budget.total_bytes, "decode_read_bytes": self.decode_read_bytes,
             "bandwidth_gbs": self.budget.bandwidth_gbs or None, "decode_ms": self.decode_ms,
         }
@@ -113,7 +114,7 @@ class Plan:
             "stages": [s.to_dict() for s in self.stages], "notes": list(self.notes),
             "excluded": [{"device": d.device, "label": d.label, "reason": why} for d, why in self.excluded],
             "sessions": self.footprint.sessions, "prefill_chunk": self.footprint.prefill_chunk,
-            "rollback": self.footprint.rollback, "kv_dtype": self.footprint.kv_dtype,
+            "rollback": self.footprint.rollback, "kv_dtype": self.footprint.kv_dtype, "mtp": self.footprint.mtp,
         }
 
 
@@ -134,6 +135,8 @@ class _Planner:
         self.expert = _prefix(model.expert_bytes)
         self.n_idx = _prefix(int(cfg.has_indexer(i)) for i in range(self.L))
         self.head = model.embed_bytes + model.output_bytes
+        # the MTP layer's weights and state (window-only: the same at any context)
+        self.mtp = stage_mtp_bytes(model, cfg.window, settings.footprint, embed=True)
         # Decode time ~ bytes read / bandwidth. Unknown bandwidths count as the mean of the known ones (all equal
         # when none is known), and costs are scaled back to "bytes at the mean bandwidth".
         known = [d.bandwidth_gbs for d in devices if d.bandwidth_gbs > 0]
@@ -168,7 +171,7 @@ class _Planner:
             n += cpu_dequant_bytes(cfg)
         n += scratch_bytes(cfg, range(a, b) if self.n_idx[b] - self.n_idx[a] else range(0), ctx, fs, output=j == 0)
         if j == 0:
-            n += self.head
+            n += self.head + self.mtp  # the embedding, the head and (--draft mtp) the MTP layer beside it
         return n
 
     def decode_cost(self, j: int, a: int, b: int, cache: int = 0) -> float:
