@@ -76,11 +76,22 @@ class MtpDrafts:
             return
         T = X.shape[0]
         k = min(T, self.ring)
-        at = [(p0 + j) % self.ring for j in range(T - k, T)]
-        s.hidden[torch.as_tensor(at, device=s.hidden.device)] = X[T - k:].to(s.hidden.device, torch.float32)
+        rows = X[T - k:].to(s.hidden.device, torch.float32)
+        done = 0
+        for a, b in self._spans(p0 + T - k, k):  # device copies only: an index tensor would wait for the GPU
+            s.hidden[a:b] = rows[done:done + b - a]
+            done += b - a
         ids = tokens.view(-1).tolist()
-        for j, slot in zip(range(T - k, T), at, strict=True):
+        for j in range(T - k, T):
+            slot = (p0 + j) % self.ring
             s.tokens[slot], s.positions[slot] = int(ids[j]), p0 + j
+
+    def _spans(self, start: int, n: int) -> list[tuple[int, int]]:
+        """The ring rows of positions start..start+n-1 (n <= ring) as at most two slices, in order."""
+        a = start % self.ring
+        if a + n <= self.ring:
+            return [(a, a + n)]
+        return [(a, self.ring), (0, a + n - self.ring)]
 
     def truncate(self, sid: int, n: int) -> None:
         """The session keeps its first n positions: the layer keeps the pairs that only they make (i < n - 1)."""
@@ -116,8 +127,7 @@ class MtpDrafts:
         cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
         # catch up: the pairs (h_i, x_{i+1}) for i in [held_from, last)
         if held_from < last:
-            slots = [q % self.ring for q in range(held_from, last)]
-            H = s.hidden[torch.as_tensor(slots, device=s.hidden.device)]
+            H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, last - held_from)])
             nxt = torch.as_tensor([s.tokens[(q + 1) % self.ring] for q in range(held_from, last)])
             self.model.mtp_step(H, nxt, cache)
             self.steps += 1
