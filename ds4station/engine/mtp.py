@@ -131,17 +131,19 @@ class MtpDrafts:
             nxt = torch.as_tensor([s.tokens[(q + 1) % self.ring] for q in range(held_from, last)])
             self.model.mtp_step(H, nxt, cache)
             self.steps += 1
-        # the chain: depth 1 from the model's state at `last`, each further one from the depth before
-        out: list[int] = []
-        h, t = s.hidden[last % self.ring].unsqueeze(0), token
+        # the chain: depth 1 from the model's state at `last`, each further one from the depth before; each
+        # depth's token stays on the device for the next (one read of all of them at the end, not one per depth)
+        out: list[torch.Tensor] = []
+        h = s.hidden[last % self.ring].unsqueeze(0)
+        t = torch.full((1,), token, dtype=torch.long, device=self.device)  # a fill: no host-to-device copy
         for _ in range(min(k, self.ctx - 1 - last)):
-            X, logits = self.model.mtp_step(h, torch.as_tensor([t]), cache)
+            X, logits = self.model.mtp_step(h, t, cache)
             self.steps += 1
-            t = int(logits[-1].argmax())
+            t = logits[-1].argmax().view(1)
             out.append(t)
             h = X[-1:]
         cache.length = min(cache.length, length)  # the chain's rows past (h_last, token) are dropped
-        return out
+        return torch.cat(out).tolist() if out else []
 
     def nbytes(self) -> int:
         """What the sessions' states hold, all of them (their caches and rings)."""
