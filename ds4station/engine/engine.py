@@ -287,7 +287,7 @@ class Engine:
         warm-up; `progress(loaded_bytes, total_bytes)` reports stage 0's weights as they load; `verify_rows`
         (a token and its drafts, with speculative decoding) has the warm-up capture the verification's graphs;
         `mtp`: load the MTP layer for `Session.draft` (MTP_IN_MODEL: from the model file, else the path of its
-        own GGUF); a route of one stage only."""
+        own GGUF), on the stage that holds the output head."""
         path = str(path)
         gguf = GGUFFile.open(path)
         route = check_settings(gguf, ctx, route, expert_cache, activation_bits, device)

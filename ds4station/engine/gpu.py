@@ -279,7 +279,8 @@ class _MtpWeights(Mapping[str, Weight]):
 
 class GpuMTP:
     """The MTP layer in kernel form (model.MTPLayer's math): its block as a GpuLayer of mtp_config, its input
-    projections and its hyper-connection head; the embedding and the output matrix are the stage's."""
+    projections and its hyper-connection head; the output matrix is the stage's, and so is the token embedding
+    (a copy of its own on a stage that does not embed)."""
 
     def __init__(self, cfg: ModelConfig, w: Mapping[str, Weight], dev: torch.device, int_dot: bool | None,
                  rt: RoundTrips, token_embd: Tensor) -> None:

@@ -266,8 +266,8 @@ class MTPLayer:
     i it takes the model's last HC state h_i [C, dim] (what its head read) and the next token x_{i+1}, and
     predicts x_{i+2}: X = Block(e_proj(enorm(embed(x_{i+1}))) + h_proj(hnorm(h_i)), per stream), logits =
     output(norm(hc_head(X))). Its block is mtp_config's last layer (window-only, routed by scores) with a KV
-    cache of its own; the embedding and the output matrix are the model's. Drafting chains it: the next depth
-    takes its own X in place of h (engine/mtp.py)."""
+    cache of its own; the embedding and the output matrix are the model's (on a slice that does not embed, the
+    embedding's own copy). Drafting chains it: the next depth takes its own X in place of h (engine/mtp.py)."""
 
     def __init__(self, cfg: ModelConfig, w: Callable[[str], Tensor], token_embd: Tensor, output: Tensor,
                  rt: RoundTrips) -> None:

@@ -1057,7 +1057,7 @@ class Scheduler:
             ms, clock[0] = (now - clock[0]) * 1000, now
             return ms
 
-        started = clock[0]
+        started = clock[0] - self._fence_ms / 1000  # the step began with the wait between steps (see _main)
         for stream in list(self._streams):
             if stream.job.cancel.is_set():
                 self._end(stream, "cancelled")

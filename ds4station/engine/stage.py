@@ -323,7 +323,7 @@ class StageRunner:
             mtp_file.release()
         # The forms this stage's steps take: the first stage embeds; the head runs inside the step when this
         # stage holds it and is the last one (else rank 0 applies it to what comes back, see `head`). With the
-        # MTP layer the steps return the HC states, recorded for it, and the head runs after them (`_head`).
+        # MTP layer the backend's steps return the HC states, `step` records them for it and applies the head.
         self.embeds = stage.embed
         self.mtp = MtpDrafts(self.model, self.cfg, settings.ctx, settings.chunk, device, settings.sessions) \
             if mtp_file else None
