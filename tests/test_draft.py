@@ -313,30 +313,60 @@ def test_serve_reports_drafts_in_status_and_metrics(engine: Engine, model_path: 
         srv.stop()
 
 
-def test_requests_decoding_together_take_the_batched_step_instead_of_drafts(engine: Engine) -> None:
-    """Two requests decoding at once run the batched step (no drafts: each verification would read the weights
-    for one request); the one still running after the other finished drafts again; both outputs are plain
-    decoding's."""
-    alone = [generate(engine, PROMPT, n)[0] for n in (N_NEW, 10)]
-    s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=2, draft="lookup",
-                  draft_tokens=3).start()
+def _together(engine, n: tuple[int, ...], *, prompt: list[int] = PROMPT, draft: str = "lookup",  # noqa: ANN001
+              **kw) -> tuple[list[Finished], Scheduler]:
+    """Requests of one prompt (the repeating one by default; n[i] tokens each) at once, greedy, drafted."""
+    s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=len(n), draft=draft,
+                  **kw).start()
     assert s.ready.wait(60) and s.state == "ready", s.error
 
-    async def both() -> list[Finished]:
-        async def one(n: int) -> Finished:
+    async def all_of() -> list[Finished]:
+        async def one(m: int) -> Finished:
             fin = None
-            job = Job(prompt=PROMPT, max_tokens=n, sampling=SamplingParams(temperature=0.0))
+            job = Job(prompt=prompt, max_tokens=m, sampling=SamplingParams(temperature=0.0))
             async for ev in s.submit(job).events():
                 fin = ev if isinstance(ev, Finished) else fin
             assert fin is not None
             return fin
 
-        return list(await asyncio.gather(one(N_NEW), one(10)))
+        return list(await asyncio.gather(*(one(m) for m in n)))
 
     try:
-        fins = asyncio.run(both())
-        assert [f.output for f in fins] == alone
-        assert any(len(r.decoded) == 2 for r in s.steps)  # together in the batched step
-        assert fins[1].timings.draft_n == 0 and fins[0].timings.draft_n > 0  # drafts only once alone
+        return asyncio.run(all_of()), s
     finally:
         s.stop()
+
+
+def test_requests_decoding_together_verify_their_drafts_in_one_step(engine: Engine) -> None:
+    """Two requests decoding at once verify their drafts together (Engine.verify_batch: every row, drafts or
+    not, in one step), each within the step's rows, and both outputs are plain decoding's."""
+    alone = [generate(engine, PROMPT, n)[0] for n in (N_NEW, 20)]
+    fins, s = _together(engine, (N_NEW, 20), draft_tokens=3)
+    assert [f.output for f in fins] == alone
+    # a step that fed both and verified drafts (one request's or both's) among them: one batched verification
+    assert any(len(r.decoded) == 2 and r.verified for r in s.steps), list(s.steps)
+    assert all(f.timings.draft_n > 0 for f in fins)
+    assert all(len(r.decoded) <= 2 for r in s.steps)
+
+
+class _NoBatchedVerify:
+    """The engine without verify_batch (as a route of several stages is)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        if name == "verify_batch":
+            raise AttributeError(name)
+        return getattr(self._engine, name)
+
+
+def test_without_a_batched_verification_requests_together_take_the_batched_step(engine: Engine) -> None:
+    """Where the engine cannot verify several requests in one step, requests decoding together take the batched
+    decode step without drafts (a verification of its own would read every weight for one request); the one left
+    running drafts again; both outputs are plain decoding's."""
+    alone = [generate(engine, PROMPT, n)[0] for n in (N_NEW, 10)]
+    fins, s = _together(_NoBatchedVerify(engine), (N_NEW, 10), draft_tokens=3)
+    assert [f.output for f in fins] == alone
+    assert any(len(r.decoded) == 2 for r in s.steps) and not any(r.verified for r in s.steps)
+    assert fins[1].timings.draft_n == 0 and fins[0].timings.draft_n > 0  # drafts only once alone

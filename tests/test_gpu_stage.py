@@ -395,3 +395,30 @@ def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, 
         steps = torch.stack([stage.decode(int(t), alone, logits=True).clone() for t in tokens[90:95]])
         _close(rows, steps, 1e-5 if device == "cpu" else 2e-3)
         assert cache.truncate(92) and cache.length == 92  # two drafts rejected: their rows dropped
+
+
+def test_verify_batch_gives_each_sequence_what_its_own_prefill_gives(tiny: GGUFFile) -> None:
+    """Several sessions' tokens (a token and its drafts each) in one static step (GpuStage.verify_batch): every
+    row's logits equal that sequence's own prefill of the same tokens, across compressor blocks and the indexer,
+    and the caches go on exactly as after their own prefills (the next decode step agrees)."""
+    cfg = tiny.config
+    stage = GpuStage(cfg, load_tensors(tiny), device="cpu", round_trips=OFF, int_dot=False)
+    gen = torch.Generator().manual_seed(3)
+    lengths = (37, 126, 70)  # the second's rows close a ratio-4 and a ratio-128 block
+    prompts = [torch.randint(2, cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    batch, alone = stage.new_caches(3, 512, chunk=64), stage.new_caches(3, 512, chunk=64)
+    for p, a, b in zip(prompts, batch, alone, strict=True):
+        stage.prefill(p, a)
+        stage.prefill(p, b)
+    rows = [[5, 6, 7, 8], [9, 10, 11], [12]]  # 8 rows: the class of 8, no padding; then 7 rows, padded
+    for step in (rows, [[13, 14, 15], [16], [17, 18, 19]]):
+        got = stage.verify_batch(step, batch)
+        for i, (t, c) in enumerate(zip(step, alone, strict=True)):
+            want = stage.prefill(t, c, logits=True, all_logits=True)
+            _close(got[i], want, 1e-5)
+    assert [c.length for c in batch] == [c.length for c in alone]
+    for a, b in zip(batch, alone, strict=True):
+        _close(stage.decode(3, a, logits=True), stage.decode(3, b, logits=True), 1e-5)
+    assert stage.multi_rows([[1] * 20, [2] * 13], batch[:2]) == 0  # more rows than the largest class
+    with pytest.raises(ValueError, match="do not make one verification step"):
+        stage.verify_batch([[1] * 20, [2] * 13], batch[:2])

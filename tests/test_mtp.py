@@ -294,6 +294,19 @@ def test_greedy_with_mtp_drafts_is_plain_decode(engine: Engine, k: int) -> None:
     assert fin.timings.draft_n == draft["drafted"] and fin.timings.draft_n_accepted == draft["accepted"]
 
 
+def test_requests_together_verify_mtp_drafts_in_one_kernel_step(mtp_model: Path) -> None:
+    """On the kernel stage (CPU here), two requests with MTP drafts verify them together in one step
+    (GpuStage.verify_batch, the layer's ring fed from that step's states): each output is plain decoding's."""
+    from test_draft import _together
+
+    prompt_a = [1] + list(range(40, 120))
+    with Engine.load(mtp_model, CTX, device="cpu", compute="kernels", chunk=CHUNK, sessions=2, mtp="model") as e:
+        alone = [_generate(e, prompt_a, n)[0] for n in (24, 12)]
+        fins, s = _together(e, (24, 12), draft_tokens=2, draft="mtp", prompt=prompt_a)
+    assert [f.output for f in fins] == alone
+    assert any(len(r.decoded) == 2 and sorted(r.verified) == sorted(r.decoded) for r in s.steps), list(s.steps)
+
+
 def test_draft_mtp_needs_an_engine_with_the_layer(tmp_path: Path) -> None:
     plain = make_model(tmp_path / "plain.gguf", preset="tiny", seed=3)
     with Engine.load(plain, 256, device="cpu") as e:

@@ -58,6 +58,7 @@ from ds4station.model.route import Route, RouteError, Stage, parse_route, route_
 from ds4station.model.sizes import parse_size
 
 from .experts import PARTS, ExpertCacheTooSmall, expert_name, min_cache_bytes, too_small_message
+from .gpu import SHORT_ROWS
 from .kv import DEFAULT_CHUNK, dtype_name
 from .model import RoundTrips
 from .stage import (
@@ -636,6 +637,36 @@ class Engine:
             for s, t in zip(sessions, tokens, strict=True):
                 s.tokens.append(int(t))
         return logits
+
+    @property
+    def verify_rows_per_step(self) -> int:
+        """The most rows (tokens and drafts over all requests) `verify_batch` takes in one step, 0 where it is
+        not offered (a route of several stages verifies each request on its own)."""
+        return SHORT_ROWS[-1] if self.world == 1 else 0
+
+    def verify_batch(self, sessions: Sequence[Session], tokens: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Several sessions' `verify` at once (tokens[i]: session i's token and its drafts), on a route of one
+        stage: the kernel stage runs every row in one step (each weight read once for all of them), within
+        `verify_rows_per_step`. -> each session's logits [n_i, vocab]; the caller truncates what it rejects."""
+        runner = self.runner
+        assert runner is not None
+        if self.world != 1:
+            raise ValueError("verify_batch runs on a route of one stage; verify each session on its own")
+        if len(sessions) != len(tokens) or not sessions or any(not t for t in tokens):
+            raise ValueError("verify_batch needs one non-empty token list per session")
+        if len({s.sid for s in sessions}) != len(sessions):
+            raise ValueError("verify_batch holds each session once")
+        with self._lock:
+            self._raise_if_down()
+            self._flush_released()
+            for s, t in zip(sessions, tokens, strict=True):
+                if runner.kv[s.sid].length + len(t) > self.ctx:  # checked before anything moves
+                    raise ValueError(f"context full: {runner.kv[s.sid].length} + {len(t)} tokens exceed ctx "
+                                     f"{self.ctx}; start a new session or load with a larger --ctx")
+            outs = runner.verify_batch([s.sid for s in sessions], [list(t) for t in tokens])
+            for s, t in zip(sessions, tokens, strict=True):
+                s.tokens += [int(x) for x in t]
+        return outs
 
     @property
     def has_mtp(self) -> bool:

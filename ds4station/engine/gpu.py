@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -373,7 +373,7 @@ class GpuStage:
         self.mtp = GpuMTP(cfg, weights, dev, int_dot, round_trips,
                           _kept(weights["token_embd.weight"], dev) if self.token_embd is None else self.token_embd) \
             if mtp else None
-        self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph] = {}
+        self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
@@ -719,6 +719,55 @@ class GpuStage:
                 for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
         return torch.stack(outs) if logits else torch.cat(outs)
 
+    def multi_rows(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> int:
+        """The row class verify_batch runs these sequences' rows in, or 0 when it cannot (more rows than the
+        largest class, caches of different pools, a streaming stage, or a sequence without room)."""
+        n = sum(len(t) for t in tokens)
+        if not tokens or self.experts is not None or any(not t for t in tokens) or len(tokens) != len(caches):
+            return 0
+        if len({id(c) for c in caches}) != len(caches) or any(c.pool is not caches[0].pool for c in caches):
+            return 0
+        if any(c.length + len(t) > c.ctx or len(t) > c.chunk for t, c in zip(tokens, caches, strict=True)):
+            return 0
+        return next((r for r in SHORT_ROWS if r >= n), 0)
+
+    @torch.inference_mode()
+    def verify_batch(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache], *, logits: bool = True,
+                     graph: bool | None = None) -> list[Tensor]:
+        """Several sequences' rows in one static step (a request's token and its drafts each: sequence i's at
+        positions caches[i].length..): every row reaches its own sequence's KV through its slot of the pool, as
+        a batched decode step's one row does, and the rows of one sequence attend to each other as a short
+        prefill's do; padded to its row class with copies of the last row (they write what it writes). On
+        CUDA it replays the graph of (pool, row class, position bucket), captured on first use. -> per
+        sequence its rows' logits [n_i, vocab] (row j what `prefill` of tokens[i][:j + 1] gives), or without
+        `logits` their HC states [n_i, C, dim]."""
+        rows = self.multi_rows(tokens, caches)
+        if not rows:
+            raise ValueError(f"{sum(len(t) for t in tokens)} rows of {len(tokens)} sequence(s) do not make one "
+                             f"verification step (at most {SHORT_ROWS[-1]} rows, one pool, room in each)")
+        pool = caches[0].pool
+        bucket = max(self.bucket(c, len(t)) for t, c in zip(tokens, caches, strict=True))
+        key = ("multi", id(pool), rows, bucket, logits)
+        g = self._graph(graph, key, lambda: _MultiGraph(self, pool, tokens, caches, rows, bucket, logits))
+        if g is None:
+            g = _MultiInputs(self, pool, rows)
+            g.set(tokens, caches)
+            out = self._multi_step(g, bucket, logits)
+        else:
+            out = g.run(tokens, caches)
+        res, at = [], 0
+        for t, c in zip(tokens, caches, strict=True):
+            res.append(out[at:at + len(t)].clone())  # the graph's buffer is reused by its next replay
+            at += len(t)
+            c.advance(len(t))
+        return res
+
+    def _multi_step(self, inp: _MultiInputs, bucket: int, logits: bool) -> Tensor:
+        """verify_batch's step (what its graph captures): the layers over every row, the head over every row."""
+        st = Step(inp.pos, None, None, bucket, inp.last, inp.slots)
+        X = self._run_layers(self.embed(inp.tok), inp.tok, _Pooled(inp.pool), st)
+        return self.head(X) if logits else X
+
     def _batch_step(self, inp: _BatchInputs, bucket: int, logits: bool) -> Tensor:
         """The batched decode step (what its graph captures): layers over the B rows, the head over all."""
         st = Step(inp.pos, None, None, bucket, None, inp.slots)
@@ -827,8 +876,8 @@ class GpuStage:
     def _graphs_on(self) -> bool:
         return self.device.type == "cuda" and self.graphs
 
-    def _graph(self, graph: bool | None, key: tuple,
-               make: Callable[[], _StepGraph | _SegmentedStep]) -> _StepGraph | _SegmentedStep | None:
+    def _graph(self, graph: bool | None, key: tuple, make: Callable[[], _StepGraph | _SegmentedStep | _BatchGraph |
+               _MultiGraph]) -> _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph | None:
         """The captured graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
         `graph` is True), when `graph` is False, with DS4STATION_CUDA_GRAPHS=0, or after a capture failed on
         this stage (warned once; steps go on with eager launches of the same ops)."""
@@ -848,7 +897,7 @@ class GpuStage:
     def drop_graphs(self, cache: KVCache) -> None:
         """Release the step graphs of a cache's pool (they write into every slot's tensors) and the cache's own
         (a streaming stage's), when the cache goes."""
-        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] in ("static", "batch") and
+        for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] in ("static", "batch", "multi") and
                                                                       k[1] == id(cache.pool))]:
             del self._graphs[key]
 
@@ -859,6 +908,26 @@ def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:
     x = x.contiguous()
     rope_(x.view(-1, x.shape[-1]), pos, rope.inv_freq, x[0].numel() // x.shape[-1], inverse)
     return x
+
+
+def _capture(stage: GpuStage, step: Callable[[], Tensor]) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """`step` captured in a CUDA graph -> (the graph, its output buffer): first run on a side stream (Triton
+    compiles, caches fill), then captured into the stage's one memory pool (its graphs replay one at a time and
+    each output is read before the next replay, so their temporaries may share memory, as vLLM's captures do),
+    then replayed once: the first launch of a graph uploads it to the device, paid here rather than by the first
+    request that replays it, on the warm-up's inputs, so it writes what the warm-up wrote."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    if stage.graph_pool is None:
+        stage.graph_pool = torch.cuda.graph_pool_handle()
+    with torch.cuda.graph(graph, pool=stage.graph_pool):
+        out = step()
+    graph.replay()
+    return graph, out
 
 
 class _StepInputs:
@@ -898,23 +967,9 @@ class _StepGraph(_StepInputs):
         self.pool = cache.pool  # the graph writes into the pool's tensors: keep them alive with it
         self.slots.fill_(cache.slot)
 
-        # Warm up on a side stream (Triton compiles, caches fill), then capture. The warm-up writes the
-        # positions' KV slots, which the real replay overwrites with the same positions' values.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            stage._step(self, cache, bucket, logits)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # One memory pool for all of a stage's graphs: they replay one at a time and each output is read
-        # before the next replay, so their temporaries may share memory (as vLLM's captures do).
-        if stage.graph_pool is None:
-            stage.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=stage.graph_pool):
-            self.out = stage._step(self, cache, bucket, logits)
-        # The first launch of a graph uploads it to the device: paid here rather than by the first request
-        # that replays it, on the warm-up's inputs, so it writes what the warm-up wrote.
-        self.graph.replay()
+        # The warm-up writes the positions' KV slots, which the real replay overwrites with the same positions'
+        # values.
+        self.graph, self.out = _capture(stage, lambda: stage._step(self, cache, bucket, logits))
 
     def run(self, tokens: Tensor | int, position: int, X: Tensor | None = None, slot: int = 0) -> Tensor:
         self.set(tokens, position, X, slot)
@@ -952,20 +1007,54 @@ class _BatchGraph(_BatchInputs):
                  logits: bool) -> None:
         super().__init__(stage, pool, len(caches), embedded)
         self.set([0] * len(caches), caches, None if self.x is None else self.x)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            stage._batch_step(self, bucket, logits)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        if stage.graph_pool is None:
-            stage.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(self.graph, pool=stage.graph_pool):
-            self.out = stage._batch_step(self, bucket, logits)
-        self.graph.replay()
+        self.graph, self.out = _capture(stage, lambda: stage._batch_step(self, bucket, logits))
 
     def run(self, tokens: list[int], caches: list[KVCache], X: Tensor | None = None) -> Tensor:
         self.set(tokens, caches, X)
+        self.graph.replay()
+        return self.out
+
+
+class _MultiInputs:
+    """The device inputs of a verification step over several sequences' rows: per row a token, a position and
+    a pool slot (small fills, as _BatchInputs), the rows past the real ones copies of the last real row, and
+    the index of that row."""
+
+    def __init__(self, stage: GpuStage, pool: KVPool, rows: int) -> None:
+        dev = stage.device
+        self.pool = pool  # a graph writes into the pool's tensors: keep them alive with it
+        self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.last = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def set(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> None:
+        r = 0
+        for seq, c in zip(tokens, caches, strict=True):
+            for j, t in enumerate(seq):
+                self.tok[r].fill_(int(t))
+                self.pos[r].fill_(c.length + j)
+                self.slots[r].fill_(c.slot)
+                r += 1
+        self.last.fill_(r - 1)
+        if r < self.tok.numel():  # the padding: the last real row again
+            self.tok[r:].copy_(self.tok[r - 1].expand(self.tok.numel() - r))
+            self.pos[r:].copy_(self.pos[r - 1].expand(self.tok.numel() - r))
+            self.slots[r:].copy_(self.slots[r - 1].expand(self.tok.numel() - r))
+
+
+class _MultiGraph(_MultiInputs):
+    """verify_batch's step of a row class over a pool captured in a CUDA graph, as _BatchGraph does it (the
+    capture's warm-up writes the rows of the sequences' next positions, which the real step overwrites)."""
+
+    def __init__(self, stage: GpuStage, pool: KVPool, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache],
+                 rows: int, bucket: int, logits: bool) -> None:
+        super().__init__(stage, pool, rows)
+        self.set(tokens, caches)
+        self.graph, self.out = _capture(stage, lambda: stage._multi_step(self, bucket, logits))
+
+    def run(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> Tensor:
+        self.set(tokens, caches)
         self.graph.replay()
         return self.out
 

@@ -532,8 +532,9 @@ class _Stream:
 
 @dataclass
 class StepRecord:
-    """One scheduler step (the step log): the requests that decoded in its batched step, the prompt tokens
-    each prefilling request got, and where the worker thread's time went (milliseconds of host time, so on a
+    """One scheduler step (the step log): the requests that decoded in its batched step (or its batched
+    verification: `verified` names those of them whose drafts it verified), the prompt tokens each prefilling
+    request got, and where the worker thread's time went (milliseconds of host time, so on a
     GPU that queues its work they show where the worker waited for it: `wait_ms` for the previous step's
     prompt pieces, `prefill_ms` issuing this step's pieces (a prompt's end waits for its logits), `sample_ms`
     choosing the next tokens (waits for the previous decode's logits), `forward_ms` issuing the decode,
@@ -543,6 +544,7 @@ class StepRecord:
     decoded: list[int]
     prefilled: dict[int, int]
     at: float = 0.0
+    verified: list[int] = field(default_factory=list)  # of `decoded`, those that verified drafts together
     wait_ms: float = 0.0
     prefill_ms: float = 0.0
     sample_ms: float = 0.0
@@ -551,7 +553,7 @@ class StepRecord:
     total_ms: float = 0.0
 
     def describe(self) -> dict[str, Any]:
-        return {"step": self.step, "at": round(self.at, 4), "decoded": self.decoded,
+        return {"step": self.step, "at": round(self.at, 4), "decoded": self.decoded, "verified": self.verified,
                 "prefilled": {str(k): v for k, v in self.prefilled.items()},
                 **{k: round(getattr(self, k), 3)
                    for k in ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms", "total_ms")}}
@@ -619,6 +621,7 @@ class Scheduler:
         self._streams: list[_Stream] = []  # the running requests, in order of admission
         self._fence: Any = None  # a CUDA event after the last step's unfinished prompt pieces
         self._fence_ms = 0.0  # waited for it before the next step (between steps: see _main), for its record
+        self._verified: list[int] = []  # the requests whose drafts this step verified together
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
         self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
         self.draft_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verifications, drafted / accepted tokens
@@ -1112,6 +1115,7 @@ class Scheduler:
                 self._fence.record()
         prefill_ms += lap()
         feed = [s for s in ready if s.ended is None]
+        self._verified = []
         decoded = self._forward(feed)
         forward_ms = lap()
         if queued:  # the next step runs on the GPU while the texts are made and sent
@@ -1129,8 +1133,9 @@ class Scheduler:
             self.batch_totals["decode_steps"] += bool(decoded)
             self.batch_totals["prefill_tokens"] += sum(prefilled.values())
             self.batch_totals["max_batch"] = max(self.batch_totals["max_batch"], len(decoded))
-            self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started, wait_ms,
-                                         prefill_ms, sample_ms, forward_ms, show_ms, (clock[0] - started) * 1000))
+            self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started,
+                                         [i for i in self._verified if i > 0], wait_ms, prefill_ms, sample_ms,
+                                         forward_ms, show_ms, (clock[0] - started) * 1000))
 
     def _wait_fence(self) -> None:
         """Wait for the last step's unfinished prompt pieces (a GPU's queued work) before more are queued."""
@@ -1157,21 +1162,11 @@ class Scheduler:
 
     def _forward(self, feed: list[_Stream]) -> list[int]:
         """Feed every request its accepted tokens: one batched decode step for those with one token (the
-        engine's `decode_batch` when it has one, else one after another), or for a request decoding alone with a
-        draft source, its token and drafts in one verification; -> the ids of the batched ones."""
+        engine's `decode_batch` when it has one, else one after another); with a draft source, those with drafts
+        verify them with their token (see _verify); -> the ids of the requests fed one token each in one step
+        (the batched decode step's, or a batched verification's)."""
         singles = [s for s in feed if len(s.feed) == 1]
-        # Drafts only for a request that decodes alone: a verification reads every weight for its one request,
-        # so beside others the batched step (every weight read once for all of them) is the better step.
-        for stream in [s for s in singles if s.drafter is not None and len(singles) == 1]:
-            drafts = self._engine_call([stream], lambda s=stream: self._drafts(s))  # the MTP layer runs here
-            if drafts is None:  # the request failed
-                singles.remove(stream)
-                continue
-            if drafts:  # the token and its drafts in one forward, every position's logits back
-                rows = self._engine_call([stream], lambda s=stream, d=drafts: s.live.session.verify(s.feed + d))
-                singles.remove(stream)
-                if rows is not None:
-                    stream.rows, stream.drafts, stream.logits = rows, drafts, rows[0]
+        ids = self._verify(singles)
         for stream in feed:
             if len(stream.feed) > 1:  # a run of forced tokens is a prefill
                 logits = self._engine_call([stream], lambda s=stream: s.live.session.extend(s.feed,
@@ -1179,7 +1174,6 @@ class Scheduler:
                 if logits is not None:
                     stream.logits = logits
         decode_batch = getattr(self.engine, "decode_batch", None)
-        ids: list[int] = []
         if len(singles) > 1 and decode_batch is not None:
             limit = getattr(self.engine, "ctx", None) or self.ctx  # one full session must not fail the batch
             for s in [s for s in singles if limit and len(s.live.session.tokens) + 1 > limit]:
@@ -1190,7 +1184,7 @@ class Scheduler:
                 logits = decode_batch([s.live.session for s in singles], [s.feed[0] for s in singles])
                 for b, stream in enumerate(singles):
                     stream.logits = logits[b]
-                ids = [s.job.id for s in singles]
+                ids += [s.job.id for s in singles]
                 singles = []
         for stream in singles:
             logits = self._engine_call([stream], lambda s=stream: s.live.session.extend(s.feed,
@@ -1202,12 +1196,58 @@ class Scheduler:
             stream.feed = []
         return ids
 
-    def _drafts(self, stream: _Stream) -> list[int]:
-        """The drafts to verify with the request's next token: no more than it may still generate beyond that
-        token, nor than the context has room for."""
+    def _verify(self, singles: list[_Stream]) -> list[int]:
+        """Draft-and-verify for the requests that continue with one token (`singles`; those it feeds are taken
+        out of it): a request decoding alone verifies its drafts with its token in one forward; several verify
+        together in one step when the engine has `verify_batch` (every request's rows, with or without drafts,
+        each weight read once for all of them; the drafts per request then fit the step's rows), else they take
+        the batched decode step without drafts (a verification of its own would read every weight for one
+        request). -> the ids of a batched verification's requests (fed one token each, plus their drafts)."""
+        drafting = [s for s in singles if s.drafter is not None]
+        if not drafting:
+            return []
+        per_step = getattr(self.engine, "verify_rows_per_step", 0) if hasattr(self.engine, "verify_batch") else 0
+        together = len(singles) > 1
+        if together and per_step < 2 * len(singles):  # no room for a draft each: the batched decode step
+            return []
+        limit = per_step // len(singles) - 1 if together else self.draft_tokens
+        drafts: dict[int, list[int]] = {}
+        for stream in drafting:
+            d = self._engine_call([stream], lambda s=stream: self._drafts(s, limit))  # the MTP layer runs here
+            if d is None:  # the request failed
+                singles.remove(stream)
+            elif d:
+                drafts[stream.job.id] = d
+        if not drafts:
+            return []
+        group = list(singles) if together else [s for s in singles if s.job.id in drafts]
+        for stream in group:
+            singles.remove(stream)
+        if not together:  # the token and its drafts in one forward, every position's logits back
+            stream = group[0]
+            d = drafts[stream.job.id]
+            rows = self._engine_call([stream], lambda: stream.live.session.verify(stream.feed + d))
+            if rows is not None:
+                stream.rows, stream.drafts, stream.logits = rows, d, rows[0]
+            return []
+        outs = self._engine_call(group, lambda: self.engine.verify_batch(  # type: ignore[union-attr]
+            [s.live.session for s in group], [s.feed + drafts.get(s.job.id, []) for s in group]))
+        if outs is None:
+            return []
+        for stream, rows in zip(group, outs, strict=True):
+            d = drafts.get(stream.job.id, [])
+            stream.logits = rows[0]
+            if d:
+                stream.rows, stream.drafts = rows, d
+        self._verified = [s.job.id for s in group if s.job.id in drafts]
+        return [s.job.id for s in group]
+
+    def _drafts(self, stream: _Stream, limit: int) -> list[int]:
+        """The drafts to verify with the request's next token: at most `limit`, no more than it may still
+        generate beyond that token, nor than the context has room for."""
         assert stream.drafter is not None
         room = (getattr(self.engine, "ctx", None) or self.ctx or 0) - len(stream.live.session.tokens) - 1
-        k = min(self.draft_tokens, stream.job.max_tokens - stream.generated - 1, room)
+        k = min(self.draft_tokens, limit, stream.job.max_tokens - stream.generated - 1, room)
         if k <= 0:
             return []
         return stream.drafter.propose(k)  # its sequence ends with the token about to be fed (see _choose)

@@ -516,6 +516,25 @@ class StageRunner:
         self.record_batch(sids, p0, tokens, out)
         return self.model.head(out)
 
+    @torch.inference_mode()
+    def verify_batch(self, sids: list[int], tokens: list[list[int]]) -> list[torch.Tensor]:
+        """Several sessions' tokens (a request's token and its drafts each) -> each one's logits [n_i, vocab]
+        (row j what `step` of tokens[i][:j + 1] with every position's logits gives), on the stage holding the
+        head: the kernel stage runs them as one step (GpuStage.verify_batch) when they fit one, else each
+        session's rows run as its own step."""
+        caches = [self.kv[sid] for sid in sids]
+        p0 = [c.length for c in caches]
+        if isinstance(self.model, GpuStage) and self.model.multi_rows(tokens, caches):
+            outs = self.model.verify_batch(tokens, caches, logits=self.logits)
+        else:
+            outs = [self.model.prefill(torch.as_tensor(t), c, None, logits=self.logits, all_logits=True)
+                    for t, c in zip(tokens, caches, strict=True)]
+        if self.mtp is None:
+            return outs
+        for sid, start, t, X in zip(sids, p0, tokens, outs, strict=True):
+            self.mtp.record(sid, start, torch.as_tensor(t), X)
+        return [self.model.head(X) for X in outs]
+
     def record_batch(self, sids: list[int], p0: list[int], tokens: torch.Tensor, X: torch.Tensor) -> None:
         """A batched step's last states X [B, C, dim] for the MTP layer (session sids[b] at position p0[b])."""
         assert self.mtp is not None
