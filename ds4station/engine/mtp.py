@@ -23,7 +23,7 @@ rarely right; DeepSeek trained the published layer to predict the model's next t
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -38,7 +38,7 @@ class _MtpSession:
     cache: KVCache  # the MTP layer's own KV (its length: the pairs (h_i, x_{i+1}) it holds, i < length)
     hidden: torch.Tensor  # [ring, C, dim]: the model's last HC state of recent positions, by position % ring
     tokens: list[int]  # the token at each ring position
-    positions: list[int] = field(default_factory=list)  # the position each ring row holds (-1: none)
+    positions: list[int]  # the position each ring row holds (-1: none)
 
 
 class MtpDrafts:
@@ -56,7 +56,6 @@ class MtpDrafts:
                                         [0] * self.ring, [-1] * self.ring) for _ in range(slots)]
         self.allocated = [*self.free_states]
         self.sessions: dict[int, _MtpSession] = {}
-        self.steps = 0  # layer forwards run (catch-ups and chain depths)
 
     def new_session(self, sid: int) -> None:
         s = self.free_states.pop()  # the KV slots and these states are as many: a session has both or neither
@@ -118,19 +117,15 @@ class MtpDrafts:
             return []
         cache, W = s.cache, self.cfg.window
         start = max(cache.length, last - (W - 1))  # pairs older than one window are never read again
-        first = start
-        while first < last and not self._held(s, first):  # the ring lost them (a far rewind): skipped
-            first += 1
-        held_from = first
-        while held_from > start and self._held(s, held_from - 1):
-            held_from -= 1
+        held_from = start
+        while held_from < last and not self._held(s, held_from):  # the ring lost them (a far rewind): skipped
+            held_from += 1
         cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
         # catch up: the pairs (h_i, x_{i+1}) for i in [held_from, last)
         if held_from < last:
             H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, last - held_from)])
             nxt = torch.as_tensor([s.tokens[(q + 1) % self.ring] for q in range(held_from, last)])
             self.model.mtp_step(H, nxt, cache)
-            self.steps += 1
         # the chain: depth 1 from the model's state at `last`, each further one from the depth before; each
         # depth's token stays on the device for the next (one read of all of them at the end, not one per depth)
         out: list[torch.Tensor] = []
@@ -138,7 +133,6 @@ class MtpDrafts:
         t = torch.full((1,), token, dtype=torch.long, device=self.device)  # a fill: no host-to-device copy
         for _ in range(min(k, self.ctx - 1 - last)):
             X, logits = self.model.mtp_step(h, t, cache)
-            self.steps += 1
             t = logits[-1].argmax().view(1)
             out.append(t)
             h = X[-1:]

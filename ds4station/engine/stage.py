@@ -333,6 +333,7 @@ class StageRunner:
                                            rollback=settings.rollback, dtype=kv_dtype)
         self.kv: dict[int, KVCache] = {}  # session id -> its slot
         self.held = self.held_weight_bytes()
+        self.mtp_held = self.held_weight_bytes(mtp=True) - self.held if self.mtp is not None else 0
         self.warm_s = 0.0
         if settings.warm:
             self.warm()
@@ -569,7 +570,7 @@ class StageRunner:
             "kv_slots": len(self.slots), "warm_s": round(self.warm_s, 3), "weights_held_bytes": self.held,
             "expert_cache": None if self.experts is None else self.experts.report(),
             # the MTP layer (--draft mtp): its weights as held and every session's state
-            "mtp_bytes": 0 if self.mtp is None else self.held_weight_bytes(mtp=True) - self.held + self.mtp.nbytes(),
+            "mtp_bytes": 0 if self.mtp is None else self.mtp_held + self.mtp.nbytes(),
         }
 
     def close(self) -> None:
