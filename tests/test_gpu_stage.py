@@ -138,7 +138,7 @@ def test_short_prefill_as_a_static_step_equals_chunked_prefill(tiny: GGUFFile, d
 def test_short_rows_classes(tiny: GGUFFile) -> None:
     stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
     cache = stage.new_cache(100, chunk=16)
-    assert [stage.short_rows(n, cache) for n in (1, 2, 4, 5, 16, 17)] == [0, 4, 4, 8, 16, 0]  # 17 > chunk
+    assert [stage.short_rows(n, cache) for n in (1, 2, 3, 4, 5, 16, 17)] == [0, 2, 3, 4, 8, 16, 0]  # 17 > chunk
     cache.length = 90
     assert stage.short_rows(8, cache) == 8 and stage.short_rows(9, cache) == 0  # 90 + 16 > ctx
     assert stage.bucket(cache, 8) == 100  # the context caps the bucket

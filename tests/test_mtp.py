@@ -371,15 +371,17 @@ def test_break_even_acceptance() -> None:
 
 
 def test_bench_draft_measures_oracle_and_mtp_drafts(mtp_model: Path) -> None:
-    """`bench draft` on the tiny model with its MTP layer: every run's tokens are plain decoding's (the CPU
-    verification is exact), the oracle's drafts are all accepted, the MTP's counted; the table has a row per k."""
+    """`bench draft` on the tiny model with its MTP layer: the verifier's greedy output is plain decoding's (the
+    CPU verification is exact), the oracle's drafts are all accepted, the MTP's counted; the table has a row per
+    k."""
     from ds4station.engine import draft_bench
 
     res = draft_bench.run(str(mtp_model), mtp="model", ks=(1, 2), prompt=40, tokens=8, device="cpu",
                           log=lambda _m: None)
     assert [r.k for r in res.rows] == [1, 2] and res.decode_ms > 0
     for r in res.rows:
-        assert r.oracle_same == r.mtp_same == 8 and r.verify_ms > 0 and r.oracle_tps > 0
+        assert r.greedy_plain == r.oracle_same == r.mtp_same == 8 and r.verify_ms > 0 and r.oracle_tps > 0
         assert 0.0 <= r.mtp_accepted <= 1.0 and r.mtp_per_verify >= 1.0 and r.mtp_draft_ms > 0
     table = res.table()
     assert "| 1 |" in table and "| 2 |" in table and "MTP layer: the model file" in table
+    assert "| 8/8 |" in table and "differed" not in table

@@ -440,6 +440,49 @@ def test_settling_waits_for_idle_and_never_delays_the_next_request(make_schedule
     assert live.unsettled is None and len(live.tokens) >= held
 
 
+def test_settling_goes_a_piece_at_a_time_and_yields_to_a_request(engine) -> None:
+    """An idle worker settles a turn in pieces of the prefill budget, looking at the queue between them: a
+    request that arrives meanwhile is taken after the piece in hand (eight long turns once held a request for
+    12 s); the pieces end where settling it in one go ends."""
+    tok = engine.tokenizer
+    p = prompt(engine, "The quick brown fox")
+    # the answer as a model may sample it: one token per character, not the tokenizer's own split of its text
+    outputs = [t for ch in tok.decode(tok.encode(" jumps over the lazy dog, twice.")) for t in tok.encode(ch)]
+    canon = tok.encode(tok.decode(outputs))
+    same = next(i for i, (a, b) in enumerate(zip(canon, outputs, strict=False)) if a != b)
+    assert len(canon) < len(outputs) - 6 and len(canon) - same > 6  # several pieces of 3
+
+    s = Scheduler(lambda: engine, ctx=CTX, owns_engine=False, sessions=2, prefill_budget=3)  # not started:
+    s._load()  # the test is the worker
+    one_go, pieces = s.pool._fresh(), s.pool._fresh()
+    for live in (one_go, pieces):
+        live.session.extend(p + outputs[:-1])  # the last sampled token is not in the KV yet
+        live.unsettled = (len(p), outputs)
+    s._settle_turn(one_go)
+    assert one_go.unsettled is None and one_go.tokens == p + canon
+
+    grown: list[int] = []
+    settle = s._settle
+
+    def spy(session, *args, **kw):
+        before = len(session.tokens)
+        done = settle(session, *args, **kw)
+        grown.append(len(session.tokens) - before)
+        if len(grown) == 2:
+            s._queue.put("a request")  # arrives during the second piece
+        return done
+
+    s._settle = spy
+    assert s._next() == "a request"  # taken after the second piece, the turn not settled yet
+    assert len(grown) == 2 and pieces.unsettled is not None
+    while pieces.unsettled is not None:  # the worker idle again: the rest, piece by piece
+        s._settle_turn(pieces, limit=s.prefill_budget)
+    assert pieces.tokens == p + canon and len(grown) == -(-(len(canon) - same) // 3)
+    assert grown[0] < 0 and all(0 < n <= 3 for n in grown[1:])  # the first one rolled the KV back to `same`
+    for live in (one_go, pieces):
+        s.pool.drop(live)
+
+
 def test_a_request_continuing_an_unsettled_turn_settles_it_first(make_scheduler, engine, monkeypatch) -> None:
     """The next turn of a conversation, sent before SETTLE_GRACE ran out (a fast agent), reuses the whole
     previous turn as the prompt spells it, as it would after settling; one that spells the answer otherwise

@@ -924,7 +924,10 @@ class Scheduler:
         """The next queued item, or why the engine is down when a stage died while the worker waited. Turns
         still to settle wait for SETTLE_GRACE first: a request arriving right after the previous one (an
         agent's next call, another agent) is served before them, and the settling is only done when the
-        worker would otherwise wait."""
+        worker would otherwise wait, one prompt piece (the prefill budget) at a time, so that a request arriving
+        meanwhile waits for one piece at most (a random model's answers re-tokenise to several times their
+        length: eight of them took 12 s to settle in one go on the H200)."""
+        settling = False
         while True:
             unsettled = [live for live in (self.pool.slots if self.pool else []) if live.unsettled]
             if not unsettled:
@@ -938,17 +941,22 @@ class Scheduler:
                         return down
                     continue
             try:
-                return self._queue.get(timeout=SETTLE_GRACE)
+                # after the grace, only a look between pieces: a request that comes meanwhile goes first
+                return self._queue.get(timeout=SETTLE_GRACE) if not settling else self._queue.get_nowait()
             except queue.Empty:
-                for live in unsettled:
-                    self._settle_turn(live)
+                settling = True
+                self._settle_turn(unsettled[0], limit=self.prefill_budget)
 
-    def _settle_turn(self, live: LiveSession, want: Sequence[int] | None = None) -> None:
+    def _settle_turn(self, live: LiveSession, want: Sequence[int] | None = None, limit: int | None = None) -> None:
+        """Settle the turn live holds (all of it, or with `limit` one piece of at most that many tokens: the turn
+        stays unsettled until its last piece)."""
         turn, live.unsettled = live.unsettled, None
         if turn is None or live.session is None:
             return
         try:
-            self._settle(live.session, *turn, want=want)
+            self._wait_fence()  # the last piece is done before the next is queued
+            if not self._settle(live.session, *turn, want=want, limit=limit):
+                live.unsettled = turn
         except Exception:  # the client has its answer already; only this live KV is lost
             traceback.print_exc()
             assert self.pool is not None
@@ -1405,7 +1413,7 @@ class Scheduler:
                                                            error=error))
 
     def _settle(self, session: EngineSession, prompt_len: int, outputs: list[int],
-                want: Sequence[int] | None = None) -> None:
+                want: Sequence[int] | None = None, limit: int | None = None) -> bool:
         """After the client has its answer: make the live KV hold this turn as the next prompt will spell it.
 
         The next request re-renders this turn from text and tokenizes it; sampled tokens need not be the
@@ -1414,21 +1422,29 @@ class Scheduler:
         text keeps the whole turn inside the reusable prefix. The turn starts after a special token (the
         assistant opening), so its canonical split is independent of the prompt before it. `want`: the prompt
         of a request that continues this turn; nothing is done unless it spells the turn canonically too.
+        `limit`: extend by at most that many tokens (one piece; a later call goes on from where it stopped).
+        -> True when the turn is settled (or cannot be), False when pieces remain.
         """
         assert self.engine is not None
         tok = self.engine.tokenizer
         canon = tok.encode(tok.decode(outputs))
         if want is not None and list(want[prompt_len:prompt_len + len(canon)]) != canon:
-            return  # the waiting request spells this turn otherwise: it takes the KV as it is
-        same = common_prefix(canon, outputs)
-        keep = prompt_len + same
+            return True  # the waiting request spells this turn otherwise: it takes the KV as it is
         if self.ctx is not None and prompt_len + len(canon) > self.ctx:
-            return
+            return True
+        # what the KV holds of the turn: the sampled tokens (the last one perhaps not), or after an earlier
+        # piece the canonical ones it was fed
+        keep = prompt_len + common_prefix(canon, session.tokens[prompt_len:])
         if len(session.tokens) > keep and session.rewind(keep) < 0:
-            return  # cannot roll back that far; the next turn re-prefills from the divergence
+            return True  # cannot roll back that far; the next turn re-prefills from the divergence
         rest = canon[len(session.tokens) - prompt_len:]
-        if rest:
-            session.extend(rest, chunk=self.prefill_chunk)
+        piece = rest if limit is None else rest[:max(1, limit)]
+        if piece:
+            logits = session.extend(piece, chunk=self.prefill_chunk)
+            if getattr(logits, "is_cuda", False):  # queued: the next piece (or step) waits for it (_wait_fence)
+                self._fence = torch.cuda.Event()
+                self._fence.record()
+        return len(piece) == len(rest)
 
     def _record(self, job: Job, fin: Finished) -> None:
         if job.kind == WARM:
