@@ -93,5 +93,6 @@ def test_the_cached_demo_replaces_an_older_version(tmp_path: Path, monkeypatch: 
     keep.write_bytes(b"not the demo's")
     path = demo.demo_model_path()
     assert path == cache / f"demo-q2-v{demo.DEMO_VERSION}.gguf" and GGUFFile.open(path).config == DEMO
+    assert GGUFFile.open(path).has_mtp  # serve --draft mtp runs on the demo
     assert not old.exists() and keep.exists()
     assert demo.demo_model_path() == path  # then reused as it is

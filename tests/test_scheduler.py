@@ -441,7 +441,7 @@ def test_settling_waits_for_idle_and_never_delays_the_next_request(make_schedule
 
 
 def test_settling_goes_a_piece_at_a_time_and_yields_to_a_request(engine) -> None:
-    """An idle worker settles a turn in pieces of the prefill budget, looking at the queue between them: a
+    """An idle worker settles a turn in pieces (of the prefill budget here), looking at the queue between them: a
     request that arrives meanwhile is taken after the piece in hand (eight long turns once held a request for
     12 s); the pieces end where settling it in one go ends."""
     tok = engine.tokenizer

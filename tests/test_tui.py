@@ -5,6 +5,7 @@ quit with no process left behind. The refresh loop never overlaps polls and neve
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import io
 import os
@@ -185,6 +186,19 @@ def test_plan_screen_edits_the_route_context_and_preset() -> None:
             app.screen.query_one("#preset").value = "context"  # type: ignore[attr-defined]
             await pilot.pause()
             assert ed.preset == "context" and ed.fits and ed.plan.ctx > 32768  # type: ignore[union-attr]
+            # drafts: the MTP layer counted, shown in the plan's header
+            app.screen.query_one("#draft").value = "mtp"  # type: ignore[attr-defined]
+            await pilot.pause()
+            assert ed.draft == "mtp" and ed.plan.footprint.mtp and "drafts mtp" in text_of(route)  # type: ignore[union-attr]
+            # a model without the layer: drafts off, and the field says so
+            ed.set_model(ModelChoice("no MTP", dataclasses.replace(named_shape("flash-q2"), mtp_specs=()), "x.gguf"))
+            app.plan_changed()
+            await pilot.pause()
+            assert ed.draft == "off" and app.screen.query_one("#draft").value == "off"  # type: ignore[attr-defined]
+            app.screen.query_one("#draft").value = "mtp"  # type: ignore[attr-defined]  # refused: back to off
+            await pilot.pause()
+            assert ed.draft == "off" and app.screen.query_one("#draft").value == "off"  # type: ignore[attr-defined]
+            assert "no MTP layer" in text_of(route)
             await pilot.press("escape")
             assert not isinstance(app.screen, PlanScreen)
             await pilot.press("question_mark")

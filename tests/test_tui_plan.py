@@ -268,3 +268,41 @@ def test_the_readme_s_client_setups_are_the_panel_s_snippets() -> None:
     s = client_snippets("http://127.0.0.1:8000", "demo-q2-v2", None)
     assert f"```sh\n{s['Claude Code']} -p \"Say hello.\"\n```" in readme
     assert f"```toml\n{s['Codex']}\n```" in readme and f"```json\n{s['opencode']}\n```" in readme
+
+
+def test_drafts_in_the_plan_count_the_mtp_layer_and_reach_the_launch_file(flash_editor_budgets, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The plan's drafts setting: "mtp" counts the model's MTP layer on the stage holding the output head (a
+    hand-edited route is kept and re-checked) and the launch file runs serve --draft mtp; "lookup" costs
+    nothing; a model without the layer refuses "mtp", and a change to such a model turns it off."""
+    ed = PlanEditor(ModelChoice("flash", named_shape("flash-q2")), flash_editor_budgets, 64 * GiB)
+    assert ed.fits and ed.plan is not None and ed.draft == "off"
+    ed.move_boundary(0, -1)
+    ed.move_boundary(0, 1)  # an edited route (the proposal's layers), kept through the drafts change
+    before = ed.plan
+    assert ed.edited and before.footprint.mtp is False
+    ed.set_draft("mtp")
+    assert ed.draft == "mtp" and ed.notice is None and ed.edited and ed.plan is not before
+    head = next(i for i, s in enumerate(ed.plan.route.stages) if s.output)
+    added = [a.footprint.predicted_bytes - b.footprint.predicted_bytes for a, b in zip(ed.plan.stages, before.stages,
+                                                                                       strict=True)]
+    assert ed.plan.footprint.mtp and ed.plan.stages[head].footprint.mtp_bytes > 1 * GiB
+    assert added[head] >= ed.plan.stages[head].footprint.mtp_bytes and all(a == 0 for i, a in enumerate(added)
+                                                                            if i != head)
+    ed.model = dataclasses.replace(ed.model, path=str(tmp_path / "flash.gguf"))  # as if opened from its file
+    launch = read_launch(serve_args(ed.plan, ed.model, 8124, launch_dir=str(tmp_path), draft=ed.draft)[-1])
+    assert launch.draft == "mtp" and launch.route == str(ed.plan.route)
+    ed.set_draft("lookup")  # no extra weights
+    assert ed.draft == "lookup" and not ed.plan.footprint.mtp
+    assert [s.footprint.predicted_bytes for s in ed.plan.stages] == [s.footprint.predicted_bytes for s in before.stages]
+    assert read_launch(serve_args(ed.plan, ed.model, 8125, launch_dir=str(tmp_path), draft=ed.draft)[-1]).draft == \
+        "lookup"
+    ed.set_draft("mtp")
+    ed.set_preset("context")  # a new preset keeps the drafts and counts the layer again
+    assert ed.draft == "mtp" and ed.plan is not None and ed.plan.footprint.mtp
+    ed.set_draft("fast")
+    assert ed.draft == "mtp" and "use one of off, lookup, mtp" in (ed.notice or "")
+    plain = ModelChoice("flash without MTP", dataclasses.replace(named_shape("flash-q2"), mtp_specs=()), "x.gguf")
+    ed.set_model(plain)  # a file without the MTP layer: drafts off, said so
+    assert ed.draft == "off" and not ed.plan.footprint.mtp and "no MTP layer" in (ed.notice or "")
+    ed.set_draft("mtp")  # refused, nothing changes
+    assert ed.draft == "off" and "no MTP layer" in (ed.notice or "") and not ed.plan.footprint.mtp

@@ -37,11 +37,20 @@ class StepLog:
                 for r in log:
                     self.steps.setdefault(r["step"], {**r, "test": self.test})
 
-    def summary(self, test: str) -> dict:
+    def summary(self, test: str, streams: int = 0) -> dict:
+        """The sums of each part of the test's steps; with `streams`, also the steady state: the median step in
+        which all of them decoded and no prompt was prefilled, and its decode rate."""
         rows = [r for r in self.steps.values() if r["test"] == test]
         keys = ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms", "total_ms")
         span = (max(r["at"] for r in rows) - min(r["at"] for r in rows)) * 1000 if rows else 0.0
-        return {"test": test, "steps": len(rows), "span_ms": round(span, 1),
+        steady = sorted(r["total_ms"] for r in rows if len(r["decoded"]) == streams and not r["prefilled"])
+        if steady:
+            ms = steady[len(steady) // 2]
+            extra = {"steady_steps": len(steady), "steady_step_ms": round(ms, 2),
+                     "steady_tok_s": round(1000 * streams / ms, 1)}
+        else:
+            extra = {}
+        return {"test": test, "steps": len(rows), "span_ms": round(span, 1), **extra,
                 "decode_rows": sum(len(r["decoded"]) for r in rows),
                 "prefill_tokens": sum(sum(r["prefilled"].values()) for r in rows),
                 **{k: round(sum(r[k] for r in rows), 1) for k in keys}}
@@ -99,7 +108,7 @@ try:
                               "min_vs_single": round(min(rates) / single, 2),
                               "ttft_s": [round(r[1] - r[0], 2) for r in res],
                               "completion": [r[3].completion_tokens for r in res]}), flush=True)
-            print(f"[{tag}] steps", json.dumps(steplog.summary(f"streams{n}")), flush=True)
+            print(f"[{tag}] steps", json.dumps(steplog.summary(f"streams{n}", n)), flush=True)
         st = httpx.get(url + "/status").json()
         print(f"[{tag}] batch", json.dumps(st.get("batch")), flush=True)
     if "long" in tests:

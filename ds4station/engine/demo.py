@@ -24,7 +24,8 @@ from .weights import write_gguf
 
 DEMO_PRESET = "demo"
 # Bump when the demo model's contents change: the cached file of an older version is replaced on first use.
-DEMO_VERSION = 2
+# 3: with the MTP layer (serve --draft mtp runs on the demo; the model's weights are version 2's).
+DEMO_VERSION = 3
 
 
 # The built-in demo model ends its answers: its output head's row for EOS is this many times longer than the
@@ -104,12 +105,12 @@ def make_model(out: str | os.PathLike[str], preset: str = "tiny", seed: int = 0,
 
 
 def demo_model_path() -> Path:
-    """The built-in demo model, created on first use in the user's cache directory; the files of older demo
-    versions there are removed when it is."""
+    """The built-in demo model (with its MTP layer, for serve --draft mtp), created on first use in the user's
+    cache directory; the files of older demo versions there are removed when it is."""
     path = cache_dir() / f"demo-q2-v{DEMO_VERSION}.gguf"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        make_model(path, preset=DEMO_PRESET)
+        make_model(path, preset=DEMO_PRESET, mtp=True)
         for old in path.parent.glob("demo-*q2-v*.gguf"):
             if old != path:
                 old.unlink(missing_ok=True)

@@ -245,6 +245,9 @@ Event = Prefill | Text | Finished
 WARM = "warm"  # the kind of the scheduler's own warm-up jobs (never recorded)
 # Seconds a finished turn waits for the next request before the worker settles it (see Scheduler._next).
 SETTLE_GRACE = 0.05
+# Most tokens an idle worker settles before it looks at the queue again: a request arriving meanwhile waits for
+# at most that piece (H200, Flash, docs/PERFORMANCE.md: a 352-token piece took 0.33 s, a 1,024-token one 0.65 s).
+SETTLE_PIECE = 256
 STATUS_STEPS = 64  # the last steps of the step log that /status lists
 # Seconds between the idle worker's looks at the engine's health (a stage that dies between requests).
 HEALTH_POLL = 0.25
@@ -924,9 +927,9 @@ class Scheduler:
         """The next queued item, or why the engine is down when a stage died while the worker waited. Turns
         still to settle wait for SETTLE_GRACE first: a request arriving right after the previous one (an
         agent's next call, another agent) is served before them, and the settling is only done when the
-        worker would otherwise wait, one prompt piece (the prefill budget) at a time, so that a request arriving
-        meanwhile waits for one piece at most (a random model's answers re-tokenise to several times their
-        length: eight of them took 12 s to settle in one go on the H200)."""
+        worker would otherwise wait, one piece (SETTLE_PIECE tokens, or the prefill budget when smaller) at a
+        time, so that a request arriving meanwhile waits for one piece at most (a random model's answers
+        re-tokenise to several times their length: eight of them took 12 s to settle in one go on the H200)."""
         settling = False
         while True:
             unsettled = [live for live in (self.pool.slots if self.pool else []) if live.unsettled]
@@ -945,7 +948,7 @@ class Scheduler:
                 return self._queue.get(timeout=SETTLE_GRACE) if not settling else self._queue.get_nowait()
             except queue.Empty:
                 settling = True
-                self._settle_turn(unsettled[0], limit=self.prefill_budget)
+                self._settle_turn(unsettled[0], limit=min(self.prefill_budget, SETTLE_PIECE))
 
     def _settle_turn(self, live: LiveSession, want: Sequence[int] | None = None, limit: int | None = None) -> None:
         """Settle the turn live holds (all of it, or with `limit` one piece of at most that many tokens: the turn

@@ -24,6 +24,7 @@ from textual.timer import Timer
 from ds4station.cache import cache_dir
 from ds4station.hardware import Device, detect_devices
 from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
+from ds4station.planner.launch import LaunchError
 
 from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
@@ -314,8 +315,8 @@ class Ds4StationApp(App[None]):
             return
         port = self.port or free_port(self.host)
         try:
-            args = serve_args(ed.plan, ed.model, port, self.host)
-        except PlanError as e:  # a shape planned without its file
+            args = serve_args(ed.plan, ed.model, port, self.host, draft=ed.draft)
+        except (PlanError, LaunchError) as e:  # a shape planned without its file; drafts the plan did not count
             self.notify(f"cannot launch: {e}", severity="error", timeout=10)
             return
         except OSError as e:  # the launch file could not be written

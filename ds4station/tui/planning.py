@@ -29,6 +29,8 @@ from ds4station.planner import (
 )
 
 PRESETS = ("speed", "context")
+# serve --draft, as the plan screen offers it: "mtp" uses the model file's own MTP layer (the plan counts it)
+DRAFT_CHOICES = ("off", "lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class PlanEditor:
         self.notice: str | None = None  # the last edit that was refused (and not made)
         self.edited = False  # the route was changed by hand since the last proposal
         self.dropped: set[str] = set()  # devices the user took out of the proposals (set_dropped)
+        self.draft = "off"  # serve --draft (set_draft)
         self.propose()
 
     @property
@@ -121,7 +124,13 @@ class PlanEditor:
 
     def set_model(self, model: ModelChoice) -> None:
         self.model, self.ctx, self.expert_cache = model, None, None
+        dropped = self.draft == "mtp" and not model.shape.mtp_specs
+        if dropped:  # the new model has no MTP layer to draft with
+            self._with_mtp(False)
+            self.draft = "off"
         self.propose()
+        if dropped:
+            self.notice = f"drafts off: {model.label} has no MTP layer (mtp.0.* tensors)"
 
     def set_preset(self, name: str) -> None:
         try:
@@ -129,8 +138,28 @@ class PlanEditor:
         except PresetError as e:
             self.notice = str(e)
             return
+        self._with_mtp(self.draft == "mtp")
         self.ctx = self.expert_cache = None
         self.propose()
+
+    def set_draft(self, name: str) -> None:
+        """Speculative decoding for the server (serve --draft): "lookup" needs nothing more; "mtp" drafts with
+        the model file's MTP layer, which the plan then counts on the stage holding the output head (a model
+        without one is refused, and nothing changes)."""
+        if name not in DRAFT_CHOICES:
+            self.notice = f"drafts {name!r}: use one of {', '.join(DRAFT_CHOICES)}"
+            return
+        if name == "mtp" and not self.model.shape.mtp_specs:
+            self.notice = (f"{self.model.label} has no MTP layer (mtp.0.* tensors) to draft with: use lookup, or "
+                           "a model file that holds the layer (`ds4station serve --mtp FILE` takes a separate one)")
+            return
+        self.draft = name
+        self._with_mtp(name == "mtp")
+        self._recheck()
+
+    def _with_mtp(self, on: bool) -> None:
+        self.settings = dataclasses.replace(self.settings, footprint=dataclasses.replace(self.settings.footprint,
+                                                                                          mtp=on))
 
     # ---- edits -------------------------------------------------------------------------------------------
     def set_ctx(self, ctx: int) -> None:
@@ -198,8 +227,8 @@ class PlanEditor:
     def _evaluate(self, route: Route, ctx: int) -> None:
         by_device = {b.device: b for b in self.budgets}
         # the proposal's own sizes (its prefill chunk may be smaller than the preset's, to fit)
-        settings = self.settings if self.plan is None else dataclasses.replace(self.settings,
-                                                                               footprint=self.plan.footprint)
+        settings = self.settings if self.plan is None else dataclasses.replace(
+            self.settings, footprint=dataclasses.replace(self.plan.footprint, mtp=self.settings.footprint.mtp))
         try:
             plan = evaluate(self.model.shape, route, [by_device[s.device] for s in route.stages], settings, ctx,
                             host_ram=self.host_ram)
@@ -219,9 +248,10 @@ class PlanEditor:
 
 
 def serve_args(plan: Plan, model: ModelChoice, port: int, host: str = "127.0.0.1",
-               launch_dir: str | None = None) -> list[str]:
+               launch_dir: str | None = None, draft: str = "off") -> list[str]:
     """`ds4station serve` arguments for this plan: its launch file (written to `launch_dir`, default the cache
-    directory) run with --plan, so the server allocates exactly what the plan counted."""
+    directory) run with --plan, so the server allocates exactly what the plan counted; `draft` its serve
+    --draft (the plan must count the MTP layer for "mtp": PlanEditor.set_draft)."""
     from pathlib import Path
 
     from ds4station.cache import cache_dir
@@ -231,5 +261,5 @@ def serve_args(plan: Plan, model: ModelChoice, port: int, host: str = "127.0.0.1
         raise PlanError(f"this plan is for the shape {model.shape.name} without its file: get the file "
                         "(`ds4station pull q2`) and open it (`ds4station --model FILE`) to launch")
     path = Path(launch_dir) if launch_dir else cache_dir()
-    out = write_launch(path / f"launch-{port}.toml", launch_from_plan(plan, model.path or ""), plan)
+    out = write_launch(path / f"launch-{port}.toml", launch_from_plan(plan, model.path or "", draft=draft), plan)
     return ["--host", host, "--port", str(port), "--plan", str(out)]

@@ -13,7 +13,7 @@ from textual.widgets import Footer, Header, Input, Label, Select, SelectionList,
 from ds4station.model.sizes import format_size, parse_size, parse_tokens
 
 from ..messages import ModelLoaded
-from ..planning import PRESETS, PlanEditor, demo_model, model_from_file
+from ..planning import DRAFT_CHOICES, PRESETS, PlanEditor, demo_model, model_from_file
 from ..telemetry import card_name
 from ..widgets.plan_view import plan_body
 
@@ -87,6 +87,9 @@ class PlanScreen(Screen[None]):
                             id="ctx", compact=True)
                 yield Label("expert cache", classes="form-label")
                 yield Input(placeholder="0 = resident; e.g. 2GiB", id="cache", compact=True)
+                yield Label("drafts", classes="form-label")
+                yield Select([(d, d) for d in DRAFT_CHOICES], value=ed.draft if ed else "off", allow_blank=False,
+                             id="draft", compact=True)
         with Horizontal(id="plan-main"):
             yield RouteEditor(id="route", classes="panel")
             yield SelectionList[str](*card_choices(ed), id="cards", classes="panel")
@@ -120,6 +123,15 @@ class PlanScreen(Screen[None]):
         ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
         if ed is not None and event.value != ed.preset:
             ed.set_preset(str(event.value))
+            self.app.plan_changed()  # type: ignore[attr-defined]
+
+    @on(Select.Changed, "#draft")
+    def _draft(self, event: Select.Changed) -> None:
+        ed: PlanEditor | None = self.app.editor  # type: ignore[attr-defined]
+        if ed is not None and event.value != ed.draft:
+            ed.set_draft(str(event.value))
+            if ed.draft != event.value:  # refused (no MTP layer): the field shows what the plan runs
+                event.select.value = ed.draft
             self.app.plan_changed()  # type: ignore[attr-defined]
 
     @on(Input.Submitted, "#ctx")
@@ -179,6 +191,9 @@ class PlanScreen(Screen[None]):
         path = self.query_one("#model-path", Input)
         if not path.has_focus:  # a model chosen in the model screen
             path.value = ed.model.path or ""
+        draft = self.query_one("#draft", Select)
+        if draft.value != ed.draft:  # drafts turned off by a model without an MTP layer
+            draft.value = ed.draft
         if ed.plan is None:
             return
         ctx = self.query_one("#ctx", Input)

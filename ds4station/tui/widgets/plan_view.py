@@ -68,6 +68,8 @@ def plan_header(editor: PlanEditor) -> Text:
     if plan is not None:
         mode = "experts streamed" if plan.streaming else "resident"
         head.append_text(Text.assemble(("  ctx ", "dim"), (str(plan.ctx), "bold"), ("  ", ""), (mode, "dim")))
+        if editor.draft != "off":
+            head.append_text(Text.assemble(("  drafts ", "dim"), (editor.draft, "bold")))
         if editor.edited:
             head.append("  (edited)", style="italic yellow")
     return head
