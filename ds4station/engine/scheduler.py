@@ -1122,11 +1122,8 @@ class Scheduler:
                 prefill_ms += lap()
                 take([stream])
                 ready.append(stream)
-            elif logits.is_cuda:
-                # A GPU prefill piece returns once its kernels are queued: without a fence the loop would queue
-                # the whole prompt ahead, and a request arriving meanwhile would wait behind all of it.
-                self._fence = torch.cuda.Event()
-                self._fence.record()
+            else:
+                self._fence_after(logits)
         prefill_ms += lap()
         feed = [s for s in ready if s.ended is None]
         self._verified = []
@@ -1150,6 +1147,14 @@ class Scheduler:
             self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started,
                                          [i for i in self._verified if i > 0], wait_ms, prefill_ms, sample_ms,
                                          forward_ms, show_ms, (clock[0] - started) * 1000))
+
+    def _fence_after(self, logits: Any) -> None:
+        """A GPU prefill piece returns once its kernels are queued: without a fence the loop would queue the next
+        pieces (a whole prompt, a whole settling) ahead, and a request arriving meanwhile would wait behind all of
+        them; the next piece or step waits for this one first (_wait_fence)."""
+        if getattr(logits, "is_cuda", False):
+            self._fence = torch.cuda.Event()
+            self._fence.record()
 
     def _wait_fence(self) -> None:
         """Wait for the last step's unfinished prompt pieces (a GPU's queued work) before more are queued."""
@@ -1446,10 +1451,7 @@ class Scheduler:
         rest = canon[len(session.tokens) - prompt_len:]
         piece = rest if limit is None else rest[:max(1, limit)]
         if piece:
-            logits = session.extend(piece, chunk=self.prefill_chunk)
-            if getattr(logits, "is_cuda", False):  # queued: the next piece (or step) waits for it (_wait_fence)
-                self._fence = torch.cuda.Event()
-                self._fence.record()
+            self._fence_after(session.extend(piece, chunk=self.prefill_chunk))
         return len(piece) == len(rest)
 
     def _record(self, job: Job, fin: Finished) -> None:

@@ -27,10 +27,9 @@ from ds4station.planner import (
     named_shape,
     propose,
 )
+from ds4station.planner.launch import DRAFTS
 
 PRESETS = ("speed", "context")
-# serve --draft, as the plan screen offers it: "mtp" uses the model file's own MTP layer (the plan counts it)
-DRAFT_CHOICES = ("off", "lookup", "mtp")
 
 
 @dataclass(frozen=True)
@@ -126,8 +125,8 @@ class PlanEditor:
         self.model, self.ctx, self.expert_cache = model, None, None
         dropped = self.draft == "mtp" and not model.shape.mtp_specs
         if dropped:  # the new model has no MTP layer to draft with
-            self._with_mtp(False)
             self.draft = "off"
+            self._count_mtp()
         self.propose()
         if dropped:
             self.notice = f"drafts off: {model.label} has no MTP layer (mtp.0.* tensors)"
@@ -138,7 +137,7 @@ class PlanEditor:
         except PresetError as e:
             self.notice = str(e)
             return
-        self._with_mtp(self.draft == "mtp")
+        self._count_mtp()
         self.ctx = self.expert_cache = None
         self.propose()
 
@@ -146,20 +145,21 @@ class PlanEditor:
         """Speculative decoding for the server (serve --draft): "lookup" needs nothing more; "mtp" drafts with
         the model file's MTP layer, which the plan then counts on the stage holding the output head (a model
         without one is refused, and nothing changes)."""
-        if name not in DRAFT_CHOICES:
-            self.notice = f"drafts {name!r}: use one of {', '.join(DRAFT_CHOICES)}"
+        if name not in DRAFTS:
+            self.notice = f"drafts {name!r}: use one of {', '.join(DRAFTS)}"
             return
         if name == "mtp" and not self.model.shape.mtp_specs:
             self.notice = (f"{self.model.label} has no MTP layer (mtp.0.* tensors) to draft with: use lookup, or "
                            "a model file that holds the layer (`ds4station serve --mtp FILE` takes a separate one)")
             return
         self.draft = name
-        self._with_mtp(name == "mtp")
+        self._count_mtp()
         self._recheck()
 
-    def _with_mtp(self, on: bool) -> None:
-        self.settings = dataclasses.replace(self.settings, footprint=dataclasses.replace(self.settings.footprint,
-                                                                                          mtp=on))
+    def _count_mtp(self) -> None:
+        """The plan counts the MTP layer exactly when the drafts are the MTP layer's."""
+        self.settings = dataclasses.replace(self.settings, footprint=dataclasses.replace(
+            self.settings.footprint, mtp=self.draft == "mtp"))
 
     # ---- edits -------------------------------------------------------------------------------------------
     def set_ctx(self, ctx: int) -> None:

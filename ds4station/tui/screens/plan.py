@@ -11,9 +11,10 @@ from textual.screen import Screen
 from textual.widgets import Footer, Header, Input, Label, Select, SelectionList, Static
 
 from ds4station.model.sizes import format_size, parse_size, parse_tokens
+from ds4station.planner.launch import DRAFTS
 
 from ..messages import ModelLoaded
-from ..planning import DRAFT_CHOICES, PRESETS, PlanEditor, demo_model, model_from_file
+from ..planning import PRESETS, PlanEditor, demo_model, model_from_file
 from ..telemetry import card_name
 from ..widgets.plan_view import plan_body
 
@@ -88,7 +89,7 @@ class PlanScreen(Screen[None]):
                 yield Label("expert cache", classes="form-label")
                 yield Input(placeholder="0 = resident; e.g. 2GiB", id="cache", compact=True)
                 yield Label("drafts", classes="form-label")
-                yield Select([(d, d) for d in DRAFT_CHOICES], value=ed.draft if ed else "off", allow_blank=False,
+                yield Select([(d, d) for d in DRAFTS], value=ed.draft if ed else "off", allow_blank=False,
                              id="draft", compact=True)
         with Horizontal(id="plan-main"):
             yield RouteEditor(id="route", classes="panel")
