@@ -34,8 +34,25 @@ def test_matvec_tiles_rules(qtype: str, n: int, k: int) -> None:
 
 def test_grouped_tiles_divide_the_group() -> None:
     for rows in (1024, 12, 6, 3):
-        t = dispatch.matvec_tiles("q8_0", rows * 8, 4096, 1, "cuda", rows_per_group=rows)
-        assert rows % t.block_n == 0
+        for m in (1, 2, 3, 4, 8):
+            t = dispatch.matvec_tiles("q8_0", rows * 8, 4096, m, "cuda", rows_per_group=rows)
+            assert rows % t.block_n == 0
+
+
+def test_q8_0_few_row_tiles() -> None:
+    """2-4 rows on CUDA take the measured few-row tiles: one warp per program on the matrices of >= 16M weights
+    (8 rows of a grouped projection), the one-row tiles elsewhere and at 1 or more than 4 rows."""
+    one_row = dispatch.matvec_tiles("q8_0", 4096, 8192, 1, "cuda")
+    for m in (2, 3, 4):
+        big = dispatch.matvec_tiles("q8_0", 4096, 8192, m, "cuda")
+        assert (big.block_n, big.block_k, big.num_warps) == (4, 1024, 1)
+        grouped = dispatch.matvec_tiles("q8_0", 8192, 4096, m, "cuda", rows_per_group=1024)
+        assert (grouped.block_n, grouped.block_k, grouped.num_warps) == (8, 512, 1)
+        gate_up = dispatch.matvec_tiles("q8_0", 2048, 4096, m, "cuda")
+        assert (gate_up.block_n, gate_up.block_k, gate_up.num_warps) == (4, 1024, 4)
+        assert dispatch.matvec_tiles("q8_0", 4096, 8192, m, "hip32") == dispatch.matvec_tiles("q8_0", 4096, 8192, 1,
+                                                                                                "hip32")
+    assert one_row.num_warps > 1 and dispatch.matvec_tiles("q8_0", 4096, 8192, 8, "cuda").num_warps > 1
 
 
 def test_matmul_tiles_per_backend() -> None:
@@ -136,9 +153,9 @@ def test_a_large_tensor_is_repacked_in_blocks_of_rows_exactly(qtype: Q, monkeypa
 
 
 def test_q8_0_projections_leave_the_matvec_where_the_matmul_was_measured_faster() -> None:
-    """dispatch.q8_0_matvec_rows: on CUDA the small Q8_0 matrices keep the matvec up to 4 rows, the large (q_b,
+    """dispatch.q8_0_matvec_rows: on CUDA the small Q8_0 matrices keep the matvec up to 3 rows, the large (q_b,
     the output projections, the head) up to 2; other backends up to 8 (the matvec's limit)."""
     small, large = (1536, 4096), (32768, 1024)
     assert [dispatch.q8_0_matvec_rows(*shape, "cuda") for shape in (small, (4096, 2048), large, (129280, 4096))] \
-        == [4, 4, 2, 2]
+        == [3, 3, 2, 2]
     assert {dispatch.q8_0_matvec_rows(*shape, b) for shape in (small, large) for b in ("hip64", "hip32", "cpu")} == {8}

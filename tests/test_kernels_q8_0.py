@@ -24,6 +24,7 @@ from ds4station.kernels.q8_0 import (
     q8_0_matvec_q16_ref,
     q8_0_matvec_ref,
     repack_q8_0,
+    split_counters,
 )
 from ds4station.kernels.quants import random_blocks, row_bytes
 
@@ -159,6 +160,8 @@ def test_matmul_split_k_matches_reference(poisoned_empty: None, split: int, m: i
     assert rel_err(y.float(), want) < 2e-3
     # the fixed-order reduction is bit-stable from run to run
     assert torch.equal(q8_0_matmul(x, w, out_dtype=torch.float32, tiles=tiles), out)
+    # the slice that finished last left its tile's counter at zero, ready for the next launch
+    assert int(split_counters(x.device).count_nonzero()) == 0
 
 
 def test_matmul_split_k_more_slices_than_steps() -> None:

@@ -42,7 +42,7 @@ from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.norm import rms_norm, rope_, swiglu
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q4_k import PackedQ4K
-from ds4station.kernels.q8_0 import PackedQ8_0
+from ds4station.kernels.q8_0 import PackedQ8_0, split_counters
 from ds4station.kernels.quants import QTensor
 from ds4station.kernels.reference import HyperConnection, Rope
 from ds4station.kernels.router import router
@@ -362,6 +362,7 @@ class GpuStage:
             raise KeyError(f"weights for the stage are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
         if self.device.type == "cuda":  # fp16 GEMMs accumulate in fp32, as the reference does
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+            split_counters(self.device)  # the split-K matmul's counters, before any graph is captured
         dev = self.device
         self.token_embd = _kept(weights["token_embd.weight"], dev) if embed else None
         self.experts = experts

@@ -2,7 +2,8 @@
 
 Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md's rules):
 - ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 torch matmul;
-- decode matvecs (Q8_0 projections, one IQ2_XXS / Q2_K expert) and the fused 6-expert MoE: each launch
+- decode matvecs (Q8_0 projections at 1-N fp32 rows as the engine routes them, ops.linear: the matvec or,
+  past dispatch.q8_0_matvec_rows, the split-K matmul; one IQ2_XXS / Q2_K expert) and the fused 6-expert MoE: each launch
   replayed in a CUDA graph over rotating weight copies (>= 4x the L2 in total, so weights come from HBM),
   time per launch, GB/s over the weight + activation bytes, and % of the copy bandwidth; the same shape as a
   torch fp16 matvec on dequantised weights beside it;
@@ -146,20 +147,23 @@ def bench_q8_0_decode(device: torch.device, rows: list[int], copy_gbps: float, o
 
 def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, w16: list[torch.Tensor],
                       copy_gbps: float) -> Result:
-    from ds4station.kernels.q8_0 import q8_0_matvec, q8_0_matvec_ref
+    from ds4station.kernels import dispatch, ops
+    from ds4station.kernels.q8_0 import q8_0_matvec_ref
 
     device = w16[0].device
-    x = torch.randn(m, groups * k, device=device, dtype=torch.float16)
-    y = torch.empty(m, n, device=device, dtype=torch.float32)
-    err = _rel_err(q8_0_matvec(x, ws[0], groups=groups, out=y),
+    # fp32 activations and the engine's routing (ops.linear: the matvec up to dispatch.q8_0_matvec_rows rows,
+    # the split-K matmul beyond), as a decode, verification or batched step runs the projection
+    x = torch.randn(m, groups * k, device=device, dtype=torch.float32)
+    err = _rel_err(ops.linear(x, ws[0], groups=groups, out_dtype=torch.float32),
                    q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
-    t = _graph_time_us(lambda i: q8_0_matvec(x, ws[i], groups=groups, out=y), len(ws))
-    nbytes = n * k + n * k // 32 * 2 + x.numel() * 2 + y.numel() * 4
-    xg = x.view(m, groups, k).transpose(0, 1)  # [G, M, K]
+    t = _graph_time_us(lambda i: ops.linear(x, ws[i], groups=groups, out_dtype=torch.float32), len(ws))
+    nbytes = n * k + n * k // 32 * 2 + x.numel() * 4 + m * n * 4
+    xg = x.half().view(m, groups, k).transpose(0, 1)  # [G, M, K]
     tb = _graph_time_us(lambda i: torch.bmm(xg, w16[i].view(groups, n // groups, k).transpose(1, 2)), len(w16))
     gbps = nbytes / t / 1e3
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
-    return Result("q8_0_matvec", shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
+    kernel = "q8_0_matvec" if m <= dispatch.q8_0_matvec_rows(n, k, dispatch.launch_backend(x)) else "q8_0_matmul"
+    return Result(kernel, shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
                   baseline_time_us=tb, baseline_pct=100 * (2 * n * k) / tb / 1e3 / copy_gbps, rel_err=err)
 
 

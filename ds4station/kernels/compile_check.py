@@ -80,16 +80,20 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
                 {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
                 ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_xg", "stride_ym"),
                 t.num_warps, t.num_stages, decode=True))
-    mt = dispatch.matmul_tiles("q8_0", 2048, 4096, 8192, backend)
-    specs.append(KernelSpec(
-        "q8_0_matmul prefill 2048x4096x8192", q8_0._q8_0_matmul_kernel,
-        {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr16, "M": i32, "N": i32, "K": i32,
-         "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32, "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-         "BLOCK_K": "constexpr", "GROUP_M": "constexpr", "W_AS_A": "constexpr"},
-        {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "GROUP_M": mt.group_m,
-         "W_AS_A": mt.w_as_a},
-        ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "N", "K", "rows_per_group", "stride_xm", "stride_ym"),
-        mt.num_warps, mt.num_stages, wants_dot=True))
+    # Q8_0 matmul: a prefill chunk, and a 4-row step (split-K, counted in the launch, where the backend splits)
+    for label, m in (("prefill 2048x4096x8192", 2048), ("4 rows 4096x8192", 4)):
+        mt = dispatch.matmul_tiles("q8_0", m, 4096, 8192, backend)
+        specs.append(KernelSpec(
+            f"q8_0_matmul {label}", q8_0._q8_0_matmul_kernel,
+            {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr16, "part_ptr": ptr32, "cnt_ptr": "*i32",
+             "M": i32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
+             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
+             "W_AS_A": "constexpr", "SPLIT_K": "constexpr"},
+            {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "GROUP_M": mt.group_m,
+             "W_AS_A": mt.w_as_a, "SPLIT_K": mt.split_k > 1},
+            ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "part_ptr", "cnt_ptr", "N", "K", "rows_per_group", "stride_xm",
+             "stride_ym"),
+            mt.num_warps, mt.num_stages, wants_dot=True))
     t = dispatch.matvec_tiles("iq2_xxs", 2048, 4096, 1, backend)
     specs.append(KernelSpec(
         "iq2_xxs_matvec expert 2048x4096", iq2_xxs._iq2_xxs_matvec_kernel,

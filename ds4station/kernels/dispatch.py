@@ -169,10 +169,25 @@ def matvec_tiles(
         if m > 4:  # more activation rows: more registers per weight; fewer rows per program
             block_n = max(1, block_n // 2)
         num_warps = (4 if block_n * block_k <= 8192 else 8) * 32 // lanes
+        if backend == "cuda" and 2 <= m <= 4:
+            block_n, block_k, num_warps = _q8_0_few_row_tiles(n, k, rows_per_group)
     if rows_per_group is not None:
         while rows_per_group % block_n:
             block_n //= 2
     return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+def _q8_0_few_row_tiles(n: int, k: int, rows_per_group: int | None) -> tuple[int, int, int]:
+    """(block_n, block_k, num_warps) of the Q8_0 matvec at 2-4 fp32 activation rows on CUDA (a verification
+    or a batched step; the engine's activations are fp32, so each lane reads 4 bytes of x per weight and row
+    from L1). H200 sweep, fourteenth session (docs/PERFORMANCE.md: rows x K step x warps at 2, 3 and 4 rows,
+    each shape's best at 2 rows against the one-row tiles): the matrices of >= 16M weights were fastest with one
+    warp per program (output b 28.1 -> 25.0 us, output a 27.0 -> 24.3, q_b 24.8 -> 23.8, head 321.5 -> 300.8),
+    the shared expert's gate + up at 4 x 1,024 (11.3 -> 8.4 us); the rest moved by <= 10%."""
+    if n * k >= (16 << 20):
+        return (8 if rows_per_group is not None and rows_per_group < n else 4), (1024 if k > 4096 else 512), 1
+    block_k = min(_pow2_ceil(k), 2048 if n <= 1024 else 1024 if k >= 4096 else 512)
+    return (2 if n <= 512 else 4), block_k, 4
 
 
 def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
@@ -186,10 +201,14 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
     down 11.0 vs 13.4) and lost on the larger (q_b 26.1 vs 19.5, output a / b 32.3 / 39.0 vs 26.7 / 29.3, head
     352.8 vs 220.7); at 8 rows it lost everywhere (head 994.7 vs 220.7). An int8 tensor-core form of the
     matvec tried in the same run (per-32 block int8 dots) lost to one of the two at every shape and row count.
-    Other backends keep the matvec up to 8 rows (not measured)."""
+    Other backends keep the matvec up to 8 rows (not measured).
+    Fourteenth session, the same comparison with fp32 activations (what the engine passes; the runs above used
+    fp16) and the few-row tiles (`_q8_0_few_row_tiles`): at 3 rows the matvec still won on the small matrices
+    (q_a 7.6 vs 8.7 us, kv 6.4 vs 7.8, gate+up 10.3 vs 11.0, down 9.6 vs 10.7), at 4 rows the matmul won on
+    all but kv (gate+up 11.1 vs 12.0, down 10.7 vs 11.4, q_a 8.8 vs 9.0); the large ones as before."""
     if backend != "cuda":
         return 8
-    return 4 if n * k < (16 << 20) else 2
+    return 3 if n * k < (16 << 20) else 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -242,7 +261,7 @@ class MatmulTiles:
     num_warps: int
     num_stages: int
     w_as_a: bool = False  # compute Y^T = W X^T (dequantised weights as the register operand of the dot)
-    # K slices (split-K, q8_0_matmul only): > 1 writes fp32 partials [split_k, M, N] that the launcher sums
+    # K slices (split-K, q8_0_matmul only): > 1 writes fp32 partials [split_k, M, N], summed in the same launch
     split_k: int = 1
 
 

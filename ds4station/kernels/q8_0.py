@@ -13,7 +13,8 @@ Kernels:
   (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
 - `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate),
   optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a), and optionally
-  split-K (dispatch's split_k: fp32 partials per K slice, summed by the launcher; short prefills).
+  split-K (dispatch's split_k: fp32 partials per K slice, summed in slice order by the slice that finishes
+  last, in the same launch; short prefills and few-row steps).
 """
 
 from __future__ import annotations
@@ -291,23 +292,26 @@ def q8_0_matmul_ref(x: torch.Tensor, w: PackedQ8_0, out_dtype: torch.dtype | Non
 
 @triton.jit
 def _q8_0_matmul_kernel(
-    x_ptr, qs_ptr, d_ptr, y_ptr,
+    x_ptr, qs_ptr, d_ptr, y_ptr, part_ptr, cnt_ptr,
     M, N, K, rows_per_group,
     stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_AS_A: tl.constexpr,
+    W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     # Grouped projection (rows_per_group < N): output rows [g * rows_per_group, (g + 1) * rows_per_group) read
     # x[:, g * K:(g + 1) * K]; a program's BLOCK_N rows lie in one group (the launcher checks BLOCK_N divides
     # rows_per_group).
     # Split-K: program axis 1 is the K slice, num_programs(1) slices of cdiv(K / BLOCK_K, slices) steps each
-    # (the last may be shorter); slice s writes Y's partial s of [slices, M, N] (stride M * stride_ym). With
-    # one slice this is the plain matmul: the whole K, written to Y.
+    # (the last may be shorter); slice s writes its fp32 partial s of [slices, M, N] (part_ptr, contiguous),
+    # then counts itself in the output tile's counter (cnt_ptr, one int32 per program_id(0), zero between
+    # launches); the slice that counts last sums the partials in slice order, writes Y and zeroes the counter.
+    # One launch, and the fixed order keeps the result bit-stable from run to run. With one slice this is the
+    # plain matmul: the whole K, written to Y.
     pid_s = tl.program_id(1)
-    k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), tl.num_programs(1)) * BLOCK_K
+    splits = tl.num_programs(1)
+    k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), splits) * BLOCK_K
     k_lo = pid_s * k_slice
     k_hi = tl.minimum(K, k_lo + k_slice)
-    y_ptr += pid_s.to(tl.int64) * M * stride_ym
     # Grouped program order: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -352,11 +356,24 @@ def _q8_0_matmul_kernel(
                          other=0.0).to(tl.float16)  # [BLOCK_M, BLOCK_K]
             acc = tl.dot(xt, tl.trans(w), acc)
     if W_AS_A:
-        y_ptrs = y_ptr + rows_x[None, :] * stride_ym + offs_n[:, None]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_mask[:, None] & m_mask[None, :])
+        y_off = rows_x[None, :] * stride_ym + offs_n[:, None]
+        p_off = rows_x[None, :] * N + offs_n[:, None]
+        y_mask = n_mask[:, None] & m_mask[None, :]
     else:
-        y_ptrs = y_ptr + rows_x[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+        y_off = rows_x[:, None] * stride_ym + offs_n[None, :]
+        p_off = rows_x[:, None] * N + offs_n[None, :]
+        y_mask = m_mask[:, None] & n_mask[None, :]
+    if not SPLIT_K:  # (a constexpr: an unsplit launch compiles no counting, whatever cnt_ptr points at)
+        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + p_off, acc, mask=y_mask)
+        tl.debug_barrier()  # every lane's partial is written before the count releases them
+        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == splits - 1:
+            acc = tl.load(part_ptr + p_off, mask=y_mask, other=0.0, cache_modifier=".cg")
+            for s in range(1, splits):
+                acc += tl.load(part_ptr + s * M * N + p_off, mask=y_mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and the next graph replay)
 
 
 def q8_0_matmul(
@@ -371,8 +388,8 @@ def q8_0_matmul(
     With groups = G > 1 (one launch), output rows [g*N/G, (g+1)*N/G) read x[:, g*K:(g+1)*K].
 
     With tiles.split_k = S > 1 the K loop runs in S slices (multiples of block_k) on separate programs, which
-    write fp32 partials [S, M, N]; their sum in a fixed order (torch's, not atomics) keeps the output
-    bit-stable from run to run."""
+    write fp32 partials [S, M, N]; the last slice of each output tile to finish sums them in slice order and
+    writes Y, in the same launch (no atomics on Y: bit-stable from run to run; see `split_counters`)."""
     if x.dim() != 2 or x.shape[1] != groups * w.k or w.n % groups:
         raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}] in {groups} group(s)")
     if x.stride(1) != 1:
@@ -389,19 +406,35 @@ def q8_0_matmul(
     if groups > 1 and rows % tiles.block_n:
         raise ValueError(f"block_n {tiles.block_n} must divide the {rows} rows of a group")
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
+    y = out if out is not None else torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
+    n_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    part, counters = y, y
     if split > 1:
-        y = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-    else:
-        y = out if out is not None else torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
-    grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), split)
-    _q8_0_matmul_kernel[grid](
-        x, w.qs, w.d, y, m, n, k, n // groups, x.stride(0), y.stride(-2),
+        part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
+        counters = split_counters(x.device, n_tiles)
+    _q8_0_matmul_kernel[(n_tiles, split)](
+        x, w.qs, w.d, y, part, counters, m, n, k, n // groups, x.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_AS_A=tiles.w_as_a, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        W_AS_A=tiles.w_as_a, SPLIT_K=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
-    if split == 1:
-        return y
-    total = y.sum(0)
-    if out is None:
-        return total.to(out_dtype or x.dtype)
-    return out.copy_(total)
+    return y
+
+
+# The split-K matmul's tile counters, per device: int32 zeros that every launch leaves zero again. Allocated
+# outside any CUDA graph capture (a capture would own their memory), at first use or by `split_counters`
+# ahead of capturing; enough for the largest matmul of the model (129,280 head rows in 64-row tiles).
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_COUNTER_SLOTS = 1 << 14
+
+
+def split_counters(device: torch.device, n: int = 0) -> torch.Tensor:
+    """The device's split-K counters (at least `n`). Call it once before capturing graphs that hold a split-K
+    matmul (the GPU stage does, at load); inside a capture a missing or short array is an error."""
+    device = torch.device(device)
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("q8_0 split-K counters must be allocated before CUDA graph capture "
+                               "(call kernels.q8_0.split_counters(device) first)")
+        have = _COUNTERS[device] = torch.zeros(max(n, _COUNTER_SLOTS), dtype=torch.int32, device=device)
+    return have
