@@ -156,6 +156,8 @@ def matvec_tiles(
         block_n = min(8, max(1, _pow2_floor(n // _MIN_PROGRAMS)))
         units = block_k // _LANE_PER_UNIT[qtype]
         num_warps = max(1, min(8, units // lanes))
+    elif backend == "cuda" and 2 <= m <= 4:  # Q8_0 at a few fp32 rows: measured tiles of their own
+        block_n, block_k, num_warps = _q8_0_few_row_tiles(n, k, rows_per_group)
     else:
         # Q8_0, from the H200 runs of 2026-11-29 (docs/PERFORMANCE.md): tall matrices (>= 4096 rows)
         # with K > 1024 were fastest at 4 rows x 1024 K per step; the rest (q_b's K = 1024, and the short
@@ -169,12 +171,15 @@ def matvec_tiles(
         if m > 4:  # more activation rows: more registers per weight; fewer rows per program
             block_n = max(1, block_n // 2)
         num_warps = (4 if block_n * block_k <= 8192 else 8) * 32 // lanes
-        if backend == "cuda" and 2 <= m <= 4:
-            block_n, block_k, num_warps = _q8_0_few_row_tiles(n, k, rows_per_group)
     if rows_per_group is not None:
         while rows_per_group % block_n:
             block_n //= 2
     return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=num_warps)
+
+
+# Q8_0 matrices of at least this many weights (q_b, the output projections, the head) are "large" to the
+# few-row tiles and to the matvec / matmul crossover.
+_Q8_0_LARGE = 16 << 20
 
 
 def _q8_0_few_row_tiles(n: int, k: int, rows_per_group: int | None) -> tuple[int, int, int]:
@@ -184,7 +189,7 @@ def _q8_0_few_row_tiles(n: int, k: int, rows_per_group: int | None) -> tuple[int
     each shape's best at 2 rows against the one-row tiles): the matrices of >= 16M weights were fastest with one
     warp per program (output b 28.1 -> 25.0 us, output a 27.0 -> 24.3, q_b 24.8 -> 23.8, head 321.5 -> 300.8),
     the shared expert's gate + up at 4 x 1,024 (11.3 -> 8.4 us); the rest moved by <= 10%."""
-    if n * k >= (16 << 20):
+    if n * k >= _Q8_0_LARGE:
         return (8 if rows_per_group is not None and rows_per_group < n else 4), (1024 if k > 4096 else 512), 1
     block_k = min(_pow2_ceil(k), 2048 if n <= 1024 else 1024 if k >= 4096 else 512)
     return (2 if n <= 512 else 4), block_k, 4
@@ -208,7 +213,7 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
     all but kv (gate+up 11.1 vs 12.0, down 10.7 vs 11.4, q_a 8.8 vs 9.0); the large ones as before."""
     if backend != "cuda":
         return 8
-    return 3 if n * k < (16 << 20) else 2
+    return 3 if n * k < _Q8_0_LARGE else 2
 
 
 # ---------------------------------------------------------------------------------------------------------
