@@ -124,6 +124,8 @@ def test_moe_tiles_cover_the_real_shape() -> None:
         t = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
         assert 2048 % t.gate_up.block_n == 0 and 4096 % t.down.block_n == 0
         assert t.gate_up.block_k % 256 == 0 and t.down.block_k % 256 == 0
+    # the integer-dot gate + up gathers its grid codes from shared memory only across >= 2 warps
+    assert dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, "cuda").gate_up.num_warps >= 2
 
 
 @pytest.mark.parametrize(("tokens", "slots", "clamp"), [(7, 2, 10.0), (3, 3, None)])

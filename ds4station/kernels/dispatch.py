@@ -226,17 +226,23 @@ class MoeTiles:
     down: MatvecTiles  # Q2_K-style down rows [D, F]
 
 
+# Warps of the integer-dot IQ2_XXS gate + up: >= 2, so that its tl.gather goes through shared memory.
+_MOE_I8_WARPS = 2
+
+
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:
     """Tiles for the two fused MoE launches; n_slots = tokens x experts per token (the gate+up grid).
 
-    The integer-dot gate + up (CUDA) steps through K 1,024 weights at a time in one warp: a sweep on the
-    H200 (docs/PERFORMANCE.md, sixth session: 6 of 256 Flash experts, rows 4/8/16 x K chunk 1024/2048/4096
-    with 1/2/4 warps) had it 8% faster than the whole row in 4 warps at 23 tokens (the row sum stays in
-    one warp) and within 2% at one token."""
+    The integer-dot IQ2_XXS gate + up (CUDA) steps through K 2,048 weights at a time in two warps: its grid
+    lookups gather from shared memory, which Triton uses only when the table spans more than one warp (one
+    warp gathers by shuffles). H200, fifteenth session (docs/PERFORMANCE.md), 6 of 256 Flash experts per token,
+    us at 1 / 4 / 8 tokens: 2 warps x 2,048 18.3 / 60.7 / 115.0; 4 x 4,096 19.4 / 66.3 / 129.1; 8 x 8,192
+    37.9 / 143.7 / 283.2; 4 rows per program instead of 8 20.4 / 70.6 / 137.0. (The global-memory lookups it
+    replaced were best at 1 warp x 1,024: 30.2 / 103.0 / 190.2.)"""
     # The gate+up grid is (slots, row blocks): count all slots' rows when sizing the row blocks.
     gu = _expert_tiles(gate_qtype, d_ff * n_slots, d_model, backend)
     if use_int_dot(backend) and gate_qtype == "iq2_xxs":
-        gu = replace(gu, block_k=min(gu.block_k, 1024), num_warps=1)
+        gu = replace(gu, block_k=min(gu.block_k, 2048), num_warps=_MOE_I8_WARPS)
     down = _expert_tiles(down_qtype, d_model, d_ff, backend)
     return MoeTiles(gate_up=gu, down=down)
 

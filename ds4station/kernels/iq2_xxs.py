@@ -11,7 +11,7 @@ The kernels read a grid entry as two words of 4 magnitude bytes (not 8 byte gath
 as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; integer path: byte permutes
 of a nibble-code grid, one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
 Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations; the signed bytes by
-byte permutes from a nibble-code grid table, `grid_codes`), `_iq2_xxs_tile`
+byte permutes from a nibble-code grid table, `grid_codes`, gathered from shared memory), `_iq2_xxs_tile`
 (dequantised tile for prefill tl.dot), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8 rows).
 """
 
@@ -86,7 +86,7 @@ NEG_MAGS = tl.constexpr(0x00D5E7F8)  # -8, -25, -43 as int8
 @lru_cache(maxsize=8)
 def grid_codes(device: torch.device) -> torch.Tensor:
     """int32 [256]: grid entry i as 8 nibbles, nibble e = the code (0, 1, 2) of magnitude e (8, 25, 43).
-    1 KB against grid_words' 2 KB: a warp's divergent lookups touch ~8 cache lines instead of ~16."""
+    1 KB against grid_words' 2 KB (the integer-dot kernel stages it in shared memory)."""
     codes = np.searchsorted(np.array([8.0, 25.0, 43.0], dtype=np.float32), _grid_np()).astype(np.int64)
     words = np.zeros(256, dtype=np.int64)
     for e in range(8):
@@ -215,15 +215,18 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
     """Integer-dot form of _iq2_xxs_dot: activation quantised by act_quant ("iq2_xxs" layout: int32 [8, K/32]
     words + fp32 scale per 32), two dp4a per 8 weights. The signed magnitude bytes of 8 weights come from two
     byte permutes of (8, 25, 43, -8, -25, -43), whose selectors are the grid entry's nibble codes (grid_ptr:
-    grid_codes, 1 KB: a warp's divergent lookups touch ~8 cache lines) OR'd with the signs moved into bit 2 of
-    each nibble by arithmetic (_sign_selectors).
-    Measured on the H200 against the ways it replaced (docs/PERFORMANCE.md), the whole moe_decode over 6 of
-    256 Flash experts per token: 47.6 us at one token against 52.9-61.6 us for the int64 grid words with
-    multiplied sign masks, the nibble codes with the same masks, and a 128-entry sign table; 808 against
-    953 us at 23 tokens for the codes with masks (743 us with the one-warp tiles of dispatch.moe_tiles)."""
+    grid_codes, 1 KB) OR'd with the signs moved into bit 2 of each nibble by arithmetic (_sign_selectors).
+    The codes are looked up with `tl.gather` from the table held as a [256] tensor: across two or more warps
+    Triton stages it in shared memory, so the divergent lookups are LDS instead of L1 loads of global memory
+    (one warp would gather by shuffles, 8 per lookup: dispatch.moe_tiles gives this kernel >= 2 warps).
+    Measured on the H200 (docs/PERFORMANCE.md, fifteenth session), gate + up of 6 of 256 Flash experts per
+    token: 30.2 -> 18.3 us at 1 token, 103 -> 61 at 4, 190 -> 115 at 8, against the global-memory lookups at
+    their best tiles (the kernel was L1-throughput bound, 85% at 4 tokens). Earlier, the nibble codes had
+    beaten int64 grid words with multiplied sign masks and a 128-entry sign table (52.9 against 57-62 us)."""
     G = K // 32
     offs_g = tl.arange(0, BLOCK_G)
     acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+    codes = tl.load(grid_ptr + tl.arange(0, 256))
     for g0 in range(0, G, BLOCK_G):
         gg = g0 + offs_g
         g_mask = gg < G
@@ -241,7 +244,8 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
         for j in tl.static_range(4):
             idx = (w0 >> (8 * j)) & 255
             s7 = (w1 >> (7 * j)) & 127
-            sel = _sign_selectors(s7) | tl.load(grid_ptr + idx)  # nibble e: code + 4 * sign
+            code = tl.reshape(tl.gather(codes, tl.reshape(idx, [BLOCK_N * BLOCK_G]), 0), [BLOCK_N, BLOCK_G])
+            sel = _sign_selectors(s7) | code  # nibble e: code + 4 * sign
             lo = _prmt(mags, neg_mags, sel)
             hi = _prmt(mags, neg_mags, sel >> 16)
             xa = tl.broadcast_to(tl.load(xq_ptr + (2 * j) * G + gg, mask=g_mask, other=0)[None, :],
