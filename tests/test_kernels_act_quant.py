@@ -1,5 +1,5 @@
 """Activation quantiser for the integer-dot kernels (ds4station/kernels/act_quant.py): the Triton kernel
-against its torch reference bit for bit, both packed layouts decoded back to the activation, and the
+against its torch reference bit for bit, every packed layout decoded back to the activation, and the
 quantisation error bound (half a step of amax/127 per 32 values)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from ds4station.kernels.act_quant import dequantize_act, quantize_act, quantize_
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("layout", ["iq2_xxs", "q2_k"])
+@pytest.mark.parametrize("layout", ["iq2_xxs", "q2_k", "q4_k"])
 @pytest.mark.parametrize(("m", "k", "dtype"), [(1, 96, torch.float32), (3, 256, torch.float16)])
 def test_quantize_matches_reference_and_round_trips(layout: str, m: int, k: int, dtype: torch.dtype) -> None:
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k + m)) * 3).to(DEVICE, dtype)

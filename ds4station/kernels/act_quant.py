@@ -10,7 +10,11 @@ consecutive weight units read consecutive words, in the order each weight format
 - layout "iq2_xxs": word c of 32-group g holds x[32 g + 4 c + b] in byte b (natural order), stored at
   [c, g] of an int32 [8, K/32] array;
 - layout "q2_k": word i of 16-group w holds x[16 w + 4 b + i] in byte b (matching the repacked Q2_K word
-  whose byte b holds weights 16 w + 4 b + 0..3 at bits 2i), stored at [i, w] of an int32 [4, K/16] array.
+  whose byte b holds weights 16 w + 4 b + 0..3 at bits 2i), stored at [i, w] of an int32 [4, K/16] array;
+- layout "q4_k": word c = 2 j + p of 32-group g holds x[32 g + 8 j + 2 b + p] in byte b (matching the
+  repacked Q4_K word j of the group, whose byte b holds weights 8 j + 2 b and 8 j + 2 b + 1 in its low and
+  high nibble: word & 0x0F0F0F0F pairs with c = 2 j, (word >> 4) & 0x0F0F0F0F with c = 2 j + 1), stored at
+  [c, g] of an int32 [8, K/32] array.
 Both also write the fp32 scale per 32 values [K/32] and the exact fp32 sum per 16 values [K/16] (Q2_K's
 min term needs sum(x), which stays unquantised).
 
@@ -28,7 +32,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 
-LAYOUTS = {"iq2_xxs": 0, "q2_k": 1}
+LAYOUTS = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2}
 
 
 if dispatch.interpreting():
@@ -102,6 +106,11 @@ def _quant_act_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K, stride_xm,
     if LAYOUT == 0:
         words = tl.sum(tl.reshape(qb, (BLOCK_G, 8, 4)) << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
         tl.store(xq_ptr + row * (8 * G) + tl.arange(0, 8)[None, :] * G + gg[:, None], words, mask=g_mask[:, None])
+    elif LAYOUT == 2:
+        # [g, j, b, p] -> word c = 2 j + p holds byte b = x[32 g + 8 j + 2 b + p]
+        q4 = tl.reshape(qb, (BLOCK_G, 4, 4, 2)) << (tl.arange(0, 4) * 8)[None, None, :, None]
+        words = tl.reshape(tl.sum(q4, axis=2), (BLOCK_G, 8))
+        tl.store(xq_ptr + row * (8 * G) + tl.arange(0, 8)[None, :] * G + gg[:, None], words, mask=g_mask[:, None])
     else:
         # [g, w_local, b, i] -> word (w = 2 g + w_local, i) holds byte b = x[16 w + 4 b + i]
         q4 = tl.reshape(qb, (BLOCK_G, 2, 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :, None]
@@ -140,6 +149,9 @@ def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     shifts = torch.arange(4, device=x.device) * 8
     if layout == "iq2_xxs":
         words = (qb.reshape(m, k // 32, 8, 4) << shifts).sum(-1)  # [m, G, 8]
+        xq = words.transpose(1, 2).reshape(m, k // 4)
+    elif layout == "q4_k":
+        words = (qb.reshape(m, k // 32, 4, 4, 2) << shifts.reshape(4, 1)).sum(-2).reshape(m, k // 32, 8)
         xq = words.transpose(1, 2).reshape(m, k // 4)
     else:
         words = (qb.reshape(m, k // 16, 4, 4) << shifts.reshape(4, 1)).sum(-2)  # [m, W, i]
@@ -210,6 +222,8 @@ def dequantize_act(xq: torch.Tensor, xs: torch.Tensor, layout: str) -> torch.Ten
     b = torch.where(b >= 128, b - 256, b).float()  # [m, K/4, 4] signed bytes
     if layout == "iq2_xxs":
         vals = b.reshape(m, 8, k // 32, 4).permute(0, 2, 1, 3).reshape(m, k)
+    elif layout == "q4_k":  # [m, c = 2 j + p, g, b] -> x[32 g + 8 j + 2 b + p]
+        vals = b.reshape(m, 4, 2, k // 32, 4).permute(0, 3, 1, 4, 2).reshape(m, k)
     else:
         vals = b.reshape(m, 4, k // 16, 4).permute(0, 2, 3, 1).reshape(m, k)  # [m, w, byte b, i]
     return vals * xs.repeat_interleave(32, dim=1)

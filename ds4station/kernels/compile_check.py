@@ -61,7 +61,7 @@ class Report:
 
 def _specs(target: CompileTarget) -> list[KernelSpec]:
     """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
-    from ds4station.kernels import act_quant, attention, hc, iq2_xxs, moe, moe_prefill, norm, q2_k, q8_0, router
+    from ds4station.kernels import act_quant, attention, hc, iq2_xxs, moe_prefill, norm, q2_k, q8_0, router
 
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
@@ -179,30 +179,8 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
             ("hi_ptr", "lo_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm",
              "stride_ym"),
             t.num_warps, t.num_stages, decode=True))
-        specs.append(KernelSpec(
-            "moe_gate_up_i8 iq2_xxs 6x2048x4096", moe._moe_gate_up_i8_kernel,
-            {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "wts_ptr": ptr32,
-             "h_ptr": ptr32, "grid_ptr": "*i32",
-             "g0": "*i64", "g1": ptr16, "g2": ptr16, "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16,
-             "u3": ptr16, "last_ptr": "*i64",
-             "F": i32, "D": i32, "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr",
-             "BLOCK_N": "constexpr", "BLOCK_U": "constexpr", "PADDED": "constexpr"},
-            {"S": 6, "QT": 0, "CLAMP": True, "BLOCK_N": mo.gate_up.block_n, "BLOCK_U": mo.gate_up.block_k // 32,
-             "PADDED": False},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", "g0", "g1", "g2", "u0", "u1", "u2",
-             "F", "D"),
-            mo.gate_up.num_warps, mo.gate_up.num_stages, decode=True))
-        specs.append(KernelSpec(
-            "moe_down_i8 q2_k 6x4096x2048", moe._moe_down_i8_kernel,
-            {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32", "y_ptr": ptr32,
-             "grid_ptr": "*i32", "d0": "*i32", "d1": "*u8", "d2": "*i32", "d3": "*i32", "last_ptr": "*i64",
-             "F": i32, "D": i32, "stride_yt": i32,
-             "S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
-             "PADDED": "constexpr"},
-            {"S": 6, "QT": 1, "BLOCK_N": mo.down.block_n, "BLOCK_U": mo.down.block_k // 16, "PADDED": False},
-            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D",
-             "stride_yt"),
-            mo.down.num_warps, mo.down.num_stages, decode=True))
+        specs += _moe_i8_specs("iq2_xxs", "q2_k", ptrs, mo)
+        specs += _moe_i8_specs("q4_k", "q4_k", ptrs, dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend))
     specs += _hc_specs(hc, backend)
     specs += _router_specs(router, backend)
     specs += _attention_specs(attention, backend)
@@ -347,6 +325,38 @@ def _moe_spec(part: str, qtype: str, ptrs: tuple[str, ...], tiles: dispatch.MoeT
          "stride_yt": i32, **tail},
         {**qt, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // unit},
         ("ht_ptr", "y_ptr", "grid_ptr", *weights, "F", "D", "stride_yt"), t.num_warps, t.num_stages, decode=True)
+
+
+def _moe_i8_specs(gate_qtype: str, down_qtype: str, ptrs: dict[str, tuple[str, ...]],
+                  tiles: dispatch.MoeTiles) -> list[KernelSpec]:
+    """The fused MoE's integer-dot launches (CUDA) for one pair of expert types, at the Flash shape (6 slots)."""
+    from ds4station.kernels import moe
+
+    ptr32 = "*fp32"
+    act = {"xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "ids_ptr": "*i32"}
+    tail = {"S": "constexpr", "QT": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr",
+            "PADDED": "constexpr"}
+    gate = {f"{w}{i}": p for w in "gu" for i, p in enumerate(ptrs[gate_qtype])}
+    down = {f"d{i}": p for i, p in enumerate(ptrs[down_qtype])}
+    gu, dn = tiles.gate_up, tiles.down
+    return [
+        KernelSpec(
+            f"moe_gate_up_i8 {gate_qtype} 6x2048x4096", moe._moe_gate_up_i8_kernel,
+            {**act, "wts_ptr": ptr32, "h_ptr": ptr32, "grid_ptr": "*i32", **gate, "last_ptr": "*i64",
+             "F": "i32", "D": "i32", "clamp": "fp32", **tail, "CLAMP": "constexpr"},
+            {"S": 6, "QT": moe._QT_CODE[gate_qtype], "CLAMP": True, "BLOCK_N": gu.block_n,
+             "BLOCK_U": gu.block_k // moe._I8_UNIT[gate_qtype], "PADDED": False},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "h_ptr", "grid_ptr", *gate, "F", "D"),
+            gu.num_warps, gu.num_stages, decode=True),
+        KernelSpec(
+            f"moe_down_i8 {down_qtype} 6x4096x2048", moe._moe_down_i8_kernel,
+            {**act, "y_ptr": ptr32, "grid_ptr": "*i32", **down, "last_ptr": "*i64", "F": "i32", "D": "i32",
+             "stride_yt": "i32", **tail},
+            {"S": 6, "QT": moe._QT_CODE[down_qtype], "BLOCK_N": dn.block_n,
+             "BLOCK_U": dn.block_k // moe._I8_UNIT[down_qtype], "PADDED": False},
+            ("xq_ptr", "xs_ptr", "xsum_ptr", "y_ptr", "grid_ptr", *down, "F", "D", "stride_yt"),
+            dn.num_warps, dn.num_stages, decode=True),
+    ]
 
 
 def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]

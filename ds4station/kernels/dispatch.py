@@ -228,6 +228,8 @@ class MoeTiles:
 
 # Warps of the integer-dot IQ2_XXS gate + up: >= 2, so that its tl.gather goes through shared memory.
 _MOE_I8_WARPS = 2
+# Expert types of the fused MoE's integer-dot kernels (both gate/up and down must be one of them).
+MOE_INT_DOT_QTYPES = ("iq2_xxs", "q2_k", "q4_k")
 
 
 def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots: int, backend: Backend) -> MoeTiles:
@@ -241,10 +243,23 @@ def moe_tiles(gate_qtype: str, down_qtype: str, d_model: int, d_ff: int, n_slots
     replaced were best at 1 warp x 1,024: 30.2 / 103.0 / 190.2.)"""
     # The gate+up grid is (slots, row blocks): count all slots' rows when sizing the row blocks.
     gu = _expert_tiles(gate_qtype, d_ff * n_slots, d_model, backend)
-    if use_int_dot(backend) and gate_qtype == "iq2_xxs":
-        gu = replace(gu, block_k=min(gu.block_k, 2048), num_warps=_MOE_I8_WARPS)
     down = _expert_tiles(down_qtype, d_model, d_ff, backend)
+    if not (use_int_dot(backend) and gate_qtype in MOE_INT_DOT_QTYPES and down_qtype in MOE_INT_DOT_QTYPES):
+        return MoeTiles(gate_up=gu, down=down)
+    if gate_qtype == "iq2_xxs":
+        gu = replace(gu, block_k=min(gu.block_k, 2048), num_warps=_MOE_I8_WARPS)
+    elif gate_qtype == "q4_k":
+        gu = _q4_k_i8_tiles(gu, d_model)
+    if down_qtype == "q4_k":
+        down = _q4_k_i8_tiles(down, d_ff)
     return MoeTiles(gate_up=gu, down=down)
+
+
+def _q4_k_i8_tiles(t: MatvecTiles, k: int) -> MatvecTiles:
+    """The integer-dot Q4_K expert kernel has one lane per 32-weight sub-block (the fp32 one, per 8): up to
+    2,048 weights per step, one warp per 1,024 (not yet timed on a GPU)."""
+    block_k = max(256, min(2048, _pow2_ceil(k)))
+    return replace(t, block_k=block_k, num_warps=max(1, block_k // 1024))
 
 
 def _expert_tiles(qtype: str, n: int, k: int, backend: Backend) -> MatvecTiles:

@@ -12,12 +12,12 @@ Two paths, chosen by `int_dot` (default: dispatch.use_int_dot, i.e. CUDA):
   experts and writes each output element once (no atomics, so the sum order is fixed: reproducible);
 - integer dot (dp4a), four launches: quantise x (act_quant.py), `_moe_gate_up_i8_kernel`, quantise h,
   `_moe_down_i8_kernel`. Measured 1.8x faster than fp32 math on the H200; the int8 activations (per 32
-  values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do.
+  values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do. For IQ2_XXS, Q2_K and Q4_K.
 For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot).
 
 Supported weight types: IQ2_XXS, Q2_K, Q4_K or Q8_0 for gate/up and for down, independently (the q2 file:
-IQ2_XXS / Q2_K; the q2-q4 and q4 files: Q4_K experts; some conversions: Q8_0). Q4_K and Q8_0 have no
-integer-dot path yet: a layer with such experts runs the fp32-math kernels.
+IQ2_XXS / Q2_K; the q2-q4 and q4 files: Q4_K experts; some conversions: Q8_0). Q8_0 has no integer-dot path
+yet: a layer with Q8_0 experts runs the fp32-math kernels.
 Stacked expert weights have a leading expert dim: gate/up [E, F, D], down [E, D, F].
 """
 
@@ -41,14 +41,15 @@ from ds4station.kernels.iq2_xxs import (
     transpose_groups,
 )
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
-from ds4station.kernels.q4_k import PackedQ4K, _q4_k_dot, dequantize_q4_k
+from ds4station.kernels.q4_k import PackedQ4K, _q4_k_dot, _q4_k_dot_i8, dequantize_q4_k
 from ds4station.kernels.q8_0 import PackedQ8_0, _q8_0_dot, dequantize_q8_0
 
 PackedExperts = PackedIQ2XXS | PackedQ2K | PackedQ4K | PackedQ8_0
 _QT_CODE = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2, "q8_0": 3}
 # weights per packed unit = the transposed activation's row count
 _UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 8, "q8_0": 4}
-INT_DOT_QTYPES = ("iq2_xxs", "q2_k")  # the integer-dot kernels' types
+# weights per lane (one packed unit) of the integer-dot kernels
+_I8_UNIT = {"iq2_xxs": 32, "q2_k": 16, "q4_k": 32}
 
 
 def _expert(w: PackedExperts, e: int) -> PackedExperts:
@@ -68,12 +69,15 @@ def _matvec(w: PackedExperts, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
     except Q2_K's min term, which uses the exact x."""
     if not act_quant:
         return _dequantize(w) @ x
-    if isinstance(w, PackedQ4K | PackedQ8_0):
+    if isinstance(w, PackedQ8_0):
         raise ValueError(f"{w.qtype} experts have no integer-dot path (act_quant)")
     xq, xs, _ = quantize_act_ref(x.unsqueeze(0), w.qtype)
     xd = dequantize_act(xq, xs, w.qtype)[0]
     if isinstance(w, PackedIQ2XXS):
         return dequantize_iq2_xxs(w) @ xd
+    if isinstance(w, PackedQ4K):
+        mins = dequantize_q4_k(PackedQ4K(torch.zeros_like(w.qs), w.sc, w.mn, w.dm))  # -dmin * mn per weight
+        return (dequantize_q4_k(w) - mins) @ xd + mins @ x
     mins = dequantize_q2_k(PackedQ2K(torch.zeros_like(w.qs), w.sc, w.dm))  # -dmin * m per weight
     return (dequantize_q2_k(w) - mins) @ xd + mins @ x
 
@@ -173,13 +177,16 @@ def _moe_down_kernel(
 
 
 @triton.jit
-def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
+def _rows_dot_i8(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
                  BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
-    """Integer-dot counterpart of _rows_dot over an act_quant-quantised activation row."""
+    """Integer-dot counterpart of _rows_dot over an act_quant-quantised activation row (BLOCK_U: lanes' units
+    per chunk, _I8_UNIT weights each)."""
     if QT == 0:
         acc = _iq2_xxs_dot_i8(p0, p1, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K, BLOCK_N, BLOCK_U)
-    else:
+    elif QT == 1:
         acc = _q2_k_dot_i8(p0, p1, p2, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K, BLOCK_N, BLOCK_U)
+    else:
+        acc = _q4_k_dot_i8(p0, p1, p2, p3, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K, BLOCK_N, BLOCK_U)
     return acc
 
 
@@ -202,8 +209,8 @@ def _moe_gate_up_i8_kernel(
     n_mask = offs_n < F
     rows = e * F + offs_n.to(tl.int64)
     xq, xs, xsum = xq_ptr + t * (D // 4), xs_ptr + t * (D // 32), xsum_ptr + t * (D // 16)
-    g = _rows_dot_i8(QT, g0, g1, g2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
-    u = _rows_dot_i8(QT, u0, u1, u2, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
+    g = _rows_dot_i8(QT, g0, g1, g2, g3, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
+    u = _rows_dot_i8(QT, u0, u1, u2, u3, grid_ptr, rows, n_mask, xq, xs, xsum, D, BLOCK_N, BLOCK_U)
     if CLAMP:
         g = tl.minimum(g, clamp)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
@@ -230,7 +237,7 @@ def _moe_down_i8_kernel(
         slot = (t * S + s).to(tl.int64)
         e = tl.load(ids_ptr + slot).to(tl.int64)
         rows = e * D + offs_n.to(tl.int64)
-        acc += _rows_dot_i8(QT, d0, d1, d2, grid_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
+        acc += _rows_dot_i8(QT, d0, d1, d2, d3, grid_ptr, rows, n_mask, xq_ptr + slot * (F // 4),
                             xs_ptr + slot * (F // 32), xsum_ptr + slot * (F // 16), F, BLOCK_N, BLOCK_U)
     tl.store(y_ptr + t * stride_yt + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
 
@@ -284,7 +291,7 @@ def moe_decode(
                                         dispatch.launch_backend(x))
     if int_dot is None:
         int_dot = dispatch.use_int_dot(dispatch.launch_backend(x))
-    if int_dot and gate.qtype in INT_DOT_QTYPES and down.qtype in INT_DOT_QTYPES:
+    if int_dot and gate.qtype in dispatch.MOE_INT_DOT_QTYPES and down.qtype in dispatch.MOE_INT_DOT_QTYPES:
         return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles, last)
     sub_in, sub_h = _UNIT[gate.qtype], _UNIT[down.qtype]
     ht = torch.empty((t_count, n_slots, d_ff), device=x.device, dtype=torch.float32)
@@ -329,7 +336,7 @@ def _moe_decode_i8(
         xq, xs, xsum, ids, weights, h, grid_tab, *_ptrs(gate), *_ptrs(up), ids if last is None else last,
         d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None, BLOCK_N=gu.block_n,
-        BLOCK_U=gu.block_k // _UNIT[gate.qtype], PADDED=last is not None, num_warps=gu.num_warps,
+        BLOCK_U=gu.block_k // _I8_UNIT[gate.qtype], PADDED=last is not None, num_warps=gu.num_warps,
         num_stages=gu.num_stages,
     )
     hq, hs, hsum = quantize_act(h, down.qtype)
@@ -339,7 +346,7 @@ def _moe_decode_i8(
     _moe_down_i8_kernel[(t_count, triton.cdiv(d_model, dn.block_n))](
         hq, hs, hsum, ids, out, grid_tab, *_ptrs(down), ids if last is None else last, d_ff, d_model,
         out.stride(0), S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n,
-        BLOCK_U=dn.block_k // _UNIT[down.qtype], PADDED=last is not None, num_warps=dn.num_warps,
+        BLOCK_U=dn.block_k // _I8_UNIT[down.qtype], PADDED=last is not None, num_warps=dn.num_warps,
         num_stages=dn.num_stages,
     )
     return out

@@ -15,6 +15,8 @@ against the GGUF's 0.5625 (the unpacked scales).
   H200, 1.3 ms for 4096x4096.)
 - `q4_k_matmul(x, w)`: prefill, a dequantised [rows, BLOCK_K] tile (`_q4_k_tile`) as an fp16 tl.dot operand,
   fp32 accumulation.
+- `_q4_k_dot_i8`: the integer-dot (dp4a) row dot of the fused MoE decode (CUDA), over an activation quantised
+  per 32 by act_quant.py in its "q4_k" layout; one lane per 32-weight sub-block.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import transpose_groups
 
 QK_K = 256
@@ -157,6 +160,55 @@ def _q4_k_dot(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: 
             xsum += xv
         acc += d * sc * dot - dmin * mn * xsum[None, :]
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q4_k_dot_i8(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr, K,
+                 BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Integer-dot form of _q4_k_dot: [BLOCK_N] fp32 dot products with an activation quantised per 32 by
+    act_quant ("q4_k" layout: int32 [8, K/32] words, fp32 scale per 32, exact fp32 sums per 16). One lane per
+    32-weight sub-block: its 4 words as 4 loads (one 16-byte load split in registers compiled to a layout
+    conversion through shared memory on sm_90); per word two dp4a, of the low
+    nibbles (weights 8 j + 2 b) and of the high ones (8 j + 2 b + 1) against the layout's words 2 j and 2 j + 1.
+    Per sub-block: d sc xs isum - dmin mn sum(x), the sum exact (as the fp32 kernel's)."""
+    G = K // 32
+    offs_g = tl.arange(0, BLOCK_G)
+    acc = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+    for g0 in range(0, G, BLOCK_G):
+        gg = g0 + offs_g
+        g_mask = gg < G
+        wmask = n_mask[:, None] & g_mask[None, :]
+        wp = qs_ptr + rows[:, None] * (K // 8) + (gg * 4)[None, :]
+        w0 = tl.load(wp, mask=wmask, other=0, eviction_policy="evict_first")
+        w1 = tl.load(wp + 1, mask=wmask, other=0, eviction_policy="evict_first")
+        w2 = tl.load(wp + 2, mask=wmask, other=0, eviction_policy="evict_first")
+        w3 = tl.load(wp + 3, mask=wmask, other=0, eviction_policy="evict_first")
+        sub = rows[:, None] * G + gg[None, :]
+        sc = tl.load(sc_ptr + sub, mask=wmask, other=0, eviction_policy="evict_first").to(tl.float32)
+        mn = tl.load(mn_ptr + sub, mask=wmask, other=0, eviction_policy="evict_first").to(tl.float32)
+        dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (gg // 8)[None, :], mask=wmask, other=0,
+                      eviction_policy="evict_first")
+        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        xs = tl.load(xs_ptr + gg, mask=g_mask, other=0.0)
+        xsum = tl.load(xsum_ptr + 2 * gg, mask=g_mask, other=0.0) + tl.load(xsum_ptr + 2 * gg + 1, mask=g_mask,
+                                                                            other=0.0)
+        isum = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.int32)
+        isum = _q4_k_word_dp4a(w0, 0, xq_ptr, gg, g_mask, G, isum)
+        isum = _q4_k_word_dp4a(w1, 1, xq_ptr, gg, g_mask, G, isum)
+        isum = _q4_k_word_dp4a(w2, 2, xq_ptr, gg, g_mask, G, isum)
+        isum = _q4_k_word_dp4a(w3, 3, xq_ptr, gg, g_mask, G, isum)
+        acc += (d * sc) * (isum.to(tl.float32) * xs[None, :]) - (dmin * mn) * xsum[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _q4_k_word_dp4a(word, j: tl.constexpr, xq_ptr, gg, g_mask, G, isum):
+    """isum + the two dp4a of Q4_K word j of each sub-block (8 weights) with its activation words 2 j, 2 j + 1."""
+    xa = tl.broadcast_to(tl.load(xq_ptr + (2 * j) * G + gg, mask=g_mask, other=0)[None, :], word.shape)
+    xb = tl.broadcast_to(tl.load(xq_ptr + (2 * j + 1) * G + gg, mask=g_mask, other=0)[None, :], word.shape)
+    isum = _dp4a(word & 0x0F0F0F0F, xa, isum)
+    return _dp4a((word >> 4) & 0x0F0F0F0F, xb, isum)
 
 
 @triton.jit
