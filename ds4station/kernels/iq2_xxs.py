@@ -259,13 +259,24 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
 
 
 @triton.jit
+def _signed_mag(word, sh: tl.constexpr, signs, e: tl.constexpr):
+    """Magnitude byte `sh` of int32 `word` as fp32, negated where bit e of `signs` is set: no conversion or
+    select instruction (2^23 + mag has mag in its low mantissa bits; the sign is the float's top bit)."""
+    f = (((word >> (8 * sh)) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return (f.to(tl.int32, bitcast=True) ^ (((signs >> e) & 1) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand).
 
     Decoded per unit of 8 weights (one grid entry): per unit one load of its 32-group's packed word, one
-    load of the grid entry as an int64 (8 magnitude bytes) and one of the block scale, then the 8 weights
-    come from shifts of those words in registers. (Element-wise loads, 3 per weight, made the tile decode
-    the bottleneck of the prefill MoE.) BLOCK_K is a multiple of 32."""
+    load of the grid entry as an int64 (8 magnitude bytes) and one of the block scale; the 8 weights are 8
+    [rows, units] tensors made with constant shifts of the entry's two int32 halves (the magnitude and sign
+    by bit tricks, _signed_mag), joined into K order in registers. (Element-wise loads, 3 per weight, made
+    the tile decode the bottleneck of the prefill MoE; a [rows, units, 8] tile with per-element shifts of
+    the int64 entry, integer-to-float conversions and selects cost 1.5x this one on the H200:
+    docs/PERFORMANCE.md, fifteenth session.) BLOCK_K is a multiple of 32."""
     G = K // 32
     u = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # unit index along the row
     g = u // 4
@@ -275,6 +286,8 @@ def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.cons
     w0 = q.to(tl.int32)
     w1 = (q >> 32).to(tl.int32)
     gw = tl.load(grid_ptr + ((w0 >> (8 * j)[None, :]) & 255))  # [rows, units] int64: 8 magnitudes
+    lo = gw.to(tl.int32)
+    hi = (gw >> 32).to(tl.int32)
     s7 = (w1 >> (7 * j)[None, :]) & 127
     p = s7 ^ (s7 >> 4)
     p = p ^ (p >> 2)
@@ -282,10 +295,16 @@ def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.cons
     signs = s7 | ((p & 1) << 7)
     db = tl.load(d_ptr + rows[:, None] * (K // 256) + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
     scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25
-    e = tl.arange(0, 8)
-    mag = ((gw[:, :, None] >> (8 * e)[None, None, :].to(tl.int64)) & 255).to(tl.float32)
-    neg = ((signs[:, :, None] >> e[None, None, :]) & 1) != 0
-    w = tl.where(neg, -mag, mag) * scale[:, :, None]
+    e0 = _signed_mag(lo, 0, signs, 0) * scale
+    e1 = _signed_mag(lo, 1, signs, 1) * scale
+    e2 = _signed_mag(lo, 2, signs, 2) * scale
+    e3 = _signed_mag(lo, 3, signs, 3) * scale
+    e4 = _signed_mag(hi, 0, signs, 4) * scale
+    e5 = _signed_mag(hi, 1, signs, 5) * scale
+    e6 = _signed_mag(hi, 2, signs, 6) * scale
+    e7 = _signed_mag(hi, 3, signs, 7) * scale
+    # [rows, units, a, b, c] = weight 4 a + 2 b + c of the unit (tl.join adds the minor axis)
+    w = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 

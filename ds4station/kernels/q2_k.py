@@ -163,11 +163,21 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
 
 
 @triton.jit
+def _q2_k_weight(word, e: tl.constexpr, dl, ml):
+    """Weight e (bits 2e, 2e + 1) of each 16-weight word as fp32 dl * code - ml (no conversion instruction:
+    2^23 + code has code in its low mantissa bits)."""
+    f = (((word >> (2 * e)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return dl * f - ml
+
+
+@triton.jit
 def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand);
     qs_ptr int32 words of 16 weights, sc_ptr scale bytes per word, dm_ptr int32 (d, dmin) per 256.
     Decoded per word (16 weights): one load each of the word, its scale byte and its (d, dmin), then the
-    16 codes come from shifts in registers. BLOCK_K is a multiple of 16."""
+    16 weights are 16 [rows, words] tensors made with constant shifts (_q2_k_weight), joined into K order in
+    registers (a [rows, words, 16] tile with per-element shifts and conversions cost more: docs/PERFORMANCE.md,
+    fifteenth session). BLOCK_K is a multiple of 16."""
     W = K // 16
     u = k0 // 16 + tl.arange(0, BLOCK_K // 16)
     mask = n_mask[:, None] & (u < W)[None, :]
@@ -178,9 +188,16 @@ def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexp
     dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dl = d * (sc & 15).to(tl.float32)
     ml = dmin * (sc >> 4).to(tl.float32)
-    e = tl.arange(0, 16)
-    code = ((word[:, :, None] >> (2 * e)[None, None, :]) & 3).to(tl.float32)
-    w = dl[:, :, None] * code - ml[:, :, None]
+    # [rows, words, a, b, c, d] = weight 8 a + 4 b + 2 c + d of the word (tl.join adds the minor axis)
+    j0 = tl.join(_q2_k_weight(word, 0, dl, ml), _q2_k_weight(word, 8, dl, ml))
+    j1 = tl.join(_q2_k_weight(word, 1, dl, ml), _q2_k_weight(word, 9, dl, ml))
+    j2 = tl.join(_q2_k_weight(word, 2, dl, ml), _q2_k_weight(word, 10, dl, ml))
+    j3 = tl.join(_q2_k_weight(word, 3, dl, ml), _q2_k_weight(word, 11, dl, ml))
+    j4 = tl.join(_q2_k_weight(word, 4, dl, ml), _q2_k_weight(word, 12, dl, ml))
+    j5 = tl.join(_q2_k_weight(word, 5, dl, ml), _q2_k_weight(word, 13, dl, ml))
+    j6 = tl.join(_q2_k_weight(word, 6, dl, ml), _q2_k_weight(word, 14, dl, ml))
+    j7 = tl.join(_q2_k_weight(word, 7, dl, ml), _q2_k_weight(word, 15, dl, ml))
+    w = tl.join(tl.join(tl.join(j0, j4), tl.join(j2, j6)), tl.join(tl.join(j1, j5), tl.join(j3, j7)))
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 
