@@ -146,6 +146,21 @@ def iq2_xxs_matvec_ref(x: torch.Tensor, w: PackedIQ2XXS, out_dtype: torch.dtype 
 
 
 @triton.jit
+def _uint_f32(v):
+    """Small non-negative int32 values (< 2^23) as fp32 without a conversion instruction: 2^23 + v has v in
+    its low mantissa bits."""
+    return (v | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _signed_mag(word, sh: tl.constexpr, signs, e: tl.constexpr):
+    """Magnitude byte `sh` of int32 `word` as fp32, negated where bit e of `signs` is set: no conversion or
+    select instruction (_uint_f32; the sign applied by flipping the float's top bit)."""
+    f = _uint_f32((word >> (8 * sh)) & 255)
+    return (f.to(tl.int32, bitcast=True) ^ (((signs >> e) & 1) << 31)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """[BLOCK_N] fp32 dot products of weight rows `rows` (int64) with one activation row.
 
@@ -182,13 +197,9 @@ def _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.c
             sign8 = s7 | ((p & 1) << 7)  # the 8th sign is the parity of the 7 stored ones
             for e in tl.static_range(8):
                 if e < 4:
-                    mag = (lo >> (8 * e)) & 255
+                    f = _signed_mag(lo, e, sign8, e)
                 else:
-                    mag = (hi >> (8 * (e - 4))) & 255
-                # int -> float without a conversion instruction: 2^23 + mag has mag in its low mantissa bits
-                f = (mag | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                neg = ((sign8 >> e) & 1) << 31  # sign applied by flipping the float's sign bit
-                f = (f.to(tl.int32, bitcast=True) ^ neg).to(tl.float32, bitcast=True)
+                    f = _signed_mag(hi, e - 4, sign8, e)
                 xv = tl.load(xt_ptr + (j * 8 + e) * G + gg, mask=g_mask, other=0.0).to(tl.float32)
                 part += f * xv[None, :]
         acc += part * scale
@@ -256,14 +267,6 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
             isum = _dp4a(hi, xb, isum)
         acc += isum.to(tl.float32) * scale
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _signed_mag(word, sh: tl.constexpr, signs, e: tl.constexpr):
-    """Magnitude byte `sh` of int32 `word` as fp32, negated where bit e of `signs` is set: no conversion or
-    select instruction (2^23 + mag has mag in its low mantissa bits; the sign is the float's top bit)."""
-    f = (((word >> (8 * sh)) & 255) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return (f.to(tl.int32, bitcast=True) ^ (((signs >> e) & 1) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import matvec_launch, transpose_groups
+from ds4station.kernels.iq2_xxs import _uint_f32, matvec_launch, transpose_groups
 
 QK_K = 256
 BLOCK_BYTES_Q2_K = 84
@@ -122,8 +122,7 @@ def _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.const
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         sx = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(16):
-            # int -> float without a conversion instruction: 2^23 + q has q in its low mantissa bits
-            q = (((word >> (2 * i)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            q = _uint_f32((word >> (2 * i)) & 3)
             xv = tl.load(xt_ptr + i * W + ww, mask=w_mask, other=0.0).to(tl.float32)
             qx += q * xv[None, :]
             sx += xv
@@ -164,10 +163,9 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
 
 @triton.jit
 def _q2_k_weight(word, e: tl.constexpr, dl, ml):
-    """Weight e (bits 2e, 2e + 1) of each 16-weight word as fp32 dl * code - ml (no conversion instruction:
-    2^23 + code has code in its low mantissa bits)."""
-    f = (((word >> (2 * e)) & 3) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-    return dl * f - ml
+    """Weight e (bits 2e, 2e + 1) of each 16-weight word as fp32 dl * code - ml (_uint_f32: no conversion
+    instruction)."""
+    return dl * _uint_f32((word >> (2 * e)) & 3) - ml
 
 
 @triton.jit

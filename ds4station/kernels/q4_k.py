@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import transpose_groups
+from ds4station.kernels.iq2_xxs import _uint_f32, transpose_groups
 
 QK_K = 256
 BLOCK_BYTES_Q4_K = 144
@@ -153,8 +153,7 @@ def _q4_k_dot(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: 
         dot = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_U], dtype=tl.float32)
         for e in tl.static_range(8):
-            # nibble -> float without a conversion instruction: 2^23 + q has q in its low mantissa bits
-            q = (((word >> (4 * e)) & 15) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            q = _uint_f32((word >> (4 * e)) & 15)  # no conversion instruction
             xv = tl.load(xt_ptr + e * U + uu, mask=u_mask, other=0.0).to(tl.float32)
             dot += q * xv[None, :]
             xsum += xv
