@@ -74,7 +74,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
             t = dispatch.matvec_tiles("q8_0", n, k, m, backend, n // groups)
             specs.append(KernelSpec(
                 f"q8_0_matvec {label} m{m}", q8_0._q8_0_matvec_kernel,
-                {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr32, "N": i32, "K": i32,
+                {"x_ptr": ptr16, "qs_ptr": "*i32", "d_ptr": ptr16, "y_ptr": ptr32, "N": i32, "K": i32,
                  "rows_per_group": i32, "stride_xm": i32, "stride_xg": i32, "stride_ym": i32,
                  "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
                 {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
@@ -85,7 +85,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         mt = dispatch.matmul_tiles("q8_0", m, 4096, 8192, backend)
         specs.append(KernelSpec(
             f"q8_0_matmul {label}", q8_0._q8_0_matmul_kernel,
-            {"x_ptr": ptr16, "qs_ptr": "*i8", "d_ptr": ptr16, "y_ptr": ptr16, "part_ptr": ptr32, "cnt_ptr": "*i32",
+            {"x_ptr": ptr16, "qs_ptr": "*i32", "d_ptr": ptr16, "y_ptr": ptr16, "part_ptr": ptr32, "cnt_ptr": "*i32",
              "M": i32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
              "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "GROUP_M": "constexpr",
              "W_AS_A": "constexpr", "SPLIT_K": "constexpr"},

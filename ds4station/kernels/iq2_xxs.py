@@ -153,6 +153,31 @@ def _uint_f32(v):
 
 
 @triton.jit
+def _s8x4_f32(word):
+    """The four int8 values of each int32 word as fp32, [..., 2, 2] (reshaped to [..., 4]: memory order), without a
+    conversion instruction (I2F runs at a quarter of the FP32 rate on sm_80 / sm_90 and bound the Q8_0
+    matvec): one XOR biases all four bytes to b + 128, each byte becomes 2^23 + b + 128 as in _uint_f32, minus
+    2^23 + 128. Exact, so bit-identical to converting the bytes."""
+    u = word ^ -2139062144  # 0x80808080 as int32
+    f0 = (u & 255 | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    f1 = ((u >> 8) & 255 | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    f2 = ((u >> 16) & 255 | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    f3 = ((u >> 24) & 255 | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    return tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [..., j, i] = byte 2j + i
+
+
+@triton.jit
+def _s8x4_f16(word):
+    """_s8x4_f32 in fp16 (the tl.dot tiles): 1024 + b + 128 built from its bits (0x6400 | byte), minus 1152."""
+    u = word ^ -2139062144  # 0x80808080 as int32
+    f0 = (u & 255 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    f1 = ((u >> 8) & 255 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    f2 = ((u >> 16) & 255 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    f3 = ((u >> 24) & 255 | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
+    return tl.join(tl.join(f0, f2), tl.join(f1, f3))  # [..., j, i] = byte 2j + i
+
+
+@triton.jit
 def _signed_mag(word, sh: tl.constexpr, signs, e: tl.constexpr):
     """Magnitude byte `sh` of int32 `word` as fp32, negated where bit e of `signs` is set: no conversion or
     select instruction (_uint_f32; the sign applied by flipping the float's top bit)."""

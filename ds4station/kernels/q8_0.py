@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a, dequantize_act16
+from ds4station.kernels.iq2_xxs import _s8x4_f16, _s8x4_f32
 
 QK8_0 = 32
 BLOCK_BYTES_Q8_0 = 34
@@ -112,16 +113,18 @@ def _q8_0_matvec_kernel(
     KB: tl.constexpr = BLOCK_K // 32
     offs_b = tl.arange(0, KB)
     offs_e = tl.arange(0, 32)
+    offs_w = tl.arange(0, 8)
     cols = tl.arange(0, M_PAD)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_b[:, None] * 32 + offs_e[None, :]  # [KB, 32]
         k_mask = kk < K
-        # 3-D tile [rows, 32-blocks, 32]: the 32-axis stays inside a thread (one 16-byte vector per load);
-        # a 4-D tile made Triton spread it over lanes with shuffles.
-        w_mask = n_mask[:, None, None] & k_mask[None, :, :]
-        q = tl.load(qs_ptr + rows[:, None, None] * K + kk[None, :, :], mask=w_mask, other=0,
-                    eviction_policy="evict_first").to(tl.float32)
+        # 3-D tile [rows, 32-blocks, 32]: the 32-axis stays inside a thread (16 bytes per load); a 4-D tile
+        # made Triton spread it over lanes with shuffles. Read as int32 words, the bytes become floats by bits.
+        wi = k0 // 4 + offs_b[:, None] * 8 + offs_w[None, :]  # [KB, 8] word index in the row
+        wq = tl.load(qs_ptr + rows[:, None, None] * (K // 4) + wi[None, :, :],
+                     mask=n_mask[:, None, None] & (wi < K // 4)[None, :, :], other=0, eviction_policy="evict_first")
+        q = tl.reshape(_s8x4_f32(wq), (BLOCK_N, KB, 32))
         s_mask = n_mask[:, None] & ((k0 // 32 + offs_b) < K // 32)[None, :]
         s = tl.load(d_ptr + rows[:, None] * (K // 32) + (k0 // 32 + offs_b)[None, :], mask=s_mask, other=0.0,
                     eviction_policy="evict_first").to(tl.float32)
@@ -202,7 +205,7 @@ def q8_0_matvec(
         out = torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     grid = (triton.cdiv(n, tiles.block_n),)
     _q8_0_matvec_kernel[grid](
-        x, w.qs, w.d, out, n, k, rows_per_group, x.stride(0), k, out.stride(0),
+        x, w.qs.view(torch.int32), w.d, out, n, k, rows_per_group, x.stride(0), k, out.stride(0),
         M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -326,6 +329,7 @@ def _q8_0_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kb = tl.arange(0, BLOCK_K // 32)
+    offs_w = tl.arange(0, BLOCK_K // 4)
     m_mask = offs_m < M
     n_mask = offs_n < N
     rows_w = offs_n.to(tl.int64)
@@ -343,8 +347,9 @@ def _q8_0_matmul_kernel(
         s = tl.load(d_ptr + rows_w[:, None] * (K // 32) + (k0 // 32 + offs_kb)[None, :],
                     mask=n_mask[:, None] & kb_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K/32]
         s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // 32, 32)), (BLOCK_N, BLOCK_K))
-        q = tl.load(qs_ptr + rows_w[:, None] * K + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0)
-        w = q.to(tl.float16) * s  # [BLOCK_N, BLOCK_K] fp16
+        wq = tl.load(qs_ptr + rows_w[:, None] * (K // 4) + (k0 // 4 + offs_w)[None, :],
+                     mask=n_mask[:, None] & ((k0 // 4 + offs_w) < K // 4)[None, :], other=0)
+        w = tl.reshape(_s8x4_f16(wq), (BLOCK_N, BLOCK_K)) * s  # [BLOCK_N, BLOCK_K] fp16
         if W_AS_A:
             # Y^T = W X^T: the dequantised tile is the register operand A (Hopper's wgmma reads A from
             # registers, B from shared memory), so it never round-trips through shared memory.
@@ -413,7 +418,7 @@ def q8_0_matmul(
         part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
         counters = split_counters(x.device, n_tiles)
     _q8_0_matmul_kernel[(n_tiles, split)](
-        x, w.qs, w.d, y, part, counters, m, n, k, n // groups, x.stride(0), y.stride(0),
+        x, w.qs.view(torch.int32), w.d, y, part, counters, m, n, k, n // groups, x.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_AS_A=tiles.w_as_a, SPLIT_K=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
