@@ -155,8 +155,9 @@ def _uint_f32(v):
 @triton.jit
 def _s8x4_f32(word):
     """The four int8 values of each int32 word as fp32, [..., 2, 2] (reshaped to [..., 4]: memory order), without a
-    conversion instruction (I2F runs at a quarter of the FP32 rate on sm_80 / sm_90 and bound the Q8_0
-    matvec): one XOR biases all four bytes to b + 128, each byte becomes 2^23 + b + 128 as in _uint_f32, minus
+    conversion instruction (I2F runs at a quarter of the FP32 rate on sm_80 / sm_90; in the Q8_0 kernels it
+    was not the bound, docs/PERFORMANCE.md, seventeenth session): one XOR biases all four bytes to b + 128,
+    each byte becomes 2^23 + b + 128 as in _uint_f32, minus
     2^23 + 128. Exact, so bit-identical to converting the bytes."""
     u = word ^ -2139062144  # 0x80808080 as int32
     f0 = (u & 255 | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
