@@ -159,3 +159,26 @@ def test_q8_0_projections_leave_the_matvec_where_the_matmul_was_measured_faster(
     assert [dispatch.q8_0_matvec_rows(*shape, "cuda") for shape in (small, (4096, 2048), large, (129280, 4096))] \
         == [3, 3, 2, 2]
     assert {dispatch.q8_0_matvec_rows(*shape, b) for shape in (small, large) for b in ("hip64", "hip32", "cpu")} == {8}
+
+
+def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() -> None:
+    """dispatch.q8_0_route on CUDA: q_b (K = 1,024) takes the integer-dot matvec up to 2 rows, the output
+    projections up to 3, the head up to 4; the small matrices never (its quantiser launch costs more than it
+    saves); past those the fp32 matvec / matmul split as before; other backends never use the integer dot."""
+    shapes = {"q_a": (1024, 4096), "shexp_down": (4096, 2048), "q_b": (32768, 1024), "output_b": (4096, 8192),
+              "head": (129280, 4096)}
+    routes = {name: [dispatch.q8_0_route(*shape, m, "cuda") for m in (1, 2, 3, 4, 8)] for name, shape in shapes.items()}
+    assert routes == {
+        "q_a": ["matvec"] * 3 + ["matmul"] * 2,
+        "shexp_down": ["matvec"] * 3 + ["matmul"] * 2,
+        "q_b": ["int_dot"] * 2 + ["matmul"] * 3,
+        "output_b": ["int_dot"] * 3 + ["matmul"] * 2,
+        "head": ["int_dot"] * 4 + ["matmul"],
+    }
+    assert {dispatch.q8_0_route(*shape, m, b) for shape in shapes.values() for m in (1, 4, 8)
+            for b in ("hip64", "hip32", "cpu")} == {"matvec"}
+    one = dispatch.q8_0_int_dot_tiles(8192, 4096, 1)
+    assert (one.block_n, one.block_k, one.num_warps) == (1, 2048, 1)
+    assert dispatch.q8_0_int_dot_tiles(32768, 1024, 1).block_n == 2
+    assert dispatch.q8_0_int_dot_tiles(4096, 8192, 3).block_k == 512
+    assert dispatch.q8_0_int_dot_tiles(129280, 4096, 4).block_k == 2048

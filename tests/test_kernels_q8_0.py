@@ -223,6 +223,23 @@ def test_int_dot_matvec_from_16bit_activations(n: int, k: int, m: int, groups: i
     assert rel_err(out, q8_0_matvec_ref(x, w, groups=groups, out_dtype=torch.float32)) < 2e-4
 
 
+@pytest.mark.parametrize(("n", "k", "m", "groups"), [(6, 1024, 1, 1), (8, 1024, 2, 2), (5, 2048, 3, 1),
+                                                       (3, 512, 4, 1)])
+def test_int_dot_matvec_at_the_routed_tiles(n: int, k: int, m: int, groups: int) -> None:
+    """The integer-dot matvec at the tiles dispatch.q8_0_int_dot_tiles gives where q8_0_route sends the large
+    projections (one warp, one or two rows per program, K steps of 512-2,048; a row count that the program's
+    rows do not divide; groups), each shape's tiles for the rows it runs at."""
+    w = repack_q8_0(raw_q8_0((n,), k, seed=n + k).to(DEVICE), k)
+    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    for shape in ((32768, 1024), (8192, 4096), (129280, 4096)):
+        tiles = dispatch.q8_0_int_dot_tiles(*shape, m)
+        if groups > 1 and (n // groups) % tiles.block_n:
+            continue
+        act = quantize_act16(x)
+        out = q8_0_matvec_q16(act, w, groups=groups, tiles=tiles)
+        assert rel_err(out, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5, tiles
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS])
 def test_cpu_linear_dequantises_in_bounded_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, qtype: Q) -> None:
     """On the CPU a quantised matrix is dequantised a block of rows at a time (ops.CPU_DEQUANT_BYTES of fp32),

@@ -2,9 +2,10 @@
 
 Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md's rules):
 - ceilings: device-to-device copy bandwidth (bytes read + written) and a bf16 8192^3 torch matmul;
-- decode matvecs (Q8_0 projections at 1-N fp32 rows as the engine routes them, ops.linear: the matvec or,
-  past dispatch.q8_0_matvec_rows, the split-K matmul; one IQ2_XXS / Q2_K expert) and the fused 6-expert MoE: each launch
-  replayed in a CUDA graph over rotating weight copies (>= 4x the L2 in total, so weights come from HBM),
+- decode matvecs (Q8_0 projections at 1-N fp32 rows as the engine routes them, ops.linear: as
+  dispatch.q8_0_route picks, the integer-dot or fp32 matvec or the split-K matmul; one IQ2_XXS / Q2_K expert)
+  and the fused 6-expert MoE: each launch replayed in a CUDA graph over rotating weight copies (>= 4x the L2
+  in total, so weights come from HBM),
   time per launch, GB/s over the weight + activation bytes, and % of the copy bandwidth; the same shape as a
   torch fp16 matvec on dequantised weights beside it;
 - the integer-dot Q8_0 matvec on a pre-quantised activation, and the activation quantiser's own launch
@@ -151,7 +152,7 @@ def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, 
     from ds4station.kernels.q8_0 import q8_0_matvec_ref
 
     device = w16[0].device
-    # fp32 activations and the engine's routing (ops.linear: the matvec up to dispatch.q8_0_matvec_rows rows,
+    # fp32 activations and the engine's routing (ops.linear, dispatch.q8_0_route: the matvecs up to a few rows,
     # the split-K matmul beyond), as a decode, verification or batched step runs the projection
     x = torch.randn(m, groups * k, device=device, dtype=torch.float32)
     err = _rel_err(ops.linear(x, ws[0], groups=groups, out_dtype=torch.float32),
@@ -162,7 +163,8 @@ def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, 
     tb = _graph_time_us(lambda i: torch.bmm(xg, w16[i].view(groups, n // groups, k).transpose(1, 2)), len(w16))
     gbps = nbytes / t / 1e3
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
-    kernel = "q8_0_matvec" if m <= dispatch.q8_0_matvec_rows(n, k, dispatch.launch_backend(x)) else "q8_0_matmul"
+    kernel = {"int_dot": "q8_0_matvec int8 dot + quantiser", "matvec": "q8_0_matvec", "matmul": "q8_0_matmul"}[
+        dispatch.q8_0_route(n, k, m, dispatch.launch_backend(x))]
     return Result(kernel, shape, m, t, gbps, 100 * gbps / copy_gbps, baseline="torch fp16",
                   baseline_time_us=tb, baseline_pct=100 * (2 * n * k) / tb / 1e3 / copy_gbps, rel_err=err)
 

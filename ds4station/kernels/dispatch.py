@@ -216,6 +216,38 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
     return 3 if n * k < _Q8_0_LARGE else 2
 
 
+
+# Q8_0 matrices with at least this many rows (the output head) keep the integer-dot matvec up to 4 rows.
+_Q8_0_HEAD_ROWS = 65536
+
+
+def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
+    """Which kernel runs a Q8_0 [n, k] projection of m fp32 activation rows: "int_dot" (the activation quantised
+    to 16 bits by act_quant.quantize_act16 in a launch of its own, then the dp4a matvec, `q8_0_int_dot_tiles`),
+    "matvec" (fp32 math, up to q8_0_matvec_rows) or "matmul" (split-K tl.dot).
+
+    H200, eighteenth session (docs/PERFORMANCE.md: the dp4a matvec at one row per program and one warp, against
+    the engine's routing, us with the quantiser's ~1.9 us launch added): at one row the large matrices won (q_b
+    16.2 -> 14.2, output a 16.0 -> 12.9, output b 16.2 -> 13.2, head 193.6 -> 129.0), the small ones lost (q_a
+    4.2 -> 5.2, kv 3.8 -> 5.2, shared expert 5.9 / 5.6 -> 6.5 / 6.6: the extra launch costs more than the matvec
+    saves); at 2 rows all the large won (q_b 23.6 -> 17.0, head 306.6 -> 167.8), at 3 the output projections
+    and the head (output b 28.4 -> 20.6; q_b 22.1 against 22.6), at 4 only the head (290.7 -> 262.5). CUDA only
+    (dp4a inline assembly)."""
+    if use_int_dot(backend) and n * k >= _Q8_0_LARGE and m <= (4 if n >= _Q8_0_HEAD_ROWS else 2 if k <= 1024 else 3):
+        return "int_dot"
+    return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
+
+
+
+def q8_0_int_dot_tiles(n: int, k: int, m: int) -> MatvecTiles:
+    """Tiles of the integer-dot Q8_0 matvec where `q8_0_route` picks it: one warp per program, one or two rows,
+    the whole K row up to 2,048 per step at one activation row (the head at every row count), 512 beyond (the
+    best of 1 / 2 / 4 / 8 rows x 512 / 1,024 / 2,048 x 1 / 2 / 4 warps per shape, same run)."""
+    head = n >= _Q8_0_HEAD_ROWS
+    block_k = min(2048, _pow2_ceil(k)) if m == 1 or head else 512
+    block_n = 2 if not head and (m == 2 or k <= 1024) else 1
+    return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=1)
+
 # ---------------------------------------------------------------------------------------------------------
 # Fused MoE decode (selected experts of 1..few tokens).
 

@@ -13,6 +13,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import quantize_act16
 from ds4station.kernels.iq2_xxs import (
     PackedIQ2XXS,
     dequantize_iq2_xxs,
@@ -30,6 +31,7 @@ from ds4station.kernels.q8_0 import (
     dequantize_q8_0,
     q8_0_matmul,
     q8_0_matvec,
+    q8_0_matvec_q16,
     q8_0_matvec_ref,
     repack_q8_0,
 )
@@ -102,9 +104,9 @@ def dequantize(w: Packed) -> torch.Tensor:
 def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, groups*K] -> [M, N] (groups > 1: Q8_0 grouped projection, rows split evenly).
 
-    GPU: M <= 8 runs the fused dequant matvec (Q8_0: up to dispatch.q8_0_matvec_rows(N, K), measured); more rows
-    run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types, which hold routed experts, are dequantised to fp16 and
-    multiplied by torch here). CPU: torch reference.
+    GPU: M <= 8 runs the fused dequant matvec (Q8_0: dispatch.q8_0_route picks the integer-dot matvec, the fp32
+    one or the split-K matmul, measured); more rows run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types, which
+    hold routed experts, are dequantised to fp16 and multiplied by torch here). CPU: torch reference.
     """
     m = x.shape[0]
     if groups != 1 and not isinstance(w, PackedQ8_0):
@@ -119,7 +121,11 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             return ref(x, w, out_dtype=out_dtype)
         return torch.cat([ref(x, _row_block(w, r, r + rows), out_dtype=out_dtype) for r in range(0, w.n, rows)], -1)
     if isinstance(w, PackedQ8_0):
-        if m <= dispatch.q8_0_matvec_rows(w.n, w.k, dispatch.launch_backend(x)):
+        route = dispatch.q8_0_route(w.n, w.k, m, dispatch.launch_backend(x))
+        if route == "int_dot":
+            return q8_0_matvec_q16(quantize_act16(x), w, groups=groups, out_dtype=out_dtype or x.dtype,
+                                   tiles=dispatch.q8_0_int_dot_tiles(w.n, w.k, m))
+        if route == "matvec":
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
         return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)
     if m <= MAX_MATVEC_ROWS:
