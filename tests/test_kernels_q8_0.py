@@ -230,12 +230,11 @@ def test_int_dot_matvec_at_the_routed_tiles(n: int, k: int, m: int, groups: int)
     projections (one warp, one or two rows per program, K steps of 512-2,048; a row count that the program's
     rows do not divide; groups), each shape's tiles for the rows it runs at."""
     w = repack_q8_0(raw_q8_0((n,), k, seed=n + k).to(DEVICE), k)
-    x = torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
+    act = quantize_act16(torch.randn(m, groups * k, generator=torch.Generator().manual_seed(m)).to(DEVICE))
     for shape in ((32768, 1024), (8192, 4096), (129280, 4096)):
         tiles = dispatch.q8_0_int_dot_tiles(*shape, m)
         if groups > 1 and (n // groups) % tiles.block_n:
             continue
-        act = quantize_act16(x)
         out = q8_0_matvec_q16(act, w, groups=groups, tiles=tiles)
         assert rel_err(out, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5, tiles
 

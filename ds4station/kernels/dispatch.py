@@ -216,7 +216,6 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
     return 3 if n * k < _Q8_0_LARGE else 2
 
 
-
 # Q8_0 matrices with at least this many rows (the output head) keep the integer-dot matvec up to 4 rows.
 _Q8_0_HEAD_ROWS = 65536
 
@@ -238,7 +237,6 @@ def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
     return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
 
 
-
 def q8_0_int_dot_tiles(n: int, k: int, m: int) -> MatvecTiles:
     """Tiles of the integer-dot Q8_0 matvec where `q8_0_route` picks it: one warp per program, one or two rows,
     the whole K row up to 2,048 per step at one activation row (the head at every row count), 512 beyond (the
@@ -247,6 +245,7 @@ def q8_0_int_dot_tiles(n: int, k: int, m: int) -> MatvecTiles:
     block_k = min(2048, _pow2_ceil(k)) if m == 1 or head else 512
     block_n = 2 if not head and (m == 2 or k <= 1024) else 1
     return MatvecTiles(block_n=block_n, block_k=block_k, num_warps=1)
+
 
 # ---------------------------------------------------------------------------------------------------------
 # Fused MoE decode (selected experts of 1..few tokens).
