@@ -73,7 +73,7 @@ def _programs(t: dispatch.MatmulTiles, m: int, n: int) -> int:
 
 
 @pytest.mark.parametrize(("n", "k"), DS4_MATMULS)
-@pytest.mark.parametrize("m", [9, 22, 33, 64])
+@pytest.mark.parametrize("m", [17, 22, 33, 64])
 def test_small_m_matmul_tiles_split_k(m: int, n: int, k: int) -> None:
     t = dispatch.matmul_tiles("q8_0", m, n, k, "cuda")
     assert (t.block_n, t.block_k, t.num_warps, t.w_as_a) == (64, 128, 4, True)  # wgmma: A's M = 64 per warpgroup
@@ -87,6 +87,24 @@ def test_small_m_matmul_tiles_split_k(m: int, n: int, k: int) -> None:
     else:  # ~two programs per SM (equal slices round the count down, by < 1/4), or the shortest slices
         assert t.split_k > 1 or steps < 4
         assert _programs(t, m, n) >= 0.75 * 2 * 132 or per == 2
+
+
+@pytest.mark.parametrize(("n", "k"), DS4_MATMULS + [(129280, 4096)])
+@pytest.mark.parametrize("m", [2, 4, 9, 16])
+def test_few_row_matmul_tiles(m: int, n: int, k: int) -> None:
+    """Decode steps (<= 16 rows) on CUDA: one 16-row activation tile as the dot's A operand, the weights as B in
+    64-row tiles (128 on the head), 256-wide K steps in 2 stages where K >= 4,096 (the head 3), else 128-wide
+    in 3; K split as the small-M tiles split it (whole steps, ~2 programs per SM)."""
+    t = dispatch.matmul_tiles("q8_0", m, n, k, "cuda")
+    head = n == 129280
+    assert (t.block_m, t.w_as_a, t.num_warps, t.group_m) == (16, False, 4, 1)
+    assert t.block_n == (128 if head else 64) and t.block_k == (256 if k >= 4096 else 128)
+    assert t.num_stages == (3 if head or k < 4096 else 2)
+    steps = -(-k // t.block_k)
+    per = -(-steps // t.split_k)
+    assert per >= 2 and -(-steps // per) == t.split_k
+    assert t.split_k == 1 if n // t.block_n >= 2 * 132 else t.split_k > 1 or steps < 4
+    assert dispatch.matmul_tiles("q8_0", m, n, k, "hip64").split_k == 1  # other backends: their own table
 
 
 def test_small_m_matmul_tiles_fill_the_h200() -> None:
@@ -153,27 +171,28 @@ def test_a_large_tensor_is_repacked_in_blocks_of_rows_exactly(qtype: Q, monkeypa
 
 
 def test_q8_0_projections_leave_the_matvec_where_the_matmul_was_measured_faster() -> None:
-    """dispatch.q8_0_matvec_rows: on CUDA the small Q8_0 matrices keep the matvec up to 3 rows, the large (q_b,
-    the output projections, the head) up to 2; other backends up to 8 (the matvec's limit)."""
+    """dispatch.q8_0_matvec_rows: on CUDA the small Q8_0 matrices (q_a, kv) keep the matvec up to 3 rows, the
+    shared expert's and the large (q_b, the output projections, the head) up to 2; other backends up to 8 (the
+    matvec's limit)."""
     small, large = (1536, 4096), (32768, 1024)
-    assert [dispatch.q8_0_matvec_rows(*shape, "cuda") for shape in (small, (4096, 2048), large, (129280, 4096))] \
-        == [3, 3, 2, 2]
+    shapes = (small, (512, 4096), (4096, 2048), (2048, 4096), large, (129280, 4096))
+    assert [dispatch.q8_0_matvec_rows(*shape, "cuda") for shape in shapes] == [3, 3, 2, 2, 2, 2]
     assert {dispatch.q8_0_matvec_rows(*shape, b) for shape in (small, large) for b in ("hip64", "hip32", "cpu")} == {8}
 
 
 def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() -> None:
-    """dispatch.q8_0_route on CUDA: q_b (K = 1,024) takes the integer-dot matvec up to 2 rows, the output
-    projections up to 3, the head up to 4; the small matrices never (its quantiser launch costs more than it
+    """dispatch.q8_0_route on CUDA: q_b and the output projections take the integer-dot matvec up to 2 rows, the
+    head up to 3; the small matrices never (its quantiser launch costs more than it
     saves); past those the fp32 matvec / matmul split as before; other backends never use the integer dot."""
     shapes = {"q_a": (1024, 4096), "shexp_down": (4096, 2048), "q_b": (32768, 1024), "output_b": (4096, 8192),
               "head": (129280, 4096)}
     routes = {name: [dispatch.q8_0_route(*shape, m, "cuda") for m in (1, 2, 3, 4, 8)] for name, shape in shapes.items()}
     assert routes == {
         "q_a": ["matvec"] * 3 + ["matmul"] * 2,
-        "shexp_down": ["matvec"] * 3 + ["matmul"] * 2,
+        "shexp_down": ["matvec"] * 2 + ["matmul"] * 3,
         "q_b": ["int_dot"] * 2 + ["matmul"] * 3,
-        "output_b": ["int_dot"] * 3 + ["matmul"] * 2,
-        "head": ["int_dot"] * 4 + ["matmul"],
+        "output_b": ["int_dot"] * 2 + ["matmul"] * 3,
+        "head": ["int_dot"] * 3 + ["matmul"] * 2,
     }
     assert {dispatch.q8_0_route(*shape, m, b) for shape in shapes.values() for m in (1, 4, 8)
             for b in ("hip64", "hip32", "cpu")} == {"matvec"}

@@ -164,6 +164,22 @@ def test_matmul_split_k_matches_reference(poisoned_empty: None, split: int, m: i
     assert int(split_counters(x.device).count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("m", [3, 8, 16])
+def test_matmul_few_row_tiles_match_reference(poisoned_empty: None, m: int) -> None:
+    """The decode steps' tiles as dispatch gives them on CUDA for a 4096 x 4096 projection (the activation rows
+    as the dot's A operand, 256-wide K steps, 4 slices), on a smaller matrix: K = 3,072 is 12 steps, 3 a
+    slice; 70 weight rows leave the second 64-row tile partly masked."""
+    tiles = dispatch.matmul_tiles("q8_0", m, 4096, 4096, "cuda")
+    assert not tiles.w_as_a and tiles.block_m == 16 and tiles.split_k == 4
+    n, k = 70, 96 * 32
+    w = repack_q8_0(raw_q8_0((n,), k, seed=m).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(DEVICE, torch.float32)
+    out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
+    q8_0_matmul(x, w, out=out, tiles=tiles)
+    assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-5
+    assert int(split_counters(x.device).count_nonzero()) == 0
+
+
 def test_matmul_split_k_more_slices_than_steps() -> None:
     """A split_k above the number of K steps runs one step per slice (no slice without K)."""
     m, n, k = 12, 20, 256

@@ -180,6 +180,8 @@ def matvec_tiles(
 # Q8_0 matrices of at least this many weights (q_b, the output projections, the head) are "large" to the
 # few-row tiles and to the matvec / matmul crossover.
 _Q8_0_LARGE = 16 << 20
+# ... and of at least this many (the shared expert's gate + up and down) leave the fp32 matvec after 2 rows.
+_Q8_0_SHARED_EXPERT = 8 << 20
 
 
 def _q8_0_few_row_tiles(n: int, k: int, rows_per_group: int | None) -> tuple[int, int, int]:
@@ -210,29 +212,35 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
     Fourteenth session, the same comparison with fp32 activations (what the engine passes; the runs above used
     fp16) and the few-row tiles (`_q8_0_few_row_tiles`): at 3 rows the matvec still won on the small matrices
     (q_a 7.6 vs 8.7 us, kv 6.4 vs 7.8, gate+up 10.3 vs 11.0, down 9.6 vs 10.7), at 4 rows the matmul won on
-    all but kv (gate+up 11.1 vs 12.0, down 10.7 vs 11.4, q_a 8.8 vs 9.0); the large ones as before."""
+    all but kv (gate+up 11.1 vs 12.0, down 10.7 vs 11.4, q_a 8.8 vs 9.0); the large ones as before.
+    Nineteenth session, against the few-row matmul (`_few_row_matmul_tiles`) at 2 and 3 rows: the shared
+    expert's matrices (8M weights) lost the matvec at 3 rows (gate+up 10.3 vs 9.3 us, down 11.0 vs 9.0) and kept
+    it at 2 (8.4 vs 9.3, 7.9 vs 8.9); q_a and kv keep it at 3 (7.0 vs 7.7, 6.4 vs 6.8: the matmul's 16-row
+    tile costs the same at 3 and 4 rows)."""
     if backend != "cuda":
         return 8
-    return 3 if n * k < _Q8_0_LARGE else 2
+    return 3 if n * k < _Q8_0_SHARED_EXPERT else 2
 
 
-# Q8_0 matrices with at least this many rows (the output head) keep the integer-dot matvec up to 4 rows.
+# Q8_0 matrices with at least this many rows (the output head): the integer-dot matvec up to 3 rows, wider
+# few-row matmul tiles.
 _Q8_0_HEAD_ROWS = 65536
 
 
 def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
     """Which kernel runs a Q8_0 [n, k] projection of m fp32 activation rows: "int_dot" (the activation quantised
     to 16 bits by act_quant.quantize_act16 in a launch of its own, then the dp4a matvec, `q8_0_int_dot_tiles`),
-    "matvec" (fp32 math, up to q8_0_matvec_rows) or "matmul" (split-K tl.dot).
+    "matvec" (fp32 math, up to q8_0_matvec_rows) or "matmul" (split-K tl.dot, `matmul_tiles`).
 
     H200, eighteenth session (docs/PERFORMANCE.md: the dp4a matvec at one row per program and one warp, against
     the engine's routing, us with the quantiser's ~1.9 us launch added): at one row the large matrices won (q_b
     16.2 -> 14.2, output a 16.0 -> 12.9, output b 16.2 -> 13.2, head 193.6 -> 129.0), the small ones lost (q_a
     4.2 -> 5.2, kv 3.8 -> 5.2, shared expert 5.9 / 5.6 -> 6.5 / 6.6: the extra launch costs more than the matvec
-    saves); at 2 rows all the large won (q_b 23.6 -> 17.0, head 306.6 -> 167.8), at 3 the output projections
-    and the head (output b 28.4 -> 20.6; q_b 22.1 against 22.6), at 4 only the head (290.7 -> 262.5). CUDA only
-    (dp4a inline assembly)."""
-    if use_int_dot(backend) and n * k >= _Q8_0_LARGE and m <= (4 if n >= _Q8_0_HEAD_ROWS else 2 if k <= 1024 else 3):
+    saves); at 2 rows all the large won (q_b 23.6 -> 17.0, head 306.6 -> 167.8). Nineteenth session: against
+    the few-row matmul (`_few_row_matmul_tiles`), the head keeps it to 3 rows (194.7 against 200.0 us), the
+    other large ones to 2 (at 3 rows: q_b 22.1 -> 17.5, output a 21.0 -> 18.4-19.4, output b 20.5 against
+    20.0-20.7). CUDA only (dp4a inline assembly)."""
+    if use_int_dot(backend) and n * k >= _Q8_0_LARGE and m <= (3 if n >= _Q8_0_HEAD_ROWS else 2):
         return "int_dot"
     return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
 
@@ -336,11 +344,13 @@ _MATMUL_TILES: dict[Backend, MatmulTiles] = {
 _CUDA_SMS = 132
 # Most activation rows that take the small-M tiles (short prefills: a chat turn's ~22 tokens).
 _SMALL_M = 64
+# Most activation rows that take the few-row tiles (one 16-row tile of the dot's A operand: decode steps).
+_FEW_ROWS = 16
 # Fewest block_k steps per K slice (256 weights at block_k 128; shorter slices only add partials).
 _SPLIT_MIN_STEPS = 2
 
 
-def _small_m_matmul_tiles(m: int, n: int, k: int) -> MatmulTiles:
+def _small_m_matmul_tiles(m: int, n: int, k: int, block_n: int = 64, block_k: int = 128) -> MatmulTiles:
     """CUDA tiles for a Q8_0 matmul of m <= 64 rows (short prefills), which is bound by the weight read.
 
     With the large-M tiles (128 x 128, the whole K per program) the model's shapes got 8-32 programs on 132
@@ -352,7 +362,7 @@ def _small_m_matmul_tiles(m: int, n: int, k: int) -> MatmulTiles:
     a as 8 calls): 28.1 ms at 22 rows with the large-M tiles, 8.7 ms with these (8.2-9.6 ms at 9-64 rows);
     2 stages beat 3 (q_b at 64 rows 23 against 32 us), 256-wide slices beat >= 384 by ~4%, and 3-4 programs
     per SM differed from 2 by < 4% (better at 22 rows, worse at 64)."""
-    block_m, block_n, block_k = min(_SMALL_M, max(16, _pow2_ceil(m))), 64, 128
+    block_m = min(_SMALL_M, max(16, _pow2_ceil(m)))
     tiles = _cdiv(m, block_m) * _cdiv(n, block_n)
     steps = _cdiv(k, block_k)
     split = 1
@@ -363,13 +373,32 @@ def _small_m_matmul_tiles(m: int, n: int, k: int) -> MatmulTiles:
                        w_as_a=True, split_k=split)
 
 
+def _few_row_matmul_tiles(n: int, k: int) -> MatmulTiles:
+    """CUDA tiles for a Q8_0 matmul of m <= 16 rows (the batched and verification decode steps): the activation
+    rows are the dot's A operand (one 16-row tile), the dequantised weight tile its B, split-K to ~2 programs
+    per SM as in `_small_m_matmul_tiles`. H200 sweep, nineteenth session (docs/PERFORMANCE.md: block_n 64 / 128
+    x block_k 128 / 256 x 4 / 8 warps x 2 / 3 / 4 stages x either operand order at 4 rows, then the weights as B
+    only with block_n 32-256 and block_k up to 512 at 2, 3 and 8 rows): the weights as B won on every shape,
+    us at 4 rows against the w_as_a tiles: q_b 22.2 -> 17.5, output a 25.0 -> 18.4, output b 28.6 -> 20.0,
+    head 254.1 (integer dot) / 291.3 at 8 rows -> 200.4, the shared expert 11.2 / 10.8 -> 9.3 / 8.9; the whole
+    step's Q8_0 at 4 rows 5.14 -> 4.01 ms. 64 weight rows (128 on the head), 256-wide K steps in 2 stages where
+    K >= 4,096, else 128-wide in 3."""
+    head = n >= _Q8_0_HEAD_ROWS
+    block_n, block_k = (128 if head else 64), (256 if k >= 4096 else 128)
+    stages = 3 if head or block_k == 128 else 2
+    return replace(_small_m_matmul_tiles(16, n, k, block_n, block_k), num_stages=stages, w_as_a=False)
+
+
 def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend,
                  rows_per_group: int | None = None) -> MatmulTiles:
     """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block).
 
-    Q8_0 on CUDA with m <= 64 rows takes the small-M split-K tiles (`_small_m_matmul_tiles`); the other
-    backends, quant types (q4_k_matmul has no split-K) and larger m keep one tile table per backend."""
-    if backend == "cuda" and qtype == "q8_0" and m <= _SMALL_M:
+    Q8_0 on CUDA with m <= 16 rows takes the few-row tiles (`_few_row_matmul_tiles`), up to 64 the small-M
+    split-K tiles (`_small_m_matmul_tiles`); the other backends, quant types (q4_k_matmul has no split-K) and
+    larger m keep one tile table per backend."""
+    if backend == "cuda" and qtype == "q8_0" and m <= _FEW_ROWS:
+        tiles = _few_row_matmul_tiles(n, k)
+    elif backend == "cuda" and qtype == "q8_0" and m <= _SMALL_M:
         tiles = _small_m_matmul_tiles(m, n, k)
     else:
         base = _MATMUL_TILES[backend]
