@@ -205,6 +205,18 @@ def test_decode_bytes_per_token_of_the_q2_file() -> None:
     assert n == int(dense + experts * 6 / 256)
 
 
+def test_bench_table_says_when_no_greedy_hash_was_taken() -> None:
+    """The hash is of the decode after an empty prompt; a run without one says so instead of an empty hash."""
+    from ds4station.engine.benchmark import BenchResult
+
+    res = BenchResult("flash-q2", "H200", 1.0, 4000.0, 9_560_000_000, decode={2048: 127.3}, prefill={2048: 2333.3})
+    assert res.table().splitlines()[-1] == ("greedy output hash: not taken (it is the decode after an empty "
+                                            "prompt: add 0 to --prompts)")
+    res.output_hash = "0ba43edf6bd78811"
+    assert res.table().splitlines()[-1] == "greedy output hash 0ba43edf6bd78811 (the decode after an empty prompt)"
+    assert "decode after 2048 tokens      127.3" in res.table()
+
+
 def test_random_weights_do_not_depend_on_access_order() -> None:
     from ds4station.engine.gpu import RandomWeights
     from ds4station.model.config import TINY

@@ -410,6 +410,10 @@ argv = serve_command(["--model", sys.argv[1], "--device", "cpu", "--ctx", "1024"
 srv = ServerProcess(argv, "127.0.0.1", port)
 srv.start()
 print(srv.pid, flush=True)
+while srv.running:  # a server that exits on its own leaves its last lines for the test's message
+    time.sleep(0.1)
+time.sleep(0.5)
+open(sys.argv[3], "w").write("\\n".join(srv.log_tail(30)))
 time.sleep(600)
 """
 
@@ -435,13 +439,16 @@ def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> Non
 
     model = make_model(tmp_path / "tiny.gguf", preset="tiny", seed=0, quant="q2")
 
+    failures: list[str] = []
+
     def launch() -> tuple[subprocess.Popen[str], int, int, bool]:
         """The stand-in panel and its server -> (panel, server pid, its process group, ready). A server that
         exits before it answers lost its port to another test's server between free_port() and its bind
         (the suite runs on two workers): not ready, and the caller launches again on another port."""
         port = free_port()
-        panel = subprocess.Popen([sys.executable, "-c", _PANEL, str(model), str(port)], stdout=subprocess.PIPE,
-                                 text=True)
+        log = tmp_path / f"server-{port}.log"
+        panel = subprocess.Popen([sys.executable, "-c", _PANEL, str(model), str(port), str(log)],
+                                 stdout=subprocess.PIPE, text=True)
         assert panel.stdout is not None
         server_pid = int(panel.stdout.readline())
         pgid = os.getpgid(server_pid)
@@ -458,6 +465,8 @@ def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> Non
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.1)
+        time.sleep(1.0)  # the panel writes the server's last lines
+        failures.append(f"port {port}: " + (log.read_text() if log.exists() else "still running after 90 s"))
         panel.kill()
         panel.wait()
         return panel, server_pid, pgid, False
@@ -467,7 +476,7 @@ def test_the_server_dies_with_a_panel_killed_with_sigkill(tmp_path: Path) -> Non
         if ready:
             break
     try:
-        assert ready, "the server never became ready"
+        assert ready, "the server never became ready:\n" + "\n".join(failures)
         panel.kill()
         panel.wait()
         t0 = time.monotonic()

@@ -82,7 +82,8 @@ class BenchResult:
         lines += ["", f"peak memory (allocator) {self.peak_bytes / 2**30:.2f} GiB, planner predicted "
                       f"{self.predicted_bytes / 2**30:.2f} GiB without the runtime overhead "
                       f"(weights {self.weights_bytes / 2**30:.2f} GiB)",
-                  f"greedy output hash {self.output_hash}"]
+                  f"greedy output hash {self.output_hash} (the decode after an empty prompt)" if self.output_hash
+                  else "greedy output hash: not taken (it is the decode after an empty prompt: add 0 to --prompts)"]
         return "\n".join(lines)
 
 
