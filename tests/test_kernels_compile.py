@@ -21,7 +21,7 @@ from ds4station.kernels import compile_check, dispatch
 FAMILIES = ("q8_0_matvec", "q8_0_matmul", "iq2_xxs_matvec", "q2_k_matvec", "q4_k_matvec", "q4_k_matmul", "moe_",
             "moe_prefill", "act_quant", "rms_norm", "rope", "hc_mix_partial", "hc_finalize", "hc_post", "router",
             "attn_split", "attn_combine", "attn_prefill", "finish_rows", "compress", "indexer", "f16_matvec",
-            "swiglu")
+            "f16_matmul", "swiglu")
 TARGETS = [t.name for t in dispatch.COMPILE_TARGETS]
 
 

@@ -10,7 +10,8 @@ import torch
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.dispatch import F16Tiles, f16_matvec_tiles
-from ds4station.kernels.f16 import f16_matvec, f16_matvec_ref, f16_matvec_triton
+from ds4station.kernels.f16 import f16_matmul_triton, f16_matvec, f16_matvec_ref, f16_matvec_triton
+from ds4station.kernels.splitk import split_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -88,6 +89,33 @@ def test_matvec_tiles_fill_the_gpu() -> None:
                 assert 16 <= t.block_n * t.block_k // (t.num_warps * lanes) <= 32, (n, k, backend, t)
     cpu = f16_matvec_tiles(2624, 4096, 1, "cpu")
     assert cpu.num_warps == 1 and -(-2624 // cpu.block_n) <= 64
+
+
+@pytest.mark.parametrize("m", [2, 5, 16])
+def test_few_row_matmul_matches_reference(poisoned_empty: None, m: int) -> None:
+    """The few-row tensor-core form at the tiles CUDA gives the stacked compressor / indexer projection (2624 x
+    4096: 64 rows, 256-wide K steps, 6 slices), on a smaller matrix (70 rows: a masked second tile; K = 3,072:
+    12 steps, 2 a slice), x and out strided. Within 1e-5 of the fp32 product: x's fp16 low part is dotted too
+    (fp16(x) alone is ~1e-4 off)."""
+    tiles = dispatch.matmul_tiles("f16", m, 2624, 4096, "cuda")
+    assert (tiles.block_m, tiles.block_n, tiles.block_k, tiles.split_k, tiles.w_as_a) == (16, 64, 256, 6, False)
+    n, k = 70, 3072
+    x_big, w = _case(m, n, k + 8, torch.float32, seed=m)
+    x = x_big[:, 8:]
+    w = w[:, :k].contiguous()
+    buf = torch.full((m, n + 3), float("nan"), device=DEVICE, dtype=torch.float32)
+    got = f16_matmul_triton(x, w, out=buf[:, 3:], tiles=tiles)
+    want = f16_matvec_ref(x, w)
+    assert rel_err(got, want) < 1e-5 and buf[:, :3].isnan().all()
+    assert rel_err(x.half().float() @ w.float().T, want) > 3e-5  # what dotting fp16(x) alone would give
+    assert int(split_counters(x.device).count_nonzero()) == 0  # every tile's counter left at zero
+    assert torch.equal(f16_matmul_triton(x, w, tiles=tiles), got)  # the fixed-order sum: bit-stable
+
+
+def test_f16_route() -> None:
+    """CUDA: the matmul from 2 to 16 rows, the matvec at one; other backends always the matvec."""
+    assert [dispatch.f16_route(2624, 4096, m, "cuda") for m in (1, 2, 4, 8, 16)] == ["matvec"] + ["matmul"] * 4
+    assert {dispatch.f16_route(2624, 4096, m, b) for m in (1, 4) for b in ("hip64", "hip32", "cpu")} == {"matvec"}
 
 
 def test_public_op_dispatches() -> None:

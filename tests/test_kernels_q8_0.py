@@ -24,9 +24,9 @@ from ds4station.kernels.q8_0 import (
     q8_0_matvec_q16_ref,
     q8_0_matvec_ref,
     repack_q8_0,
-    split_counters,
 )
 from ds4station.kernels.quants import random_blocks, row_bytes
+from ds4station.kernels.splitk import split_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

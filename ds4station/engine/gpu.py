@@ -42,11 +42,12 @@ from ds4station.kernels.iq2_xxs import PackedIQ2XXS
 from ds4station.kernels.norm import rms_norm, rope_, swiglu
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q4_k import PackedQ4K
-from ds4station.kernels.q8_0 import PackedQ8_0, split_counters
+from ds4station.kernels.q8_0 import PackedQ8_0
 from ds4station.kernels.quants import QTensor
 from ds4station.kernels.reference import HyperConnection, Rope
 from ds4station.kernels.router import router
 from ds4station.kernels.rows import finish_rows
+from ds4station.kernels.splitk import split_counters
 from ds4station.model.config import ModelConfig
 from ds4station.model.layout import MTP_PREFIX, model_tensors, mtp_config, mtp_name
 

@@ -374,8 +374,9 @@ def _small_m_matmul_tiles(m: int, n: int, k: int, block_n: int = 64, block_k: in
 
 
 def _few_row_matmul_tiles(n: int, k: int) -> MatmulTiles:
-    """CUDA tiles for a Q8_0 matmul of m <= 16 rows (the batched and verification decode steps): the activation
-    rows are the dot's A operand (one 16-row tile), the dequantised weight tile its B, split-K to ~2 programs
+    """CUDA tiles for a Q8_0 or F16 matmul of m <= 16 rows (the batched and verification decode steps; F16 takes
+    the Q8_0 sweep's tiles): the activation
+    rows are the dot's A operand (one 16-row tile), the (dequantised) weight tile its B, split-K to ~2 programs
     per SM as in `_small_m_matmul_tiles`. H200 sweep, nineteenth session (docs/PERFORMANCE.md: block_n 64 / 128
     x block_k 128 / 256 x 4 / 8 warps x 2 / 3 / 4 stages x either operand order at 4 rows, then the weights as B
     only with block_n 32-256 and block_k up to 512 at 2, 3 and 8 rows): the weights as B won on every shape,
@@ -393,10 +394,10 @@ def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend,
                  rows_per_group: int | None = None) -> MatmulTiles:
     """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block).
 
-    Q8_0 on CUDA with m <= 16 rows takes the few-row tiles (`_few_row_matmul_tiles`), up to 64 the small-M
+    Q8_0 and F16 on CUDA with m <= 16 rows take the few-row tiles (`_few_row_matmul_tiles`), Q8_0 up to 64 the small-M
     split-K tiles (`_small_m_matmul_tiles`); the other backends, quant types (q4_k_matmul has no split-K) and
     larger m keep one tile table per backend."""
-    if backend == "cuda" and qtype == "q8_0" and m <= _FEW_ROWS:
+    if backend == "cuda" and qtype in ("q8_0", "f16") and m <= _FEW_ROWS:
         tiles = _few_row_matmul_tiles(n, k)
     elif backend == "cuda" and qtype == "q8_0" and m <= _SMALL_M:
         tiles = _small_m_matmul_tiles(m, n, k)
@@ -606,6 +607,14 @@ class F16Tiles:
 
 _F16_STEP_ELEMS = 8192  # weights per program per step (16 KB of fp16) where the row allows
 _F16_PER_LANE = 32  # fp16 weights per lane per step: 64 bytes, four 16-byte vector loads
+
+
+def f16_route(n: int, k: int, m: int, backend: Backend) -> str:
+    """Which kernel runs an F16 [n, k] projection of m activation rows: "matvec" (fp32 FMAs, `f16_matvec_tiles`)
+    or "matmul" (fp16 tensor-core dots on a two-part split of x, `matmul_tiles("f16", ...)`): the matmul from 2
+    rows on CUDA, where the matvec's per-row sums across lanes made the 4-row step's F16 projections 2.5x the
+    one-row step's (fourteenth session's profile: 1.23 against 0.48 ms); elsewhere the matvec (not measured)."""
+    return "matmul" if backend == "cuda" and 2 <= m <= _FEW_ROWS else "matvec"
 
 
 def f16_matvec_tiles(n: int, k: int, m: int, backend: Backend) -> F16Tiles:

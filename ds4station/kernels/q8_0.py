@@ -28,6 +28,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a, dequantize_act16
 from ds4station.kernels.iq2_xxs import _s8x4_f16, _s8x4_f32
+from ds4station.kernels.splitk import split_buffers, split_k_range, store_split_k
 
 QK8_0 = 32
 BLOCK_BYTES_Q8_0 = 34
@@ -304,17 +305,8 @@ def _q8_0_matmul_kernel(
     # Grouped projection (rows_per_group < N): output rows [g * rows_per_group, (g + 1) * rows_per_group) read
     # x[:, g * K:(g + 1) * K]; a program's BLOCK_N rows lie in one group (the launcher checks BLOCK_N divides
     # rows_per_group).
-    # Split-K: program axis 1 is the K slice, num_programs(1) slices of cdiv(K / BLOCK_K, slices) steps each
-    # (the last may be shorter); slice s writes its fp32 partial s of [slices, M, N] (part_ptr, contiguous),
-    # then counts itself in the output tile's counter (cnt_ptr, one int32 per program_id(0), zero between
-    # launches); the slice that counts last sums the partials in slice order, writes Y and zeroes the counter.
-    # One launch, and the fixed order keeps the result bit-stable from run to run. With one slice this is the
-    # plain matmul: the whole K, written to Y.
-    pid_s = tl.program_id(1)
-    splits = tl.num_programs(1)
-    k_slice = tl.cdiv(tl.cdiv(K, BLOCK_K), splits) * BLOCK_K
-    k_lo = pid_s * k_slice
-    k_hi = tl.minimum(K, k_lo + k_slice)
+    # Split-K (kernels/splitk.py): program axis 1 is the K slice; with one slice this is the plain matmul.
+    k_lo, k_hi = split_k_range(K, BLOCK_K)
     # Grouped program order: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -368,17 +360,7 @@ def _q8_0_matmul_kernel(
         y_off = rows_x[:, None] * stride_ym + offs_n[None, :]
         p_off = rows_x[:, None] * N + offs_n[None, :]
         y_mask = m_mask[:, None] & n_mask[None, :]
-    if not SPLIT_K:  # (a constexpr: an unsplit launch compiles no counting, whatever cnt_ptr points at)
-        tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-    else:
-        tl.store(part_ptr + pid_s.to(tl.int64) * M * N + p_off, acc, mask=y_mask)
-        tl.debug_barrier()  # every lane's partial is written before the count releases them
-        if tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu") == splits - 1:
-            acc = tl.load(part_ptr + p_off, mask=y_mask, other=0.0, cache_modifier=".cg")
-            for s in range(1, splits):
-                acc += tl.load(part_ptr + s * M * N + p_off, mask=y_mask, other=0.0, cache_modifier=".cg")
-            tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(cnt_ptr + pid, 0)  # ready for the next launch (and the next graph replay)
+    store_split_k(acc, y_ptr, part_ptr, cnt_ptr, y_off, p_off, y_mask, M, N, SPLIT_K)
 
 
 def q8_0_matmul(
@@ -394,7 +376,7 @@ def q8_0_matmul(
 
     With tiles.split_k = S > 1 the K loop runs in S slices (multiples of block_k) on separate programs, which
     write fp32 partials [S, M, N]; the last slice of each output tile to finish sums them in slice order and
-    writes Y, in the same launch (no atomics on Y: bit-stable from run to run; see `split_counters`)."""
+    writes Y, in the same launch (no atomics on Y: bit-stable from run to run; kernels/splitk.py)."""
     if x.dim() != 2 or x.shape[1] != groups * w.k or w.n % groups:
         raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}] in {groups} group(s)")
     if x.stride(1) != 1:
@@ -413,33 +395,10 @@ def q8_0_matmul(
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
     y = out if out is not None else torch.empty((m, n), device=x.device, dtype=out_dtype or x.dtype)
     n_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-    part, counters = y, y
-    if split > 1:
-        part = torch.empty((split, m, n), device=x.device, dtype=torch.float32)
-        counters = split_counters(x.device, n_tiles)
+    part, counters = split_buffers(y, split, n_tiles)
     _q8_0_matmul_kernel[(n_tiles, split)](
         x, w.qs.view(torch.int32), w.d, y, part, counters, m, n, k, n // groups, x.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
         W_AS_A=tiles.w_as_a, SPLIT_K=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return y
-
-
-# The split-K matmul's tile counters, per device: int32 zeros that every launch leaves zero again. Allocated
-# outside any CUDA graph capture (a capture would own their memory), at first use or by `split_counters`
-# ahead of capturing; enough for the largest matmul of the model (129,280 head rows in 64-row tiles).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_COUNTER_SLOTS = 1 << 14
-
-
-def split_counters(device: torch.device, n: int = 0) -> torch.Tensor:
-    """The device's split-K counters (at least `n`). Call it once before capturing graphs that hold a split-K
-    matmul (the GPU stage does, at load); inside a capture a missing or short array is an error."""
-    device = torch.device(device)
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("q8_0 split-K counters must be allocated before CUDA graph capture "
-                               "(call kernels.q8_0.split_counters(device) first)")
-        have = _COUNTERS[device] = torch.zeros(max(n, _COUNTER_SLOTS), dtype=torch.int32, device=device)
-    return have
