@@ -94,11 +94,12 @@ def test_matvec_tiles_fill_the_gpu() -> None:
 @pytest.mark.parametrize("m", [2, 5, 16])
 def test_few_row_matmul_matches_reference(poisoned_empty: None, m: int) -> None:
     """The few-row tensor-core form at the tiles CUDA gives the stacked compressor / indexer projection (2624 x
-    4096: 64 rows, 256-wide K steps, 6 slices), on a smaller matrix (70 rows: a masked second tile; K = 3,072:
-    12 steps, 2 a slice), x and out strided. Within 1e-5 of the fp32 product: x's fp16 low part is dotted too
-    (fp16(x) alone is ~1e-4 off)."""
-    tiles = dispatch.matmul_tiles("f16", m, 2624, 4096, "cuda")
-    assert (tiles.block_m, tiles.block_n, tiles.block_k, tiles.split_k, tiles.w_as_a) == (16, 64, 256, 6, False)
+    4096: 64 rows, 128-wide K steps in 3 stages, 7 slices), on a smaller matrix (70 rows: a masked second tile;
+    K = 3,072: 24 steps, 4 a slice, so the seventh slice is empty and adds zeros), x and out strided. Within
+    1e-5 of the fp32 product: x's fp16 low part is dotted too (fp16(x) alone is ~1e-4 off)."""
+    tiles = dispatch.f16_matmul_tiles(2624, 4096, m)
+    assert (tiles.block_m, tiles.block_n, tiles.block_k, tiles.num_stages, tiles.split_k, tiles.w_as_a) == \
+        (16, 64, 128, 3, 7, False)
     n, k = 70, 3072
     x_big, w = _case(m, n, k + 8, torch.float32, seed=m)
     x = x_big[:, 8:]
@@ -112,10 +113,18 @@ def test_few_row_matmul_matches_reference(poisoned_empty: None, m: int) -> None:
     assert torch.equal(f16_matmul_triton(x, w, tiles=tiles), got)  # the fixed-order sum: bit-stable
 
 
-def test_f16_route() -> None:
-    """CUDA: the matmul from 2 to 16 rows, the matvec at one; other backends always the matvec."""
-    assert [dispatch.f16_route(2624, 4096, m, "cuda") for m in (1, 2, 4, 8, 16)] == ["matvec"] + ["matmul"] * 4
+def test_f16_route_and_tiles() -> None:
+    """CUDA: the matvec keeps 2 rows of the >= 8M-weight matrices, 3 of the >= 2M, 4 of the rest; the matmul
+    up to 16 rows; other backends always the matvec. Matmul tiles: 64 weight rows from n = 2,048 (else 32)."""
+    def routes(n: int, k: int) -> list[str]:
+        return [dispatch.f16_route(n, k, m, "cuda") for m in (1, 2, 3, 4, 5, 8, 16, 17)]
+
+    assert routes(2624, 4096) == routes(8192, 1024) == ["matvec"] * 2 + ["matmul"] * 5 + ["matvec"]
+    assert routes(1024, 4096) == ["matvec"] * 3 + ["matmul"] * 4 + ["matvec"]
+    assert routes(256, 4096) == routes(64, 4096) == ["matvec"] * 4 + ["matmul"] * 3 + ["matvec"]
     assert {dispatch.f16_route(2624, 4096, m, b) for m in (1, 4) for b in ("hip64", "hip32", "cpu")} == {"matvec"}
+    assert [dispatch.f16_matmul_tiles(n, 4096, 4).block_n for n in (64, 256, 1024, 2048, 2624)] == [32] * 3 + [64] * 2
+    assert dispatch.f16_matmul_tiles(64, 4096, 8).split_k == 16  # 2 programs: K in 16 slices of 2 steps
 
 
 def test_public_op_dispatches() -> None:

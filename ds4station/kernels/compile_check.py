@@ -262,14 +262,14 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
             {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
             ("x_ptr", "w_ptr", "y_ptr", "K", "stride_xm", "stride_wn", "stride_ym"), t.num_warps, t.num_stages,
             decode=True))
-    # the few-row tensor-core form (CUDA's route from 2 rows; compiled for every target all the same)
-    mt = dispatch.matmul_tiles("f16", 4, 2624, 4096, backend)
+    # the few-row tensor-core form (CUDA's route at a few rows; its CUDA tiles, compiled for every target)
+    mt = dispatch.f16_matmul_tiles(2624, 4096, 4)
     out.append(KernelSpec(
         "f16_matmul 4 rows 2624x4096", f16._f16_matmul_kernel,
         {"x_ptr": p32, "w_ptr": "*fp16", "y_ptr": p32, "part_ptr": p32, "cnt_ptr": "*i32", "M": i32, "N": i32,
          "K": i32, "stride_xm": i32, "stride_wn": i32, "stride_ym": i32, "BLOCK_M": "constexpr",
          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "SPLIT_K": "constexpr"},
-        {"BLOCK_M": max(16, mt.block_m), "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "SPLIT_K": mt.split_k > 1},
+        {"BLOCK_M": mt.block_m, "BLOCK_N": mt.block_n, "BLOCK_K": mt.block_k, "SPLIT_K": mt.split_k > 1},
         ("x_ptr", "w_ptr", "y_ptr", "part_ptr", "cnt_ptr", "K", "stride_xm", "stride_wn", "stride_ym"),
         mt.num_warps, mt.num_stages, wants_dot=True))
     from ds4station.kernels import indexer

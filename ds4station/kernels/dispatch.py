@@ -374,9 +374,8 @@ def _small_m_matmul_tiles(m: int, n: int, k: int, block_n: int = 64, block_k: in
 
 
 def _few_row_matmul_tiles(n: int, k: int) -> MatmulTiles:
-    """CUDA tiles for a Q8_0 or F16 matmul of m <= 16 rows (the batched and verification decode steps; F16 takes
-    the Q8_0 sweep's tiles): the activation
-    rows are the dot's A operand (one 16-row tile), the (dequantised) weight tile its B, split-K to ~2 programs
+    """CUDA tiles for a Q8_0 matmul of m <= 16 rows (the batched and verification decode steps): the activation
+    rows are the dot's A operand (one 16-row tile), the dequantised weight tile its B, split-K to ~2 programs
     per SM as in `_small_m_matmul_tiles`. H200 sweep, nineteenth session (docs/PERFORMANCE.md: block_n 64 / 128
     x block_k 128 / 256 x 4 / 8 warps x 2 / 3 / 4 stages x either operand order at 4 rows, then the weights as B
     only with block_n 32-256 and block_k up to 512 at 2, 3 and 8 rows): the weights as B won on every shape,
@@ -394,10 +393,10 @@ def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend,
                  rows_per_group: int | None = None) -> MatmulTiles:
     """Tiles for Y[m, n] = X[m, k] @ W[n, k]^T with W in `qtype` (block_k a multiple of the quant block).
 
-    Q8_0 and F16 on CUDA with m <= 16 rows take the few-row tiles (`_few_row_matmul_tiles`), Q8_0 up to 64 the small-M
+    Q8_0 on CUDA with m <= 16 rows takes the few-row tiles (`_few_row_matmul_tiles`), up to 64 the small-M
     split-K tiles (`_small_m_matmul_tiles`); the other backends, quant types (q4_k_matmul has no split-K) and
     larger m keep one tile table per backend."""
-    if backend == "cuda" and qtype in ("q8_0", "f16") and m <= _FEW_ROWS:
+    if backend == "cuda" and qtype == "q8_0" and m <= _FEW_ROWS:
         tiles = _few_row_matmul_tiles(n, k)
     elif backend == "cuda" and qtype == "q8_0" and m <= _SMALL_M:
         tiles = _small_m_matmul_tiles(m, n, k)
@@ -611,10 +610,30 @@ _F16_PER_LANE = 32  # fp16 weights per lane per step: 64 bytes, four 16-byte vec
 
 def f16_route(n: int, k: int, m: int, backend: Backend) -> str:
     """Which kernel runs an F16 [n, k] projection of m activation rows: "matvec" (fp32 FMAs, `f16_matvec_tiles`)
-    or "matmul" (fp16 tensor-core dots on a two-part split of x, `matmul_tiles("f16", ...)`): the matmul from 2
-    rows on CUDA, where the matvec's per-row sums across lanes made the 4-row step's F16 projections 2.5x the
-    one-row step's (fourteenth session's profile: 1.23 against 0.48 ms); elsewhere the matvec (not measured)."""
-    return "matmul" if backend == "cuda" and 2 <= m <= _FEW_ROWS else "matvec"
+    or "matmul" (fp16 tensor-core dots on a two-part split of x, `f16_matmul_tiles`). The matvec's cost grows
+    with the rows (a sum across lanes per row and step), the matmul's does not (one 16-row tile).
+    H200, nineteenth session (docs/PERFORMANCE.md: both kernels over rotating weight copies in CUDA graphs, the
+    matmul at its best tiles), us at 1 / 2 / 4 / 8 rows, matvec against matmul: stacked compressor + indexer
+    2624 x 4096 7.6 / 10.5 / 23.7 / 40.3 against 10.7 / 11.0 / 11.0 / 11.1; indexer q_b 8192 x 1024 7.2 / 9.1 /
+    14.6 / 23.0 against 8.8 / 9.1 / 9.2 / 9.2; compressor 1024 x 4096 4.4 / 6.3 / 8.9 / 14.2 against 7.8 / 8.0
+    / 8.0 / 8.0; router 256 x 4096 2.7 / 3.5 / 4.9 / 7.8 against 5.9 / 5.9 / 5.9 / 6.0; indexer proj 64 x 4096
+    2.3 / 2.8 / 3.9 / 6.1 against 5.3 / 5.5 / 5.4 / 5.5. So the matvec keeps 2 rows of the matrices of >= 8M
+    weights, 3 of those of >= 2M (3 rows not measured: between its 2- and 4-row times, below the matmul's),
+    4 of the smaller; on CUDA only (elsewhere the matvec, not measured)."""
+    if backend != "cuda" or m > _FEW_ROWS:
+        return "matvec"
+    keep = 2 if n * k >= 8 << 20 else 3 if n * k >= 2 << 20 else 4
+    return "matvec" if m <= keep else "matmul"
+
+
+def f16_matmul_tiles(n: int, k: int, m: int) -> MatmulTiles:
+    """Tiles of the few-row F16 matmul where `f16_route` picks it (CUDA): one 16-row activation tile, 64 weight
+    rows per program where n >= 2,048 (else 32), 128-wide K steps in 3 stages, K split to ~2 programs per SM.
+    The same sweep (block_n 16-128 x block_k 64-256 x 2-4 stages): 2624 x 4096 best at 64 x 128 (11.0 us; the
+    Q8_0 few-row tiles' 64 x 256 in 2 stages 13.4), 8192 x 1024 at 64 x 64-128 (9.2-9.3), 1024 x 4096 and the
+    router at 32 x 128 (8.0, 5.9; 64 x 256: 10.0, 7.9)."""
+    return replace(_small_m_matmul_tiles(max(16, m), n, k, 64 if n >= 2048 else 32, 128), num_stages=3,
+                   w_as_a=False)
 
 
 def f16_matvec_tiles(n: int, k: int, m: int, backend: Backend) -> F16Tiles:

@@ -15,16 +15,16 @@ router's ffn_gate_inp). In decode torch runs them as x.half() @ W.T then .float(
   inside the loop); more rows reduce each step into a [BLOCK_N, M] accumulator. Masks cover K % BLOCK_K
   and N % BLOCK_N tails.
 
-- `_f16_matmul_kernel` (`f16_matmul_triton`): the few-row form on CUDA (dispatch.f16_route: 2+ rows), one
-  16-row activation tile as the A operand of fp16 tensor-core dots and the weight tile, loaded straight into
-  the dot, as B; x is split into two fp16 parts (hi = fp16(x), lo = fp16(x - hi)) and both are dotted, so x
-  keeps ~22 bits (the products and sums are fp32, as in the matvec; |x| must stay below fp16's 65,504, as in
-  every tl.dot matmul here). K split across programs as the Q8_0 matmul splits it (kernels/splitk.py).
+- `_f16_matmul_kernel` (`f16_matmul_triton`): the few-row form on CUDA (dispatch.f16_route: from 3 to 5 rows
+  by size), one 16-row activation tile as the A operand of fp16 tensor-core dots and the weight tile, loaded
+  straight into the dot, as B; x is split into two fp16 parts (hi = fp16(x), lo = fp16(x - hi)) and both are
+  dotted, so x keeps ~22 bits (the products and sums are fp32, as in the matvec; |x| must stay below fp16's
+  65,504, as in every tl.dot matmul here). K split across programs as the Q8_0 matmul splits it (kernels/splitk.py).
 
 Launchers never read back to the host, so they can be captured in a CUDA graph. `f16_matvec` picks Triton
 for a GPU tensor (or a CPU tensor inside `dispatch.interpreted_kernels()`) and the torch reference
 otherwise, and `dispatch.f16_route` the kernel; `f16_matvec_triton` / `f16_matmul_triton` also run CPU
-tensors under TRITON_INTERPRET. Tiles: `dispatch.f16_matvec_tiles`, `dispatch.matmul_tiles("f16", ...)`.
+tensors under TRITON_INTERPRET. Tiles: `dispatch.f16_matvec_tiles`, `dispatch.f16_matmul_tiles`.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def f16_matmul_triton(x: Tensor, w: Tensor, out: Tensor | None = None,
     n = w.shape[0]
     if n == 0:
         return out
-    tiles = tiles or dispatch.matmul_tiles("f16", m, n, k, dispatch.launch_backend(x))
+    tiles = tiles or dispatch.f16_matmul_tiles(n, k, m)
     if tiles.block_m < m:
         raise ValueError(f"block_m {tiles.block_m} does not hold the {m} rows")
     split = max(1, min(tiles.split_k, triton.cdiv(k, tiles.block_k)))  # at least one K step per slice
