@@ -10,8 +10,9 @@ Measured in one run, so the numbers compare like with like (shared/BENCHMARKS.md
   torch fp16 matvec on dequantised weights beside it;
 - the integer-dot Q8_0 matvec on a pre-quantised activation, and the activation quantiser's own launch
   (CUDA only);
-- the F16 decode matvec (kernels/f16.py: compressor / indexer / router projections, one fp32 row) against
-  torch's fp16 matvec x.half() @ w.T on the same rotating weights;
+- the F16 decode projections (kernels/f16.py: compressor / indexer / router, at each of the rows as the
+  engine routes them: the fp32 matvec or the few-row tensor-core matmul) against torch's fp16 x.half() @ w.T
+  on the same rotating weights;
 - prefill: the Q8_0 tl.dot matmul at 2048 tokens against a torch bf16 matmul of the same shape (TFLOP/s),
   and the routed experts of a 2048-token chunk (moe_prefill) against the bf16 8192^3 rate;
 - Q4_K decode matvec and prefill matmul (`--only q4_k`);
@@ -25,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -198,33 +199,39 @@ F16_DECODE = [
 F16_MAX_COPIES = 1024  # small matrices (64 x 4096 = 512 KB) need many copies to rotate >= ROTATE_BYTES
 
 
-def bench_f16_decode(device: torch.device, copy_gbps: float, only: str = "", sweep: bool = False) -> list[Result]:
-    """f16_matvec at M = 1 (fp32 x -> fp32 y, one launch) against torch's fp16 matvec x.half() @ w.T (input
-    cast + cuBLAS gemv; the engine also casts the result back to fp32), both over the same rotating weight
-    copies (>= ROTATE_BYTES in total, so weights come from HBM), each launch replayed in a CUDA graph.
-    With `sweep`, also tile variants (rows x K step x warps) of each shape, to tune dispatch.f16_matvec_tiles."""
-    from ds4station.kernels.f16 import f16_matvec, f16_matvec_ref
+def bench_f16_decode(device: torch.device, copy_gbps: float, only: str = "", sweep: bool = False,
+                     rows: Sequence[int] = (1,)) -> list[Result]:
+    """The F16 projections at each of `rows` fp32 activation rows as the engine routes them (`f16_matvec`,
+    dispatch.f16_route: the fp32 matvec up to a few rows, the tensor-core matmul beyond; fp32 y, one launch)
+    against torch's fp16 product x.half() @ w.T (input cast + cuBLAS; the engine also casts the result back to
+    fp32), both over the same rotating weight copies (>= ROTATE_BYTES in total, so weights come from HBM), each
+    launch replayed in a CUDA graph. With `sweep`, also the matvec's tile variants (rows x K step x warps) of
+    each shape at one row, to tune dispatch.f16_matvec_tiles."""
+    from ds4station.kernels import dispatch
+    from ds4station.kernels.f16 import MAX_ROWS, f16_matvec, f16_matvec_ref
 
     gen = torch.Generator(device=device).manual_seed(6)
     res = []
     for name, n, k in F16_DECODE:
-        if only and only not in "f16_matvec" and only not in name:
+        if only and only not in "f16_matvec" and only not in "f16_matmul" and only not in name:
             continue
         wbytes = 2 * n * k
         copies = max(2, min(F16_MAX_COPIES, math.ceil(ROTATE_BYTES / wbytes)))
         wall = torch.randn(copies, n, k, device=device, dtype=torch.float16, generator=gen) * 0.02
         ws = [wall[i] for i in range(copies)]
-        x = torch.randn(1, k, device=device, dtype=torch.float32, generator=gen)
-        y = torch.empty(1, n, device=device, dtype=torch.float32)
-        err = _rel_err(f16_matvec(x, ws[0], out=y), f16_matvec_ref(x, ws[0]))
-        t = _graph_time_us(lambda i, x=x, y=y, ws=ws: f16_matvec(x, ws[i], out=y), copies)
-        tb = _graph_time_us(lambda i, x=x, ws=ws: x.half() @ ws[i].T, copies)
-        gbps = (wbytes + x.numel() * 4 + y.numel() * 4) / t / 1e3
-        res.append(Result("f16_matvec", f"{name} {n}x{k}", 1, t, gbps, 100 * gbps / copy_gbps,
-                          baseline="torch x.half() @ w.T", baseline_time_us=tb,
-                          baseline_pct=100 * wbytes / tb / 1e3 / copy_gbps, rel_err=err))
-        if sweep:
-            res += _f16_sweep(name, n, k, x, y, ws, copy_gbps)
+        for m in sorted({min(max(1, r), MAX_ROWS) for r in rows}):
+            x = torch.randn(m, k, device=device, dtype=torch.float32, generator=gen)
+            y = torch.empty(m, n, device=device, dtype=torch.float32)
+            err = _rel_err(f16_matvec(x, ws[0], out=y), f16_matvec_ref(x, ws[0]))
+            t = _graph_time_us(lambda i, x=x, y=y, ws=ws: f16_matvec(x, ws[i], out=y), copies)
+            tb = _graph_time_us(lambda i, x=x, ws=ws: x.half() @ ws[i].T, copies)
+            gbps = (wbytes + x.numel() * 4 + y.numel() * 4) / t / 1e3
+            kernel = f"f16_{dispatch.f16_route(n, k, m, dispatch.launch_backend(x))}"
+            res.append(Result(kernel, f"{name} {n}x{k}", m, t, gbps, 100 * gbps / copy_gbps,
+                              baseline="torch x.half() @ w.T", baseline_time_us=tb,
+                              baseline_pct=100 * wbytes / tb / 1e3 / copy_gbps, rel_err=err))
+            if sweep and m == 1:
+                res += _f16_sweep(name, n, k, x, y, ws, copy_gbps)
         del wall, ws
     return res
 
@@ -610,7 +617,7 @@ def run_all(rows: list[int], prefill_tokens: int, only: str = "", sweep: bool = 
     results = bench_q8_0_decode(device, rows, copy_gbps, only)
     if dispatch.use_int_dot(dispatch.device_backend(device)):
         results += bench_quantize_act16(device)
-    results += bench_f16_decode(device, copy_gbps, only, sweep)
+    results += bench_f16_decode(device, copy_gbps, only, sweep, rows)
     if not only or only in "expert":
         results += bench_expert_matvecs(device, copy_gbps)
     if not only or only in "moe":
