@@ -369,7 +369,9 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             assert all(s.done for s in app.last_view.stages)  # type: ignore[union-attr]
             assert "0.00 tok/s" not in text_of(app.dashboard.query_one(LivePanel))
             # one real chat request, off the UI thread, as a coding agent would send it
-            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            # greedy, so the reply is the same every run (sampled, CI once got "stop" after 1 token of the 2)
+            body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                    "temperature": 0}
             reply = await asyncio.to_thread(httpx.post, f"{server.base_url}/v1/chat/completions", json=body,
                                             timeout=120)
             assert reply.status_code == 200, reply.text
@@ -380,7 +382,9 @@ def test_launch_the_demo_model_on_cpu_request_stop_and_quit_without_orphans(tmp_
             assert decode and f"{decode:.2f} tok/s mean of the recent requests" in live and "TTFT" in live
             assert "▕" in live and "now" in live  # the charts, over their time axis
             logged = "\n".join(s.text for s in app.dashboard.query_one("#request-log").lines)
-            assert re.search(r"\d\d:\d\d:\d\d #1 chat \(length\): \d+ in, 0 cached, 2 out; prefill", logged), logged
+            finish, out = reply.json()["choices"][0]["finish_reason"], reply.json()["usage"]["completion_tokens"]
+            assert re.search(rf"\d\d:\d\d:\d\d #1 chat \({finish}\): \d+ in, 0 cached, {out} out; prefill", logged), \
+                logged
             await until(pilot, lambda: any("POST /v1/chat/completions" in line for line in app.server_log))
             assert not any('"GET /status' in line for line in app.server_log)  # the panel's own polls are hidden
             family = [server.pid] + [c.pid for c in psutil.Process(server.pid).children(recursive=True)]
