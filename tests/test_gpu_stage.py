@@ -386,6 +386,32 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
         stage.decode_batch(ids[:2], [batched[0], batched[0]], None if xs is None else xs[:2], logits=not middle)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream is a GPU's")
+def test_overlapped_projections_give_the_one_stream_results(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Static steps run the compressor / indexer projections and the shared expert on a second stream: the
+    same kernels on the same inputs, so a decode step (graph replay), a batched step of three sequences and a
+    short prefill give bit-identical results to a stage that keeps one stream (DS4STATION_OVERLAP=0)."""
+    cfg = tiny.config
+    weights = load_tensors(tiny)
+    monkeypatch.setenv("DS4STATION_OVERLAP", "0")
+    one = GpuStage(cfg, weights, device="cuda")
+    monkeypatch.delenv("DS4STATION_OVERLAP")
+    two = GpuStage(cfg, weights, device="cuda")
+    assert one.side is None and two.side is not None
+    tokens = torch.randint(0, cfg.vocab_size, (3, 80), generator=torch.Generator().manual_seed(8))
+    outs = []
+    for stage in (one, two):
+        pool = stage.new_caches(3, 256, chunk=64)
+        got = [stage.prefill(tokens[b, :40 + 9 * b], c, logits=True).clone() for b, c in enumerate(pool)]
+        got += [stage.decode(int(tokens[0, 40 + j]), pool[0], logits=True).clone() for j in range(6)]
+        for j in range(6):
+            got.append(stage.decode_batch([int(tokens[b, 60 + j]) for b in range(3)], pool, logits=True).clone())
+        got.append(stage.prefill(tokens[1, 70:75], pool[1], logits=True).clone())  # a 5-token static step
+        outs.append(got)
+    for a, b in zip(*outs, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("static", [False, True], ids=["chunked", "static-step"])
 def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, device: str, static: bool) -> None:

@@ -26,7 +26,7 @@ from ds4station.kernels.q8_0 import (
     repack_q8_0,
 )
 from ds4station.kernels.quants import random_blocks, row_bytes
-from ds4station.kernels.splitk import split_counters
+from ds4station.kernels.splitk import counter_lane, split_counters
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -162,6 +162,31 @@ def test_matmul_split_k_matches_reference(poisoned_empty: None, split: int, m: i
     assert torch.equal(q8_0_matmul(x, w, out_dtype=torch.float32, tiles=tiles), out)
     # the slice that finished last left its tile's counter at zero, ready for the next launch
     assert int(split_counters(x.device).count_nonzero()) == 0
+
+
+def test_split_k_launches_count_on_their_lane(poisoned_empty: None) -> None:
+    """A split-K launch inside `counter_lane(1)` (the GPU stage's second stream) counts on lane 1's counters
+    only: with lane 0's counters left at 3 (a launch of 4 slices counting there would sum its partials after
+    the first slice, a wrong result) it gives the reference's result, and leaves both arrays as they were."""
+    m, n, k = 8, 70, 96 * 32
+    tiles = dispatch.matmul_tiles("q8_0", m, 4096, 4096, "cuda")
+    assert tiles.split_k == 4
+    w = repack_q8_0(raw_q8_0((n,), k, seed=3).to(DEVICE), k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.float32)
+    lane0, lane1 = split_counters(DEVICE, lane=0), split_counters(DEVICE, lane=1)
+    assert lane0.data_ptr() != lane1.data_ptr()
+    with counter_lane(1):
+        assert split_counters(DEVICE) is lane1
+    assert split_counters(DEVICE) is lane0
+    lane0[:8] = 3
+    try:
+        with counter_lane(1):
+            out = q8_0_matmul(x, w, out_dtype=torch.float32, tiles=tiles)
+        assert rel_err(out, q8_0_matmul_ref(x, w, out_dtype=torch.float32)) < 1e-5
+        assert lane0[:8].tolist() == [3] * 8 and int(lane0[8:].count_nonzero()) == 0
+        assert int(lane1.count_nonzero()) == 0
+    finally:
+        lane0.zero_()
 
 
 @pytest.mark.parametrize("m", [3, 8, 16])

@@ -24,9 +24,10 @@ Triton kernels themselves run in the interpreter.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,7 +48,7 @@ from ds4station.kernels.quants import QTensor
 from ds4station.kernels.reference import HyperConnection, Rope
 from ds4station.kernels.router import router
 from ds4station.kernels.rows import finish_rows
-from ds4station.kernels.splitk import split_counters
+from ds4station.kernels.splitk import counter_lane, split_counters
 from ds4station.model.config import ModelConfig
 from ds4station.model.layout import MTP_PREFIX, model_tensors, mtp_config, mtp_name
 
@@ -363,7 +364,7 @@ class GpuStage:
             raise KeyError(f"weights for the stage are missing {len(missing)} tensor(s), e.g. {missing[:3]}")
         if self.device.type == "cuda":  # fp16 GEMMs accumulate in fp32, as the reference does
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-            split_counters(self.device)  # the split-K matmul's counters, before any graph is captured
+            split_counters(self.device, lane=0)  # the split-K matmul's counters, before any graph is captured
         dev = self.device
         self.token_embd = _kept(weights["token_embd.weight"], dev) if embed else None
         self.experts = experts
@@ -380,7 +381,13 @@ class GpuStage:
         self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
-        self.graphs = os.environ.get("DS4STATION_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+        self.graphs = _env_on("DS4STATION_CUDA_GRAPHS")
+        # static steps run the projections that do not wait on each other on two streams (GPU; _beside):
+        # DS4STATION_OVERLAP=0 keeps them on one
+        self.side = torch.cuda.Stream(self.device) if self.device.type == "cuda" and _env_on("DS4STATION_OVERLAP") \
+            else None
+        if self.side is not None:
+            split_counters(self.device, lane=1)
 
     # ---- building blocks -----------------------------------------------------------------------------------
     def new_cache(self, ctx: int, *, chunk: int = DEFAULT_CHUNK, rollback: int = 0,
@@ -443,11 +450,14 @@ class GpuStage:
         each kernel reaches a row's sequence through its slot."""
         cfg, T = self.cfg, xn.shape[0]
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
+        with self._beside(st):  # the compressor / indexer projections need only xn: beside the query's
+            proj = L.proj(xn) if L.comp is not None else None
         q_kv = L.q_kv(xn)
         qr = rms_norm(q_kv[:, :L.q_lora], L.q_a_norm, eps)
+        with self._beside(st):
+            iq = L.index_q_b(qr) if L.index_comp is not None else None
         q = finish_rows(L.q_b(qr).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
-        proj = L.proj(xn) if L.comp is not None else None
-        iq = L.index_q_b(qr) if L.index_comp is not None else None
+        self._join(st)
         o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
         o = _rope(L.rope, o, st.pos, inverse=True)
         return L.out_b(L.out_a(o.reshape(T, -1)))
@@ -561,11 +571,34 @@ class GpuStage:
 
     def _ffn(self, L: GpuLayer, state: _Routed, st: Step) -> Tensor:
         """A layer's FFN from its routed state: the routed experts and the shared one, then hc_post."""
-        y = L.experts(state.xn, state.ids, state.wts, st.last)
+        shared = None
         if L.shared is not None:
             gate_up, down = L.shared
-            y = y + down(swiglu(gate_up(state.xn), L.shared_clamp))
+            with self._beside(st):  # the shared expert beside the routed ones
+                shared = down(swiglu(gate_up(state.xn), L.shared_clamp))
+        y = L.experts(state.xn, state.ids, state.wts, st.last)
+        self._join(st)
+        if shared is not None:
+            y = y + shared
         return hc_k.hc_post(y, state.X, state.post, state.comb)
+
+    @contextlib.contextmanager
+    def _beside(self, st: Step) -> Iterator[None]:
+        """The block's launches go to the stage's second stream (`side`), after all that the current stream has
+        issued so far, in a static step on a GPU (elsewhere they run in place, in order). They overlap the
+        current stream's next launches until `_join`; the block's split-K matmuls count on lane 1."""
+        if self.side is None or not st.static:
+            yield
+            return
+        self.side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side), counter_lane(1):
+            yield
+
+    def _join(self, st: Step) -> None:
+        """The current stream waits for what `_beside` put on the side stream (before anything reads it, and
+        before the step's tensors it read can be freed)."""
+        if self.side is not None and st.static:
+            torch.cuda.current_stream(self.device).wait_stream(self.side)
 
     def _to_router(self, L: GpuLayer, X: Tensor, tokens: Tensor, kv, st: Step) -> _Routed:
         """A layer from its input HC state X up to its router (kv: the layer's LayerKV, or a static step's pool
@@ -904,6 +937,11 @@ class GpuStage:
         for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] in ("static", "batch", "multi") and
                                                                       k[1] == id(cache.pool))]:
             del self._graphs[key]
+
+
+def _env_on(name: str) -> bool:
+    """An on/off environment switch, on unless set to 0 / false / no / off."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _rope(rope: Rope, x: Tensor, pos: Tensor, inverse: bool = False) -> Tensor:

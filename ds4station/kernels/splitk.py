@@ -9,6 +9,10 @@ The fixed order keeps the result bit-stable from run to run; with one slice it i
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import triton
 import triton.language as tl
@@ -49,21 +53,36 @@ def split_buffers(y: torch.Tensor, split: int, n_tiles: int) -> tuple[torch.Tens
             split_counters(y.device, n_tiles))
 
 
-# The tile counters, per device: int32 zeros that every launch leaves zero again. Allocated outside any CUDA
-# graph capture (a capture would own their memory), at first use or by `split_counters` ahead of capturing;
-# enough for the largest matmul of the model (129,280 head rows in 64-row tiles).
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# The tile counters, per device and lane: int32 zeros that every launch leaves zero again. Allocated outside any
+# CUDA graph capture (a capture would own their memory), at first use or by `split_counters` ahead of capturing;
+# enough for the largest matmul of the model (129,280 head rows in 64-row tiles). Launches that may run at the
+# same time on two streams (the GPU stage's overlapped projections) count on different lanes (`counter_lane`).
+_COUNTERS: dict[tuple[torch.device, int], torch.Tensor] = {}
 _COUNTER_SLOTS = 1 << 14
+_LANE: contextvars.ContextVar[int] = contextvars.ContextVar("split_k_lane", default=0)
 
 
-def split_counters(device: torch.device, n: int = 0) -> torch.Tensor:
-    """The device's split-K counters (at least `n`). Call it once before capturing graphs that hold a split-K
-    matmul (the GPU stage does, at load); inside a capture a missing or short array is an error."""
+@contextlib.contextmanager
+def counter_lane(lane: int) -> Iterator[None]:
+    """Split-K launches issued inside count on the device's counter array `lane` (0 outside): give each stream
+    whose launches may overlap another's its own lane."""
+    token = _LANE.set(lane)
+    try:
+        yield
+    finally:
+        _LANE.reset(token)
+
+
+def split_counters(device: torch.device, n: int = 0, lane: int | None = None) -> torch.Tensor:
+    """The device's split-K counters of `lane` (None: the current `counter_lane`), at least `n`. Call it once
+    per lane before capturing graphs that hold a split-K matmul (the GPU stage does, at load); inside a capture
+    a missing or short array is an error."""
     device = torch.device(device)
-    have = _COUNTERS.get(device)
+    key = (device, _LANE.get() if lane is None else lane)
+    have = _COUNTERS.get(key)
     if have is None or have.numel() < n:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("split-K counters must be allocated before CUDA graph capture "
-                               "(call kernels.splitk.split_counters(device) first)")
-        have = _COUNTERS[device] = torch.zeros(max(n, _COUNTER_SLOTS), dtype=torch.int32, device=device)
+            raise RuntimeError(f"split-K counters of lane {key[1]} must be allocated before CUDA graph capture "
+                               "(call kernels.splitk.split_counters(device, lane=...) first)")
+        have = _COUNTERS[key] = torch.zeros(max(n, _COUNTER_SLOTS), dtype=torch.int32, device=device)
     return have
