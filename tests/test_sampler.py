@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, filtered_probs
+from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, draw, filtered_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -81,3 +81,36 @@ def test_held_back_prefix_is_released_when_it_does_not_match():
 def test_earliest_of_several_stop_strings_wins():
     assert scan(["world", "lo"], ["hello world"]) == ("hel", True)
     assert scan([], ["plain"]) == ("plain", False)
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p rule over the whole vocabulary sorted (what filtered_probs must equal)."""
+    sorted_p, order = torch.sort(probs / probs.sum(), descending=True)
+    drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= top_p
+    out = torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 12.0])  # flat (the prefix needs the whole vocabulary) to peaked
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 0.999])
+def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(scale: float, top_p: float) -> None:
+    """filtered_probs looks for the top-p prefix among the most likely 256, 4,096, ... tokens: the tokens kept
+    and their probabilities are the full sort's, wherever the prefix ends."""
+    logits = torch.randn(20000, generator=torch.Generator().manual_seed(7)) * scale
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    got = filtered_probs(logits, params)
+    want = _top_p_by_full_sort(torch.softmax(logits, -1), top_p)
+    assert torch.equal(got > 0, want > 0)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert int((got > 0).sum()) > (256 if scale == 0.1 else 0)
+
+
+def test_draw_never_picks_a_token_of_probability_zero() -> None:
+    """Inverse-CDF draws: zeros anywhere (first, last, between) are never drawn, the probabilities need not sum
+    to 1, and the draws follow them."""
+    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
+    g = torch.Generator().manual_seed(5)
+    got = torch.tensor([draw(probs, g) for _ in range(4000)])
+    assert set(got.tolist()) == {1, 3, 4}
+    torch.testing.assert_close(torch.bincount(got, minlength=6) / 4000, probs / 4, atol=0.03, rtol=0)
+    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2

@@ -1,5 +1,6 @@
 """Issue 19 items 1-2 on the user's path: `serve` on the GPU, driven over HTTP by concurrent streaming openai
-clients. usage: batch.py MODEL TAG [serve args...]; env TESTS=streams,long (default both), STEPS=FILE (every
+clients. usage: batch.py MODEL TAG [serve args...]; env TESTS=streams,long (default both), TEMPERATURE=T (the
+requests' sampling temperature, default 0: greedy), STEPS=FILE (every
 step of the server's step log, polled from /status while the tests run, one JSON line each, with the test it
 belongs to; a summary of each test's steps is printed either way)."""
 import json, os, subprocess, sys, threading, time
@@ -71,7 +72,7 @@ def together(texts, max_tokens, delays=None):
         time.sleep((delays or [0] * len(texts))[i])
         c = client()
         t = time.perf_counter()
-        turn = stream_turn(c, texts[i], max_tokens)
+        turn = stream_turn(c, texts[i], max_tokens, float(os.environ.get("TEMPERATURE", "0")))
         out[i] = (t, t + turn.ttft_s, t + turn.ttft_s + turn.stream_s, turn)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]

@@ -1,8 +1,9 @@
 """Next-token sampling and the stop rules of a generated text stream.
 
 `Sampler` turns last-position logits into a token: greedy (argmax) at temperature 0, otherwise
-temperature -> top-k -> softmax -> min-p -> top-p -> draw with the sampler's own seeded torch.Generator,
-so a seed reproduces a generation exactly and concurrent samplers do not share random state.
+temperature -> top-k -> softmax -> min-p -> top-p -> draw (inverse CDF of a uniform from the sampler's own
+seeded torch.Generator), all where the logits are; a seed reproduces a generation exactly and concurrent
+samplers do not share random state.
 A temperature below GREEDY_BELOW is sampled greedily too: that is its limit, and dividing logits by it
 would overflow float32 (1e-45 rounds to a denormal, 1e-300 to zero) into a distribution of inf/nan.
 
@@ -21,6 +22,7 @@ import torch
 # Temperatures below this are greedy (as vLLM does): 1e-5 already puts all the mass on the argmax unless two
 # logits are within ~1e-4 of each other.
 GREEDY_BELOW = 1e-5
+TOP_P_FIRST_K = 256  # top-p looks for its prefix among this many tokens first (x16 while their mass falls short)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
@@ -66,28 +68,58 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1:
-        sorted_p, order = torch.sort(probs / probs.sum(), descending=True)
-        # keep the smallest prefix whose mass reaches top_p; the most likely token always survives
-        drop = (torch.cumsum(sorted_p, 0) - sorted_p) >= p.top_p
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p.masked_fill(drop, 0.0))
+        # keep the smallest prefix (by falling probability) whose mass reaches top_p; the most likely token
+        # always survives. The prefix is found among the k most likely, k growing until their mass reaches
+        # top_p (then every token after them is dropped), rather than by sorting the whole vocabulary (16.7 ms
+        # for 129,280 logits on a 2-core CPU against ~1 ms for a top-256): the same tokens, the same sums.
+        probs = probs / probs.sum()
+        n, k = probs.numel(), min(probs.numel(), TOP_P_FIRST_K)
+        while True:
+            top, order = torch.topk(probs, k)  # sorted, most likely first
+            mass = torch.cumsum(top, 0)
+            if k == n or host_float(mass[-1]) >= p.top_p:
+                break
+            k = min(n, k * 16)
+        drop = (mass - top) >= p.top_p
+        probs = torch.zeros_like(probs).scatter_(0, order, top.masked_fill(drop, 0.0))
     return probs / probs.sum()
 
 
-def host_int(t: torch.Tensor) -> int:
-    """The value of a one-element tensor. On a GPU the wait for it is an event's, which lets other Python
-    threads run meanwhile (the server's event loop sending the previous token); `int()` alone would hold the
-    interpreter lock for the whole wait."""
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """A token drawn from probs [vocab] (non-negative, any positive sum; on any device) by inverse CDF: one
+    uniform from the CPU `generator`, the cumulative sum in float64 where the probabilities are, one id back
+    (a GPU sends no [vocab] row to the host). Tokens of probability zero are never drawn."""
+    u = float(torch.rand((), dtype=torch.float64, generator=generator))
+    cdf = torch.cumsum(probs, 0, dtype=torch.float64)
+    return min(host_int(torch.searchsorted(cdf, cdf[-1:] * u, right=True)), probs.numel() - 1)
+
+
+def _wait(t: torch.Tensor) -> None:
+    """On a GPU, wait for t by an event, which lets other Python threads run meanwhile (the server's event loop
+    sending the previous token); reading the value alone would hold the interpreter lock for the whole wait."""
     if t.is_cuda:
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(t.device))
         done.synchronize()
+
+
+def host_int(t: torch.Tensor) -> int:
+    """The value of a one-element tensor (see _wait)."""
+    _wait(t)
     return int(t)
+
+
+def host_float(t: torch.Tensor) -> float:
+    """The value of a one-element tensor (see _wait)."""
+    _wait(t)
+    return float(t)
 
 
 class Sampler:
     """Greedy picks the argmax where the logits are (a GPU sends back one id, not the [vocab] row); a draw
-    happens on the CPU whatever device the logits come from, so a seed gives the same draws on every
-    device."""
+    filters the logits where they are too and finds its token by inverse CDF (`draw`) of a uniform from the
+    sampler's own CPU generator, so a seed gives the same draws on every device (up to the last bits of the
+    distribution's arithmetic there) and concurrent samplers share no random state."""
 
     def __init__(self, params: SamplingParams) -> None:
         self.params = params
@@ -102,9 +134,7 @@ class Sampler:
         logits = logits.reshape(-1)
         if self.params.greedy:
             return host_int(torch.argmax(logits))
-        logits = logits.float().cpu()
-        probs = filtered_probs(logits, self.params)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+        return draw(filtered_probs(logits, self.params), self.generator)
 
 
     def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
@@ -117,12 +147,12 @@ class Sampler:
         if self.params.greedy:
             token = host_int(torch.argmax(logits))
             return token, token == draft
-        probs = filtered_probs(logits.float().cpu(), self.params)
-        if float(torch.rand((), generator=self.generator)) < float(probs[draft]):
+        probs = filtered_probs(logits, self.params)
+        if float(torch.rand((), generator=self.generator)) < host_float(probs[draft]):
             return draft, True
         rest = probs.clone()
         rest[draft] = 0.0
-        return int(torch.multinomial(rest / rest.sum(), 1, generator=self.generator)), False
+        return draw(rest, self.generator), False
 
 
 class StopScanner:

@@ -125,11 +125,12 @@ def chat_text(tokenizer: Any, n_tokens: int, seed: int) -> str:
     return " ".join(words[:lo])
 
 
-def stream_turn(client: Any, text: str, max_tokens: int) -> Turn:
-    """One streamed chat request with the official client; times measured on this side of the wire."""
+def stream_turn(client: Any, text: str, max_tokens: int, temperature: float = 0.0) -> Turn:
+    """One streamed chat request with the official client (greedy unless `temperature`); times measured on this
+    side of the wire."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(model="ds4", messages=[{"role": "user", "content": text}],
-                                            max_tokens=max_tokens, temperature=0.0, stream=True,
+                                            max_tokens=max_tokens, temperature=temperature, stream=True,
                                             stream_options={"include_usage": True})
     first = last = None
     usage, timings = None, {}
