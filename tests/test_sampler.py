@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, draw, filtered_probs
+from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, filtered_probs
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -106,11 +106,12 @@ def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(scale: float
 
 
 def test_draw_never_picks_a_token_of_probability_zero() -> None:
-    """Inverse-CDF draws: zeros anywhere (first, last, between) are never drawn, the probabilities need not sum
-    to 1, and the draws follow them."""
+    """Draws: zeros anywhere (first, last, between) are never drawn, the probabilities need not sum to 1, and
+    the draws follow them."""
     probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
-    g = torch.Generator().manual_seed(5)
-    got = torch.tensor([draw(probs, g) for _ in range(4000)])
+    s = Sampler(SamplingParams(temperature=1.0, seed=5))
+    got = torch.tensor([s.draw(probs) for _ in range(4000)])
     assert set(got.tolist()) == {1, 3, 4}
     torch.testing.assert_close(torch.bincount(got, minlength=6) / 4000, probs / 4, atol=0.03, rtol=0)
-    assert draw(torch.tensor([0.0, 0.0, 1.0]), g) == 2
+    assert s.draw(torch.tensor([0.0, 0.0, 1.0])) == 2
+
