@@ -359,7 +359,9 @@ def test_status_shows_the_running_requests_rate_while_it_runs(engine, fresh) -> 
     with httpx.Client(timeout=60) as http, http.stream("POST", srv.url + "/v1/chat/completions",
                                                        json=long_body(engine)) as r:
         for line in r.iter_lines():
-            if line.startswith("data: ") and '"content"' in line:
+            # chunks with text: each holds one token or more (the role chunk's content is "", and so is that of
+            # a token whose bytes end inside a character)
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["delta"].get("content"):
                 received += 1
                 if received == 20:
                     seen = _status(srv)["running"][0]
