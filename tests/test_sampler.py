@@ -105,13 +105,20 @@ def test_top_p_over_a_large_vocabulary_keeps_what_a_full_sort_keeps(scale: float
     assert int((got > 0).sum()) > (256 if scale == 0.1 else 0)
 
 
-def test_draw_never_picks_a_token_of_probability_zero() -> None:
-    """Draws: zeros anywhere (first, last, between) are never drawn, the probabilities need not sum to 1, and
-    the draws follow them."""
-    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_draw_never_picks_a_token_of_probability_zero(device: str) -> None:
+    """Draws where the probabilities are (on a GPU from a device generator seeded by the sampler's): zeros
+    anywhere (first, last, between) are never drawn, the probabilities need not sum to 1, the draws follow
+    them, and a seed reproduces them."""
+    probs = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0], device=device)
     s = Sampler(SamplingParams(temperature=1.0, seed=5))
     got = torch.tensor([s.draw(probs) for _ in range(4000)])
     assert set(got.tolist()) == {1, 3, 4}
-    torch.testing.assert_close(torch.bincount(got, minlength=6) / 4000, probs / 4, atol=0.03, rtol=0)
-    assert s.draw(torch.tensor([0.0, 0.0, 1.0])) == 2
+    torch.testing.assert_close(torch.bincount(got, minlength=6) / 4000, probs.cpu() / 4, atol=0.03, rtol=0)
+    assert s.draw(torch.tensor([0.0, 0.0, 1.0], device=device)) == 2
+    again = Sampler(SamplingParams(temperature=1.0, seed=5))
+    assert [again.draw(probs) for _ in range(4000)] == got.tolist()
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3)).to(device)
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=9)
+    assert [Sampler(params)(logits) for _ in range(3)] == [Sampler(params)(logits)] * 3
 
