@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, filtered_probs
+from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, _top_p_prefix, filtered_probs, host_ints
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -122,3 +122,57 @@ def test_draw_never_picks_a_token_of_probability_zero(device: str) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=9)
     assert [Sampler(params)(logits) for _ in range(3)] == [Sampler(params)(logits)] * 3
 
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 12.0])
+@pytest.mark.parametrize("top_p", [0.5, 0.95, 0.999])
+def test_top_p_prefix_by_a_full_sort_is_the_growing_top_k_s(scale: float, top_p: float) -> None:
+    """On a GPU the prefix comes from the whole vocabulary sorted (nothing read on the host), on the CPU from the
+    growing top-k: the same probabilities in the same order and the same running mass up to the first that
+    reaches top_p, over the same tokens (equal probabilities may come in another order), so filtered_probs keeps
+    the same tokens with the same probabilities on either path."""
+    probs = torch.softmax(torch.randn(20000, generator=torch.Generator().manual_seed(11)) * scale, -1)
+    top_k, order_k, mass_k = _top_p_prefix(probs, top_p, sort=False)
+    top_s, order_s, mass_s = _top_p_prefix(probs, top_p, sort=True)
+    n = int((mass_k - top_k < top_p).sum())  # the kept prefix
+    assert 0 < n <= top_k.numel() <= top_s.numel() == probs.numel()
+    assert torch.equal(top_k[:n], top_s[:n]) and torch.equal(mass_k[:n], mass_s[:n])
+    assert set(order_k[:n].tolist()) == set(order_s[:n].tolist())
+    assert bool(mass_s[n - 1] >= top_p) or n == probs.numel()
+
+
+def test_a_draw_is_multinomial_s_draw_for_the_same_seed() -> None:
+    """The sampler draws by the exponential race torch.multinomial runs for one sample, with the same noise from
+    the same generator: draw after draw the token multinomial gives from a generator in the same state (also
+    where two tokens are equally likely and where most of the row is zero)."""
+    gen = torch.Generator().manual_seed(4)
+    rows = [torch.softmax(torch.randn(5000, generator=gen) * 3, -1), torch.tensor([0.0, 1.0, 1.0, 0.0, 2.0]),
+            filtered_probs(torch.randn(3000, generator=gen), SamplingParams(temperature=0.7, top_k=20, top_p=0.8))]
+    for probs in rows:
+        for seed in range(40):
+            s = Sampler(SamplingParams(temperature=1.0, seed=seed))
+            twin = torch.Generator().manual_seed(seed)
+            for _ in range(3):
+                assert s.draw(probs) == int(torch.multinomial(probs, 1, generator=twin))
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_picks_read_together_are_each_sampler_s_own_tokens(device: str) -> None:
+    """A batched step's requests pick their tokens where the logits are (`pick`: a one-element tensor on that
+    device) and the scheduler reads them together (`host_ints`): each is the token that request's sampler gives
+    on its own with the same seed, greedy and sampled with every filter, request after request."""
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(6, 4000, generator=gen) * 4
+    logits[5] = logits[1]
+    logits = logits.to(device)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.6, top_p=0.9,
+              seed=2), SamplingParams(temperature=1.3, top_k=30, seed=3), SamplingParams(temperature=0.9, min_p=0.05,
+              top_p=0.95, top_k=100, seed=4), SamplingParams(temperature=1.0, seed=1)]
+    together, alone = [Sampler(p) for p in params], [Sampler(p) for p in params]
+    for _ in range(5):
+        picks = [s.pick(logits[b]) for b, s in enumerate(together)]
+        assert all(t.device.type == device and t.numel() == 1 for t in picks)
+        got = host_ints(picks)
+        assert got == [s(logits[b]) for b, s in enumerate(alone)]
+        assert got[0] == int(logits[0].argmax()) and got[1] == got[5]  # the same seed and row, the same token
+    assert host_ints([]) == []

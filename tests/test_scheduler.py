@@ -681,9 +681,9 @@ def test_a_prompt_that_ends_takes_its_first_token_before_the_next_piece(engine, 
             log.append((type(event).__name__.lower(), self.job.id))
         post(self, event)
 
-    def logged_choose(self, stream) -> None:  # noqa: ANN001
+    def logged_choose(self, stream, sampled) -> None:  # noqa: ANN001
         log.append(("choose", stream.job.id))
-        choose(self, stream)
+        choose(self, stream, sampled)
 
     monkeypatch.setattr(scheduler_module.Handle, "_post", logged_post)
     monkeypatch.setattr(Scheduler, "_choose", logged_choose)

@@ -68,20 +68,30 @@ def filtered_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
     if p.top_p < 1:
         # keep the smallest prefix (by falling probability) whose mass reaches top_p; the most likely token
-        # always survives. The prefix is found among the k most likely, k growing until their mass reaches
-        # top_p (then every token after them is dropped), rather than by sorting the whole vocabulary (16.7 ms
-        # for 129,280 logits on a 2-core CPU against ~1 ms for a top-256): the same tokens, the same sums.
+        # always survives
         probs = probs / probs.sum()
-        n, k = probs.numel(), min(probs.numel(), TOP_P_FIRST_K)
-        while True:
-            top, order = torch.topk(probs, k)  # sorted, most likely first
-            mass = torch.cumsum(top, 0)
-            if k == n or host_float(mass[-1]) >= p.top_p:
-                break
-            k = min(n, k * 16)
+        top, order, mass = _top_p_prefix(probs, p.top_p, sort=probs.device.type != "cpu")
         drop = (mass - top) >= p.top_p
         probs = torch.zeros_like(probs).scatter_(0, order, top.masked_fill(drop, 0.0))
     return probs / probs.sum()
+
+
+def _top_p_prefix(probs: torch.Tensor, top_p: float, sort: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values, their indices, running mass) of the most likely tokens, most likely first, up to at least the
+    first whose running mass reaches top_p. `sort`: the whole vocabulary sorted (on a GPU: queued behind the
+    step like the rest, nothing waited for). Else among the k most likely, k growing x16 from TOP_P_FIRST_K
+    until their mass reaches top_p, which reads the mass on the host each time (on a CPU sorting 129,280 logits
+    takes 16.7 ms on 2 cores, a top-256 ~1 ms). Both give the same tokens and the same sums."""
+    if sort:
+        top, order = torch.sort(probs, descending=True)
+        return top, order, torch.cumsum(top, 0)
+    n, k = probs.numel(), min(probs.numel(), TOP_P_FIRST_K)
+    while True:
+        top, order = torch.topk(probs, k)  # sorted, most likely first
+        mass = torch.cumsum(top, 0)
+        if k == n or host_float(mass[-1]) >= top_p:
+            return top, order, mass
+        k = min(n, k * 16)
 
 
 def _wait(t: torch.Tensor) -> None:
@@ -97,6 +107,21 @@ def host_int(t: torch.Tensor) -> int:
     """The value of a one-element tensor (see _wait)."""
     _wait(t)
     return int(t)
+
+
+def host_ints(ts: Sequence[torch.Tensor]) -> list[int]:
+    """The values of several one-element tensors (token ids picked by `Sampler.pick`) with one wait per device:
+    the picks of every request of a batched step were queued behind it, and come back together."""
+    out = [0] * len(ts)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(ts):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        values = torch.stack([ts[i].reshape(()) for i in idx])
+        _wait(values)
+        for i, v in zip(idx, values.tolist(), strict=True):
+            out[i] = int(v)
+    return out
 
 
 def host_float(t: torch.Tensor) -> float:
@@ -121,28 +146,40 @@ class Sampler:
         self._device_generators: dict[torch.device, torch.Generator] = {}
 
     def draw(self, probs: torch.Tensor) -> int:
-        """A token drawn from probs [vocab] (non-negative, any positive sum) where they are, by
-        torch.multinomial: on the CPU with the sampler's generator; elsewhere with a generator of that device
-        seeded from it for this draw (the [vocab] row never crosses to the host; one id comes back). Its
-        exponential race (argmax of p / Exp(1) noise) changes its pick only when two tokens' ratios are within
-        the logits' change; an inverse CDF moves with the sum of all earlier probabilities: on 512 random
-        logits with 1e-3 / 1e-2 relative noise it changed 5 / 139 of 1,000 seeded draws against 1 / 7 (a
-        batched step's rounding differs from a lone step's: tests/test_scheduler.py's batched tests)."""
+        """A token drawn from probs [vocab] (non-negative, any positive sum): `_draw`'s, on the host."""
+        return host_int(self._draw(probs))
+
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """A token drawn from probs [vocab] where they are, as a one-element tensor, by the exponential race
+        torch.multinomial runs for one sample (argmax of p / q, q ~ Exp(1)), with its draws: the noise from the
+        sampler's generator on the CPU; elsewhere from a generator of that device seeded from it for this draw
+        (the [vocab] row never crosses to the host). Three operations, without multinomial's checks of the row
+        (those are launches of their own on a GPU; the row here is a softmax's). The race changes its pick only
+        when two tokens' ratios are within the logits' change; an inverse CDF moves with the sum of all earlier
+        probabilities: on 512 random logits with 1e-3 / 1e-2 relative noise it changed 5 / 139 of 1,000 seeded
+        draws against 1 / 7 (a batched step's rounding differs from a lone step's: tests/test_scheduler.py's
+        batched tests)."""
         if probs.device.type == "cpu":
-            return int(torch.multinomial(probs, 1, generator=self.generator))
-        gen = self._device_generators.get(probs.device)
-        if gen is None:
-            gen = self._device_generators[probs.device] = torch.Generator(device=probs.device)
-        gen.manual_seed(int(torch.randint(0, 2**62, (), generator=self.generator)))
-        return host_int(torch.multinomial(probs, 1, generator=gen))
+            gen = self.generator
+        else:
+            gen = self._device_generators.get(probs.device)
+            if gen is None:
+                gen = self._device_generators[probs.device] = torch.Generator(device=probs.device)
+            gen.manual_seed(int(torch.randint(0, 2**62, (), generator=self.generator)))
+        q = torch.empty_like(probs).exponential_(1, generator=gen)
+        return torch.argmax(probs / q)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [vocab] (or [1, vocab]) of the last position -> the token id as a one-element tensor where the
+        logits are, nothing waited for (on a GPU the work is queued; `host_ints` reads several picks at once)."""
+        logits = logits.reshape(-1)
+        if self.params.greedy:
+            return torch.argmax(logits)
+        return self._draw(filtered_probs(logits, self.params))
 
     def __call__(self, logits: torch.Tensor) -> int:
         """logits [vocab] (or [1, vocab]) of the last position -> token id."""
-        logits = logits.reshape(-1)
-        if self.params.greedy:
-            return host_int(torch.argmax(logits))
-        return self.draw(filtered_probs(logits, self.params))
-
+        return host_int(self.pick(logits))
 
     def verify(self, logits: torch.Tensor, draft: int) -> tuple[int, bool]:
         """A drafted token against the target's logits at its position -> (the token to emit, accepted).

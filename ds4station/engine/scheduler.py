@@ -58,7 +58,7 @@ import torch
 
 from .draft import DRAFT_SOURCES, LOOKUP_CONTEXT, MAX_DRAFT_TOKENS, LookupDrafter, MtpDrafter
 from .kvdisk import DiskKV, DiskSettings, common_prefix
-from .sampler import Sampler, SamplingParams, StopScanner
+from .sampler import Sampler, SamplingParams, StopScanner, host_ints
 
 # ---------------------------------------------------------------------------------------------------
 # The engine interface the scheduler needs, and nothing more.
@@ -1086,9 +1086,11 @@ class Scheduler:
 
         def take(streams: list[_Stream]) -> None:  # their next tokens; before a step that blocks, their texts too
             nonlocal sample_ms, show_ms
-            for stream in streams:
-                if stream.ended is None:
-                    self._choose(stream)
+            picks = [(stream, self._pick(stream)) for stream in streams if stream.ended is None]
+            # every pick is queued before any is read: one wait for all of them, not one per request
+            ids = iter(host_ints([t for _, t in picks if t is not None]))
+            for stream, t in picks:
+                self._choose(stream, None if t is None else next(ids))
             sample_ms += lap()
             if blocks:
                 for stream in streams:
@@ -1300,26 +1302,38 @@ class Scheduler:
         if job.max_tokens <= 0:
             stream.ended = "length"
 
-    def _choose(self, stream: _Stream) -> None:
-        """The request's next accepted tokens: forced by its guide, else one sampled from its logits (bias and
-        the guide's allowed set applied). Each is accounted for at once; a stop token or the token limit ends
-        the request (a stop token's text is never shown); the rest is fed at this step and shown."""
+    def _pick(self, stream: _Stream) -> torch.Tensor | None:
+        """The first half of a request's turn at a step: its guide's directive, and the token sampled from its
+        logits (bias and the guide's allowed set applied) as a one-element tensor where the logits are, nothing
+        waited for; None when its tokens are forced or come from a verification (see _choose)."""
         job = stream.job
         if not stream.forced and job.guide is not None:
             stream.directive = job.guide.next()
             if isinstance(stream.directive, Forced):
                 stream.forced.extend(stream.directive.tokens)
+        if stream.forced or stream.rows is not None:
+            return None
+        assert stream.logits is not None and stream.sampler is not None
+        logits, directive = stream.logits, stream.directive
+        if stream.bias is not None or isinstance(directive, Allowed):
+            logits = logits.float() + stream.bias if stream.bias is not None else logits.float().clone()
+            if isinstance(directive, Allowed):
+                logits[~directive.mask.to(logits.device)] = float("-inf")
+        return stream.sampler.pick(logits)
+
+    def _choose(self, stream: _Stream, sampled: int | None) -> None:
+        """The request's next accepted tokens: forced by its guide, else the verification's, else `sampled` (its
+        _pick's value). Each is accounted for at once; a stop token or the token limit ends the request (a stop
+        token's text is never shown); the rest is fed at this step and shown."""
+        job = stream.job
         if stream.forced:
             n = min(len(stream.forced), job.max_tokens - stream.generated)
             tokens = [stream.forced.popleft() for _ in range(n)]
+        elif stream.rows is not None:
+            tokens = self._accept(stream)
         else:
-            assert stream.logits is not None and stream.sampler is not None
-            logits, directive = stream.logits, stream.directive
-            if stream.bias is not None or isinstance(directive, Allowed):
-                logits = logits.float() + stream.bias if stream.bias is not None else logits.float().clone()
-                if isinstance(directive, Allowed):
-                    logits[~directive.mask.to(logits.device)] = float("-inf")
-            tokens = self._accept(stream) if stream.rows is not None else [stream.sampler(logits)]
+            assert sampled is not None
+            tokens = [sampled]
         tokens = tokens[:max(0, job.max_tokens - stream.generated)]
         if stream.drafter is not None:
             stream.drafter.extend(tokens)
