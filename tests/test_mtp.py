@@ -220,7 +220,7 @@ def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> No
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (70,), generator=gen)
     H = torch.randn(70, cfg.hc_mult, cfg.dim, generator=gen)
-    a, b = ref.new_mtp_cache(256, 128), fast.new_mtp_cache(256, 128)
+    a, b = ref.new_mtp_caches(1, 256, 128)[0], fast.new_mtp_caches(1, 256, 128)[0]
     for lo, hi in ((0, 40), (40, 69), (69, 70)):  # a catch-up, another, then one depth of a chain
         Xa, la = ref.mtp_step(H[lo:hi], tokens[lo:hi], a)
         Xb, lb = fast.mtp_step(H[lo:hi], tokens[lo:hi], b)
@@ -229,13 +229,74 @@ def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> No
     assert a.length == b.length == 70
 
 
+def _mtp_stages(mtp_model: Path) -> tuple[DS4Model, GpuStage]:
+    f = GGUFFile.open(mtp_model)
+    views = load_tensors(f) | {s.name: tensor_view(f, s.name) for s in f.mtp_specs()}
+    ref = DS4Model(f.config, {n: q.dequantize() for n, q in views.items()}, round_trips=OFF, mtp=True)
+    return ref, GpuStage(f.config, views, device="cpu", round_trips=OFF, int_dot=False, mtp=True)
+
+
+@pytest.mark.parametrize("pairs", [1, 3, 5, 40])  # one row, a row class, padded to 8 rows, past the largest class
+def test_the_kernel_stage_drafts_in_one_static_step_what_the_reference_drafts(mtp_model: Path, pairs: int) -> None:
+    """GpuStage.mtp_draft (the pairs as one static step padded to a row class, then the chain's one-row steps:
+    what its CUDA graph captures, run eagerly here) drafts the reference's tokens, at depths 1 and 3, on slots
+    of one pool of MTP caches that go on from where the draft left them (the padded rows and the chain's rows
+    are overwritten before they are read: the next draft agrees too)."""
+    ref, fast = _mtp_stages(mtp_model)
+    cfg = ref.cfg
+    gen = torch.Generator().manual_seed(pairs)
+    H = torch.randn(pairs + 60, cfg.hc_mult, cfg.dim, generator=gen)
+    tokens = torch.randint(2, cfg.vocab_size, (pairs + 60,), generator=gen)
+    refs, fasts = ref.new_mtp_caches(2, 256, 128), fast.new_mtp_caches(2, 256, 128)
+    assert fasts[0].pool is fasts[1].pool and fasts[1].slot == 1
+    for k in (1, 3):
+        a, b = refs[k == 3], fasts[k == 3]  # slot 0, then slot 1 of the pool
+        a.length = b.length = 20  # an earlier catch-up left the layer here (what lies before is never read)
+        want = ref.mtp_draft(H[:pairs], tokens[:pairs], a, k)
+        got = fast.mtp_draft(H[:pairs], tokens[:pairs], b, k)
+        assert got.tolist() == want.tolist() and got.shape == (k,)
+        assert a.length == b.length == 20 + pairs + k - 1
+        for c in (a, b):  # the caller keeps the pairs, not the chain
+            c.length = 20 + pairs
+        nxt = slice(pairs, pairs + 2)
+        assert fast.mtp_draft(H[nxt], tokens[nxt], b, 2).tolist() == ref.mtp_draft(H[nxt], tokens[nxt], a, 2).tolist()
+    with pytest.raises(ValueError, match="one state per token"):
+        fast.mtp_draft(H[:2], tokens[:3], fasts[0], 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs are a GPU's")
+def test_mtp_draft_graphs_replay_the_eager_drafts(mtp_model: Path) -> None:
+    """On CUDA, mtp_draft replays one graph per (row class, depth) over the slots of its pool: the same tokens as
+    the same launches run eagerly, on either slot, for catch-ups of 1-9 pairs and depths 1-4; a (row class,
+    depth) seen before replays its graph."""
+    f = GGUFFile.open(mtp_model)
+    views = load_tensors(f) | {s.name: tensor_view(f, s.name) for s in f.mtp_specs()}
+    fast = GpuStage(f.config, views, device="cuda", round_trips=OFF, mtp=True)
+    cfg = f.config
+    gen = torch.Generator().manual_seed(2)
+    H = (torch.randn(200, cfg.hc_mult, cfg.dim, generator=gen)).cuda()
+    tokens = torch.randint(2, cfg.vocab_size, (200,), generator=gen)
+    graphed, eager = fast.new_mtp_caches(2, 512, 128), fast.new_mtp_caches(2, 512, 128)
+    at = 0
+    for pairs, k, slot in ((1, 1, 0), (3, 2, 1), (4, 4, 0), (9, 3, 1), (2, 4, 0), (1, 1, 1)):
+        g, e = graphed[slot], eager[slot]
+        g.length = e.length = at
+        span = slice(at, at + pairs)
+        got = fast.mtp_draft(H[span], tokens[span], g, k, graph=True)
+        want = fast.mtp_draft(H[span], tokens[span], e, k, graph=False)
+        assert got.tolist() == want.tolist()
+        at += pairs
+    assert sum(key[0] == "mtp" for key in fast._graphs) == 5  # (1, 1) came twice
+
+
 def _scratch_drafts(engine: Engine, seq: list[int], token: int, k: int) -> list[int]:
     """The drafts after `seq` + `token`, computed from nothing: the model's last HC states of the whole
     sequence, the MTP layer over every pair (h_i, x_{i+1}), then the chain."""
     model = engine.runner.model
     cache = model.new_cache(CTX, chunk=len(seq) + 1)
     H = model.prefill(seq, cache)  # the HC states the head reads
-    mcache = model.new_mtp_cache(CTX, len(seq) + 1)
+    mcache = model.new_mtp_caches(1, CTX, len(seq) + 1)[0]
     model.mtp_step(H[:-1], torch.as_tensor(seq[1:]), mcache)
     out, h, t = [], H[-1:], token
     for _ in range(k):

@@ -378,7 +378,7 @@ class GpuStage:
         self.mtp = GpuMTP(cfg, weights, dev, int_dot, round_trips,
                           _kept(weights["token_embd.weight"], dev) if self.token_embd is None else self.token_embd) \
             if mtp else None
-        self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph] = {}
+        self._graphs: dict[tuple, _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph | _MtpGraph] = {}
         self.graph_pool: tuple | None = None  # the CUDA graph memory pool all of this stage's graphs share
         # decode steps as captured CUDA / HIP graphs (on a GPU); DS4STATION_CUDA_GRAPHS=0 launches eagerly
         self.graphs = _env_on("DS4STATION_CUDA_GRAPHS")
@@ -616,28 +616,90 @@ class GpuStage:
     @torch.inference_mode()
     def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
         """The MTP layer (model.MTPLayer) over H [T, C, dim] and the tokens after them, at positions
-        cache.length.. of its own cache (`new_mtp_cache`), eager launches -> (its HC states, logits [T, vocab])."""
-        m = self.mtp
-        assert m is not None
-        cfg, eps = self.cfg, self.cfg.rms_eps
+        cache.length.. of its own cache (`new_mtp_caches`), eager launches -> (its HC states, logits [T, vocab])."""
         tokens = torch.as_tensor(tokens, dtype=torch.long, device=self.device).view(-1)
         H = H.to(self.device, torch.float32)
-        T, C = H.shape[0], cfg.hc_mult
+        T = H.shape[0]
         cache.check_room(T)
         p0 = cache.length
         st = Step(torch.arange(p0, p0 + T, device=self.device), p0, p0 + T)
-        e = m.e_proj(rms_norm(m.token_embd[tokens].float(), m.enorm, eps))  # [T, dim]
-        h = m.h_proj(rms_norm(H.reshape(T * C, cfg.dim), m.hnorm, eps)).view(T, C, cfg.dim)
-        L = m.block
-        X = self._ffn(L, self._to_router(L, (h + e.unsqueeze(1)).contiguous(), tokens, cache[L.layer], st), st)
+        X = self._mtp_block(H, tokens, cache[self.cfg.n_layers], st)
         cache.advance(T)
-        x = hc_k.hc_head_pre(X, m.hc.fn, m.hc.scale, m.hc.base, eps, cfg.hc_eps)
-        return X, self.output(rms_norm(x, m.norm, eps))
+        return X, self._mtp_head(X)
 
-    def new_mtp_cache(self, ctx: int, chunk: int) -> KVCache:
+    @torch.inference_mode()
+    def mtp_draft(self, H: Tensor, tokens: Tensor | Sequence[int], cache: KVCache, k: int,
+                  graph: bool | None = None) -> Tensor:
+        """Drafts from the MTP layer: the pairs (H[i], tokens[i]) at positions cache.length.. (a catch-up's, then
+        the model's last state with the token about to be fed), then a chain of k depths, each from the state and
+        greedy token of the one before -> the k tokens [k] on the device. The pairs and depths run as one static
+        step of the pairs (padded to a row class) and k - 1 one-row steps: on CUDA one captured graph per (row
+        class, k) over the pool's slots (`new_mtp_caches`), captured on first use; anywhere else (or with
+        `graph=False`) the same launches eagerly. A catch-up longer than the largest row class runs its first
+        pairs through mtp_step. The cache holds the pairs and the chain's rows after it (the caller cuts it back)."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).view(-1)
+        n = tokens.numel()
+        if n < 1 or H.shape[0] != n or k < 1:
+            raise ValueError(f"an MTP draft needs one state per token and k >= 1 ({H.shape[0]} states, {n} tokens, "
+                             f"k {k})")
+        rows = next((r for r in (1, *SHORT_ROWS) if r >= n), 0)
+        if n > 1 and (not rows or rows + k - 1 > cache.chunk or cache.length + rows + k - 1 > cache.ctx):
+            # most of a window to catch up, or no room for the padding: all but the last pair eagerly
+            self.mtp_step(H[:-1], tokens[:-1], cache)
+            H, tokens, n, rows = H[-1:], tokens[-1:], 1, 1
+        p0 = cache.length
+        cache.check_room(rows + k - 1)
+        H = H.to(self.device, torch.float32)
+        key = ("mtp", id(cache.pool), rows, k)
+        g = self._graph(graph, key, lambda: _MtpGraph(self, cache, H, tokens, rows, k))
+        if g is None:
+            inp = _StepInputs(self, rows, False, p0)
+            inp.set(tokens.to(self.device), p0, H, cache.slot)
+            out = self._mtp_chain(inp, cache, k)
+        else:
+            out = g.run(H, tokens, cache)
+        cache.advance(n + k - 1, p0 + rows + k)
+        return out
+
+    def _mtp_chain(self, inp: _StepInputs, cache: KVCache, k: int) -> Tensor:
+        """mtp_draft's static step (what its graph captures): the MTP block over inp's rows (the pairs, padded),
+        then k depths from its last real row -> the k greedy tokens [k]. The block is window-only: the bucket
+        bounds nothing it reads."""
+        rows, kv = inp.tok.numel(), _Pooled(cache.pool)[self.cfg.n_layers]
+        st = Step(inp.pos, None, None, cache.ctx, None if rows == 1 else inp.last, inp.slots)
+        X = self._mtp_block(inp.x, inp.tok, kv, st)
+        pos = inp.pos if rows == 1 else inp.pos.index_select(0, inp.last)
+        X = X if rows == 1 else X.index_select(0, inp.last)
+        out = []
+        for depth in range(k):
+            out.append(torch.argmax(self._mtp_head(X), dim=-1))
+            if depth < k - 1:
+                pos = pos + 1
+                X = self._mtp_block(X, out[-1], kv, Step(pos, None, None, cache.ctx, None, inp.slots[:1]))
+        return torch.cat(out)
+
+    def _mtp_block(self, H: Tensor, tokens: Tensor, kv, st: Step) -> Tensor:  # noqa: ANN001 (LayerKV or pooled)
+        """The MTP layer's input projections and block over H [T, C, dim] and tokens [T] -> its HC states."""
+        m = self.mtp
+        assert m is not None
+        cfg, eps, T = self.cfg, self.cfg.rms_eps, H.shape[0]
+        e = m.e_proj(rms_norm(m.token_embd[tokens].float(), m.enorm, eps))  # [T, dim]
+        h = m.h_proj(rms_norm(H.reshape(T * cfg.hc_mult, cfg.dim), m.hnorm, eps)).view(T, cfg.hc_mult, cfg.dim)
+        L = m.block
+        return self._ffn(L, self._to_router(L, (h + e.unsqueeze(1)).contiguous(), tokens, kv, st), st)
+
+    def _mtp_head(self, X: Tensor) -> Tensor:
+        """The MTP layer's own hyper-connection head and norm, then the stage's output matrix -> [T, vocab]."""
+        m, cfg = self.mtp, self.cfg
+        assert m is not None
+        x = hc_k.hc_head_pre(X, m.hc.fn, m.hc.scale, m.hc.base, cfg.rms_eps, cfg.hc_eps)
+        return self.output(rms_norm(x, m.norm, cfg.rms_eps))
+
+    def new_mtp_caches(self, n: int, ctx: int, chunk: int) -> list[KVCache]:
+        """n caches of the MTP layer, the slots of one KVPool (one draft graph serves all of them)."""
         assert self.mtp is not None
-        return KVCache(self.mtp.mcfg, range(self.cfg.n_layers, self.cfg.n_layers + 1), ctx, chunk=chunk,
-                       device=self.device)
+        return pooled_caches(self.mtp.mcfg, range(self.cfg.n_layers, self.cfg.n_layers + 1), n, ctx, chunk=chunk,
+                             device=self.device)
 
     def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
@@ -914,7 +976,7 @@ class GpuStage:
         return self.device.type == "cuda" and self.graphs
 
     def _graph(self, graph: bool | None, key: tuple, make: Callable[[], _StepGraph | _SegmentedStep | _BatchGraph |
-               _MultiGraph]) -> _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph | None:
+               _MultiGraph | _MtpGraph]) -> _StepGraph | _SegmentedStep | _BatchGraph | _MultiGraph | _MtpGraph | None:
         """The captured graph for `key` (captured now if new), or None to launch eagerly: on a CPU (unless
         `graph` is True), when `graph` is False, with DS4STATION_CUDA_GRAPHS=0, or after a capture failed on
         this stage (warned once; steps go on with eager launches of the same ops)."""
@@ -1098,6 +1160,22 @@ class _MultiGraph(_MultiInputs):
 
     def run(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> Tensor:
         self.set(tokens, caches)
+        self.graph.replay()
+        return self.out
+
+
+class _MtpGraph(_StepInputs):
+    """mtp_draft's static step of `rows` pairs and k depths over a pool of MTP caches, captured in a CUDA graph
+    on `cache` with the draft's own inputs (the capture's warm-up writes the rows the replay writes)."""
+
+    def __init__(self, stage: GpuStage, cache: KVCache, H: Tensor, tokens: Tensor, rows: int, k: int) -> None:
+        super().__init__(stage, rows, False, cache.length)
+        self.pool = cache.pool  # the graph writes into the pool's tensors: keep them alive with it
+        self.set(tokens.to(stage.device), cache.length, H, cache.slot)
+        self.graph, self.out = _capture(stage, lambda: stage._mtp_chain(self, cache, k))
+
+    def run(self, H: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
+        self.set(tokens.to(self.tok.device, non_blocking=True), cache.length, H, cache.slot)
         self.graph.replay()
         return self.out
 

@@ -18,7 +18,7 @@ references that lack them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -389,9 +389,21 @@ class DS4Model:
         assert self.mtp is not None
         return self.mtp(H.to(self.device, torch.float32), torch.as_tensor(tokens, device=self.device).view(-1), cache)
 
-    def new_mtp_cache(self, ctx: int, chunk: int) -> KVCache:
+    @torch.inference_mode()
+    def mtp_draft(self, H: Tensor, tokens: Tensor | Sequence[int], cache: KVCache, k: int) -> Tensor:
+        """The pairs (H[i], tokens[i]) at positions cache.length.., then a chain of k depths, each from the state
+        and greedy token of the one before, one mtp_step each -> the k tokens [k] (GpuStage.mtp_draft's
+        reference)."""
+        X, logits = self.mtp_step(H, torch.as_tensor(tokens), cache)
+        out = [logits[-1].argmax().view(1)]
+        for _ in range(k - 1):
+            X, logits = self.mtp_step(X[-1:], out[-1], cache)
+            out.append(logits[-1].argmax().view(1))
+        return torch.cat(out)
+
+    def new_mtp_caches(self, n: int, ctx: int, chunk: int) -> list[KVCache]:
         assert self.mtp is not None
-        return self.mtp.new_cache(ctx, chunk, self.device)
+        return [self.mtp.new_cache(ctx, chunk, self.device) for _ in range(n)]
 
 
 # ---- random weights (tests, benchmarks) ----------------------------------------------------------------

@@ -43,7 +43,7 @@ class _MtpSession:
 
 class MtpDrafts:
     """The MTP layer's state of every session of one stage, and its drafts. `model`: the stage's backend (a
-    DS4Model or GpuStage built with the MTP layer: `mtp_step`, `new_mtp_cache`). One state per KV slot is
+    DS4Model or GpuStage built with the MTP layer: `mtp_draft`, `new_mtp_caches`). One state per KV slot is
     allocated here, at load (model/footprint.py's mtp_bytes counts them), and a session takes a free one."""
 
     def __init__(self, model, cfg: ModelConfig, ctx: int, chunk: int, device: torch.device,  # noqa: ANN001
@@ -51,9 +51,9 @@ class MtpDrafts:
         self.model, self.cfg, self.ctx, self.device = model, cfg, ctx, device
         self.ring = cfg.window + MTP_RING_EXTRA  # beyond the window: a verification's rows and the chain's start
         self.chunk = max(chunk, self.ring)  # the layer's cache takes a whole catch-up (at most a window) at once
-        self.free_states = [_MtpSession(model.new_mtp_cache(ctx, self.chunk),
-                                        torch.zeros(self.ring, cfg.hc_mult, cfg.dim, device=device),
-                                        [0] * self.ring, [-1] * self.ring) for _ in range(slots)]
+        self.free_states = [_MtpSession(cache, torch.zeros(self.ring, cfg.hc_mult, cfg.dim, device=device),
+                                        [0] * self.ring, [-1] * self.ring)
+                            for cache in model.new_mtp_caches(slots, ctx, self.chunk)]
         self.allocated = [*self.free_states]
         self.sessions: dict[int, _MtpSession] = {}
 
@@ -116,28 +116,20 @@ class MtpDrafts:
         if k <= 0 or not self._held(s, last):
             return []
         cache, W = s.cache, self.cfg.window
-        start = max(cache.length, last - (W - 1))  # pairs older than one window are never read again
+        # pairs older than one window are never read again; the last pair is always (re)run
+        start = max(min(cache.length, last), last - (W - 1))
         held_from = start
         while held_from < last and not self._held(s, held_from):  # the ring lost them (a far rewind): skipped
             held_from += 1
         cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
-        # catch up: the pairs (h_i, x_{i+1}) for i in [held_from, last)
-        if held_from < last:
-            H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, last - held_from)])
-            nxt = torch.as_tensor([s.tokens[(q + 1) % self.ring] for q in range(held_from, last)])
-            self.model.mtp_step(H, nxt, cache)
-        # the chain: depth 1 from the model's state at `last`, each further one from the depth before; each
-        # depth's token stays on the device for the next (one read of all of them at the end, not one per depth)
-        out: list[torch.Tensor] = []
-        h = s.hidden[last % self.ring].unsqueeze(0)
-        t = torch.full((1,), token, dtype=torch.long, device=self.device)  # a fill: no host-to-device copy
-        for _ in range(min(k, self.ctx - 1 - last)):
-            X, logits = self.model.mtp_step(h, t, cache)
-            t = logits[-1].argmax().view(1)
-            out.append(t)
-            h = X[-1:]
+        # the pairs (h_i, x_{i+1}) for i in [held_from, last] (the last: the model's state at `last` and the token
+        # about to be fed), then the chain: depth 1 from that last pair, each further one from the depth before;
+        # one static step on a kernel stage (a captured graph on CUDA), the tokens read once at the end
+        H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, length - held_from)])
+        nxt = [s.tokens[(q + 1) % self.ring] for q in range(held_from, last)] + [token]
+        out = self.model.mtp_draft(H, nxt, cache, min(k, self.ctx - 1 - last)) if last < self.ctx - 1 else None
         cache.length = min(cache.length, length)  # the chain's rows past (h_last, token) are dropped
-        return torch.cat(out).tolist() if out else []
+        return [] if out is None else out.tolist()
 
     def nbytes(self) -> int:
         """What the sessions' states hold, all of them (their caches and rings)."""

@@ -377,12 +377,11 @@ class StageRunner:
                 slot.reset()
         if self.experts is not None:
             self.experts.dry = False
-        if self.mtp is not None:  # the MTP layer's eager steps: a catch-up of most of a window, one chain depth
-            mcache = self.model.new_mtp_cache(ctx, self.mtp.chunk)
+        if self.mtp is not None:  # the MTP layer's kernels: an eager catch-up of most of a window, a chain
+            mcache = self.model.new_mtp_caches(1, ctx, self.mtp.chunk)[0]
             H = torch.randn(cfg.window, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
             tokens = torch.randint(2, cfg.vocab_size, (cfg.window,), generator=gen)
-            self.model.mtp_step(H[:-1], tokens[:-1], mcache)
-            self.model.mtp_step(H[-1:], tokens[-1:], mcache)
+            self.model.mtp_draft(H, tokens, mcache, 2, graph=False)
         # A static step's graph serves every session of the pool: captured once, on the first slot (a streaming
         # stage's segmented decode graphs are each session's own)
         owners = self.slots if self.experts is not None else self.slots[:1]
