@@ -262,6 +262,7 @@ def test_the_kernel_stage_drafts_in_one_static_step_what_the_reference_drafts(mt
         assert fast.mtp_draft(H[nxt], tokens[nxt], b, 2).tolist() == ref.mtp_draft(H[nxt], tokens[nxt], a, 2).tolist()
     with pytest.raises(ValueError, match="one state per token"):
         fast.mtp_draft(H[:2], tokens[:3], fasts[0], 1)
+    assert fast.capture_mtp(fast.new_mtp_caches(1, 256, 128)[0], 3) == 0  # graphs are CUDA's
 
 
 @pytest.mark.gpu
@@ -278,16 +279,18 @@ def test_mtp_draft_graphs_replay_the_eager_drafts(mtp_model: Path) -> None:
     H = (torch.randn(200, cfg.hc_mult, cfg.dim, generator=gen)).cuda()
     tokens = torch.randint(2, cfg.vocab_size, (200,), generator=gen)
     graphed, eager = fast.new_mtp_caches(2, 512, 128), fast.new_mtp_caches(2, 512, 128)
-    at = 0
+    assert fast.capture_mtp(graphed[0], 3) == 4 and graphed[0].length == 0  # ahead: 1-4 pairs, depth 3
+    at = [0, 0]  # each slot's sequence: its pairs in order (what a position reads was written by the same pairs)
     for pairs, k, slot in ((1, 1, 0), (3, 2, 1), (4, 4, 0), (9, 3, 1), (2, 4, 0), (1, 1, 1)):
         g, e = graphed[slot], eager[slot]
-        g.length = e.length = at
-        span = slice(at, at + pairs)
+        g.length = e.length = at[slot]
+        span = slice(at[slot], at[slot] + pairs)
         got = fast.mtp_draft(H[span], tokens[span], g, k, graph=True)
         want = fast.mtp_draft(H[span], tokens[span], e, k, graph=False)
         assert got.tolist() == want.tolist()
-        at += pairs
-    assert sum(key[0] == "mtp" for key in fast._graphs) == 5  # (1, 1) came twice
+        at[slot] += pairs
+    # (rows, depth): (1-4, 3) captured ahead, (16, 3) and the others on first use, (1, 1) replayed the second time
+    assert sum(key[0] == "mtp" for key in fast._graphs) == 9
 
 
 def _scratch_drafts(engine: Engine, seq: list[int], token: int, k: int) -> list[int]:

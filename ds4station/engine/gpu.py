@@ -661,6 +661,23 @@ class GpuStage:
         cache.advance(n + k - 1, p0 + rows + k)
         return out
 
+    def capture_mtp(self, cache: KVCache, k: int) -> int:
+        """Capture, ahead of use, the mtp_draft graphs of a request drafting k tokens alone (catch-ups of 1..k+1
+        pairs: the drafts it accepted and its token) on an empty MTP cache of the pool (the captures write its
+        first rows; it is left empty). -> graphs held."""
+        if cache.length or not self._graphs_on() or k < 1:
+            return 0
+        cfg, n = self.cfg, 0
+        for rows in (r for r in (1, *SHORT_ROWS) if r <= k + 1 and r + k - 1 <= min(cache.chunk, cache.ctx)):
+            H = torch.zeros(rows, cfg.hc_mult, cfg.dim, device=self.device)
+            tokens = torch.zeros(rows, dtype=torch.long)
+            if self._graph(True, ("mtp", id(cache.pool), rows, k), lambda H=H, t=tokens, r=rows: _MtpGraph(
+                    self, cache, H, t, r, k)) is None:
+                break
+            n += 1
+        cache.reset()
+        return n
+
     def _mtp_chain(self, inp: _StepInputs, cache: KVCache, k: int) -> Tensor:
         """mtp_draft's static step (what its graph captures): the MTP block over inp's rows (the pairs, padded),
         then k depths from its last real row -> the k greedy tokens [k]. The block is window-only: the bucket

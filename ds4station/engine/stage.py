@@ -393,6 +393,8 @@ class StageRunner:
         if verify and self.logits:  # the head over every row (other stages' steps are the short prefill's)
             graphs += self.model.capture(self.slots[0], embedded=self.embeds, logits=ALL_ROWS,
                                          positions=WARM_POSITIONS, rows=(verify,))
+        if self.mtp is not None and self.settings.verify_rows > 1:  # the MTP layer's drafts for one request
+            graphs += self.model.capture_mtp(self.mtp.allocated[0].cache, self.settings.verify_rows - 1)
         torch.cuda.synchronize(self.device)
         self.warm_s = time.monotonic() - t0
         print(f"ds4station: {stage_label(self.rank, self.stage)} warm in {self.warm_s:.1f} s ({len(steps)} prefill "
