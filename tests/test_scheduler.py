@@ -584,12 +584,24 @@ def _batch_jobs(engine) -> list[Job]:
     return jobs
 
 
-def test_batched_decode_gives_each_request_the_tokens_it_gets_alone(engine, make_scheduler) -> None:
+def test_batched_decode_gives_each_request_the_tokens_it_gets_alone(engine, make_scheduler, monkeypatch) -> None:
     """Four requests at once (two greedy, two sampled with their own seeds) decode in shared steps, and each
-    gets exactly the text and tokens it gets when it runs alone."""
+    gets exactly the text and tokens it gets when it runs alone; a step's tokens, greedy and sampled, are read
+    from the device together (one wait for all of them)."""
+    from ds4station.engine import scheduler as scheduler_module
+    from ds4station.engine.sampler import host_ints
+
     alone = [run(make_scheduler(sessions=1), dataclasses.replace(job))[0] for job in _batch_jobs(engine)]
+    reads: list[int] = []  # the picks each read took
+
+    def counted(ts):  # noqa: ANN001, ANN202
+        reads.append(len(ts))
+        return host_ints(ts)
+
+    monkeypatch.setattr(scheduler_module, "host_ints", counted)
     s = make_scheduler(sessions=4)
     together = run_together(s, *(dataclasses.replace(job) for job in _batch_jobs(engine)))
+    assert max(reads) == 4
     assert [(t, f.output, f.reason) for t, f in together] == [(t, f.output, f.reason) for t, f in alone]
     assert max(len(r.decoded) for r in s.steps) == 4  # they really shared steps
     st = s.status()["batch"]
