@@ -162,6 +162,32 @@ def test_greedy_with_lookup_drafts_is_plain_decode(engine: Engine, plain: list[i
     assert fin.timings.as_dict()["draft_n"] == draft["drafted"]
 
 
+def test_a_lone_requests_verifications_are_decode_steps_of_the_step_log(engine: Engine) -> None:
+    """One request drafting alone: each step that verified its drafts records it as decoded and verified (the
+    step log, /status's batch counts), so its decode steps are counted whether or not they verify drafts."""
+    s = Scheduler(lambda: engine, ctx=CTX, prefill_chunk=CHUNK, owns_engine=False, sessions=1, draft="lookup",
+                  draft_tokens=3).start()
+    try:
+        assert s.ready.wait(60) and s.state == "ready", s.error
+
+        job = Job(prompt=PROMPT, max_tokens=N_NEW, sampling=SamplingParams(temperature=0.0))
+
+        async def go() -> None:
+            async for _ in s.submit(job).events():
+                pass
+
+        asyncio.run(go())
+        steps = [r for r in s.steps if r.decoded or r.prefilled]
+        verified = [r for r in steps if r.verified]
+        assert verified and all(r.verified == r.decoded == [job.id] for r in verified)
+        status = s.status()
+        assert len(verified) == status["draft"]["steps"] > 0
+        assert status["batch"]["decode_steps"] == sum(1 for r in steps if r.decoded) >= len(verified)
+        assert all(r.decoded for r in steps if not r.prefilled)  # every step after the prompt fed the request
+    finally:
+        s.stop()
+
+
 class _Known:
     """A draft source that knows the greedy continuation: right (oracle) or always wrong (garbage)."""
 
@@ -368,5 +394,6 @@ def test_without_a_batched_verification_requests_together_take_the_batched_step(
     alone = [generate(engine, PROMPT, n)[0] for n in (N_NEW, 10)]
     fins, s = _together(_NoBatchedVerify(engine), (N_NEW, 10), draft_tokens=3)
     assert [f.output for f in fins] == alone
-    assert any(len(r.decoded) == 2 for r in s.steps) and not any(r.verified for r in s.steps)
+    assert any(len(r.decoded) == 2 for r in s.steps)
+    assert all(len(r.verified) <= 1 and len(r.decoded) == 1 for r in s.steps if r.verified)  # never together
     assert fins[1].timings.draft_n == 0 and fins[0].timings.draft_n > 0  # drafts only once alone

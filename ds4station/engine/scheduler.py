@@ -535,8 +535,9 @@ class _Stream:
 
 @dataclass
 class StepRecord:
-    """One scheduler step (the step log): the requests that decoded in its batched step (or its batched
-    verification: `verified` names those of them whose drafts it verified), the prompt tokens each prefilling
+    """One scheduler step (the step log): the requests that decoded in its batched step or its verification (of
+    one request's drafts, or of several requests' together: `verified` names those whose drafts it verified),
+    the prompt tokens each prefilling
     request got, and where the worker thread's time went (milliseconds of host time, so on a
     GPU that queues its work they show where the worker waited for it: `wait_ms` for the previous step's
     prompt pieces, `prefill_ms` issuing this step's pieces (a prompt's end waits for its logits), `sample_ms`
@@ -547,7 +548,7 @@ class StepRecord:
     decoded: list[int]
     prefilled: dict[int, int]
     at: float = 0.0
-    verified: list[int] = field(default_factory=list)  # of `decoded`, those that verified drafts together
+    verified: list[int] = field(default_factory=list)  # of `decoded`, those whose drafts it verified
     wait_ms: float = 0.0
     prefill_ms: float = 0.0
     sample_ms: float = 0.0
@@ -624,7 +625,7 @@ class Scheduler:
         self._streams: list[_Stream] = []  # the running requests, in order of admission
         self._fence: Any = None  # a CUDA event after the last step's unfinished prompt pieces
         self._fence_ms = 0.0  # waited for it before the next step (between steps: see _main), for its record
-        self._verified: list[int] = []  # the requests whose drafts this step verified together
+        self._verified: list[int] = []  # the requests whose drafts this step verified
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
         self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
         self.draft_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verifications, drafted / accepted tokens
@@ -1185,7 +1186,7 @@ class Scheduler:
         """Feed every request its accepted tokens: one batched decode step for those with one token (the
         engine's `decode_batch` when it has one, else one after another); with a draft source, those with drafts
         verify them with their token (see _verify); -> the ids of the requests fed one token each in one step
-        (the batched decode step's, or a batched verification's)."""
+        (the batched decode step's, or a verification's)."""
         singles = [s for s in feed if len(s.feed) == 1]
         ids = self._verify(singles)
         for stream in feed:
@@ -1223,7 +1224,8 @@ class Scheduler:
         together in one step when the engine has `verify_batch` (every request's rows, with or without drafts,
         each weight read once for all of them; the drafts per request then fit the step's rows), else they take
         the batched decode step without drafts (a verification of its own would read every weight for one
-        request). -> the ids of a batched verification's requests (fed one token each, plus their drafts)."""
+        request). -> the ids of the requests a verification fed (one token each, plus their drafts): the lone
+        request's, or a batched verification's."""
         drafting = [s for s in singles if s.drafter is not None]
         if not drafting:
             return []
@@ -1248,9 +1250,11 @@ class Scheduler:
             stream = group[0]
             d = drafts[stream.job.id]
             rows = self._engine_call([stream], lambda: stream.live.session.verify(stream.feed + d))
-            if rows is not None:
-                stream.rows, stream.drafts, stream.logits = rows, d, rows[0]
-            return []
+            if rows is None:
+                return []
+            stream.rows, stream.drafts, stream.logits = rows, d, rows[0]
+            self._verified = [stream.job.id]
+            return [stream.job.id]
         outs = self._engine_call(group, lambda: self.engine.verify_batch(  # type: ignore[union-attr]
             [s.live.session for s in group], [s.feed + drafts.get(s.job.id, []) for s in group]))
         if outs is None:
