@@ -171,6 +171,34 @@ def test_prefill_schedule_covers_every_row_once() -> None:
     assert t_exp.numel() >= 8
 
 
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_prefill_schedule_tiles_each_experts_rows_and_waits_for_nothing(device: str) -> None:
+    """Random routings of a prefill chunk (some experts unused, some heavy): each expert's rows, in token order,
+    are cut into tiles of at most block_m rows in expert order; on a GPU the schedule is queued without one wait
+    for the device (torch's sync debug mode raises on any), so the host runs ahead of a prefill's layers."""
+    from ds4station.kernels.moe_prefill import _schedule
+
+    gen = torch.Generator().manual_seed(5)
+    for tokens, slots, n_experts, block_m in ((37, 6, 16, 4), (300, 6, 256, 16), (5, 2, 64, 8)):
+        ids = torch.randint(0, n_experts // 2, (tokens, slots), generator=gen, dtype=torch.int32).to(device)
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            order, t_exp, t_start, t_end = _schedule(ids, n_experts, block_m)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        flat = ids.reshape(-1).cpu()
+        order, t_exp, t_start, t_end = (t.cpu() for t in (order, t_exp, t_start, t_end))
+        want = []  # (expert, its rows in token order) tile by tile
+        for e in range(n_experts):
+            rows = torch.nonzero(flat == e).flatten().tolist()
+            want += [(e, rows[i:i + block_m]) for i in range(0, len(rows), block_m)]
+        used = [(int(e), order[s:t].tolist()) for e, s, t in zip(t_exp, t_start, t_end, strict=True) if t > s]
+        assert used == want
+
+
 _REPACK = {Q.IQ2_XXS: repack_iq2_xxs, Q.Q2_K: repack_q2_k}
 
 

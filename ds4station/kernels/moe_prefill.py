@@ -30,7 +30,9 @@ def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Te
     flat = ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     order = torch.argsort(flat, stable=True).to(torch.int32)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # rows per expert by a scatter-add: torch.bincount reads the ids' min and max on the host (two waits for the
+    # GPU in every layer of a prefill chunk, so the host could never run ahead of it)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts
     tiles = (counts + block_m - 1) // block_m
     tile_end_cum = torch.cumsum(tiles, 0)
