@@ -211,12 +211,16 @@ def test_batched_steps_keep_the_mtp_layers_ring(engine: Engine, mtp_model: Path,
 
 
 # ---- the layer's numerics --------------------------------------------------------------------------------------
-def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> None:
+def _mtp_stages(mtp_model: Path) -> tuple[DS4Model, GpuStage]:
     f = GGUFFile.open(mtp_model)
-    cfg = f.config
     views = load_tensors(f) | {s.name: tensor_view(f, s.name) for s in f.mtp_specs()}
-    ref = DS4Model(cfg, {n: q.dequantize() for n, q in views.items()}, round_trips=OFF, mtp=True)
-    fast = GpuStage(cfg, views, device="cpu", round_trips=OFF, int_dot=False, mtp=True)
+    ref = DS4Model(f.config, {n: q.dequantize() for n, q in views.items()}, round_trips=OFF, mtp=True)
+    return ref, GpuStage(f.config, views, device="cpu", round_trips=OFF, int_dot=False, mtp=True)
+
+
+def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> None:
+    ref, fast = _mtp_stages(mtp_model)
+    cfg = ref.cfg
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (70,), generator=gen)
     H = torch.randn(70, cfg.hc_mult, cfg.dim, generator=gen)
@@ -227,13 +231,6 @@ def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> No
         assert torch.allclose(Xb, Xa, rtol=0, atol=1e-4 * Xa.abs().max().item())
         assert torch.allclose(lb, la, rtol=0, atol=1e-4 * la.abs().max().item())
     assert a.length == b.length == 70
-
-
-def _mtp_stages(mtp_model: Path) -> tuple[DS4Model, GpuStage]:
-    f = GGUFFile.open(mtp_model)
-    views = load_tensors(f) | {s.name: tensor_view(f, s.name) for s in f.mtp_specs()}
-    ref = DS4Model(f.config, {n: q.dequantize() for n, q in views.items()}, round_trips=OFF, mtp=True)
-    return ref, GpuStage(f.config, views, device="cpu", round_trips=OFF, int_dot=False, mtp=True)
 
 
 @pytest.mark.parametrize("pairs", [1, 3, 5, 40])  # one row, a row class, padded to 8 rows, past the largest class

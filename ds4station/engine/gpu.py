@@ -654,7 +654,7 @@ class GpuStage:
         g = self._graph(graph, key, lambda: _MtpGraph(self, cache, H, tokens, rows, k))
         if g is None:
             inp = _StepInputs(self, rows, False, p0)
-            inp.set(tokens.to(self.device), p0, H, cache.slot)
+            inp.set(tokens, p0, H, cache.slot)
             out = self._mtp_chain(inp, cache, k)
         else:
             out = g.run(H, tokens, cache)
@@ -1188,11 +1188,11 @@ class _MtpGraph(_StepInputs):
     def __init__(self, stage: GpuStage, cache: KVCache, H: Tensor, tokens: Tensor, rows: int, k: int) -> None:
         super().__init__(stage, rows, False, cache.length)
         self.pool = cache.pool  # the graph writes into the pool's tensors: keep them alive with it
-        self.set(tokens.to(stage.device), cache.length, H, cache.slot)
+        self.set(tokens, cache.length, H, cache.slot)
         self.graph, self.out = _capture(stage, lambda: stage._mtp_chain(self, cache, k))
 
     def run(self, H: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
-        self.set(tokens.to(self.tok.device, non_blocking=True), cache.length, H, cache.slot)
+        self.set(tokens, cache.length, H, cache.slot)
         self.graph.replay()
         return self.out
 
