@@ -13,7 +13,7 @@ from ds4station.engine.demo import make_model
 from ds4station.engine.gpu import GpuStage
 from ds4station.engine.model import OFF, DS4Model, RoundTrips
 from ds4station.engine.weights import load_tensors
-from ds4station.kernels import dispatch
+from ds4station.kernels import dispatch, pdl
 from ds4station.model.gguf import GGUFFile
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -399,15 +399,37 @@ def test_overlapped_projections_give_the_one_stream_results(tiny: GGUFFile, monk
     two = GpuStage(cfg, weights, device="cuda")
     assert one.side is None and two.side is not None
     tokens = torch.randint(0, cfg.vocab_size, (3, 80), generator=torch.Generator().manual_seed(8))
+    for a, b in zip(_every_step(one, tokens, 64), _every_step(two, tokens, 64), strict=True):
+        assert torch.equal(a, b)
+
+
+def _every_step(stage: GpuStage, tokens: torch.Tensor, chunk: int) -> list[torch.Tensor]:
+    """Logits of each kind of step over three sequences of tokens [3, 80]: prefills (chunked, eager), decode
+    steps, batched decode steps, a 5-token static step and a verification of two sequences' rows."""
+    pool = stage.new_caches(3, 256, chunk=chunk)
+    got = [stage.prefill(tokens[b, :40 + 9 * b], c, logits=True).clone() for b, c in enumerate(pool)]
+    got += [stage.decode(int(tokens[0, 40 + j]), pool[0], logits=True).clone() for j in range(6)]
+    for j in range(6):
+        got.append(stage.decode_batch([int(tokens[b, 60 + j]) for b in range(3)], pool, logits=True).clone())
+    got.append(stage.prefill(tokens[1, 70:75], pool[1], logits=True).clone())  # a 5-token static step
+    got += stage.verify_batch([tokens[0, 70:73].tolist(), tokens[2, 70:72].tolist()], [pool[0], pool[2]])
+    return got
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch is sm_90+")
+def test_dependent_launches_give_the_serial_results(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With programmatic dependent launch (kernels/pdl.py) each kernel starts while the one before it finishes
+    and waits for its results on the device: eager prefill chunks, decode graphs, batched graphs, a short
+    prefill's static step and a verification of several sequences give bit-identical results to launches in
+    plain stream order (DS4STATION_PDL=0)."""
+    cfg = tiny.config
+    weights = load_tensors(tiny)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 80), generator=torch.Generator().manual_seed(9))
     outs = []
-    for stage in (one, two):
-        pool = stage.new_caches(3, 256, chunk=64)
-        got = [stage.prefill(tokens[b, :40 + 9 * b], c, logits=True).clone() for b, c in enumerate(pool)]
-        got += [stage.decode(int(tokens[0, 40 + j]), pool[0], logits=True).clone() for j in range(6)]
-        for j in range(6):
-            got.append(stage.decode_batch([int(tokens[b, 60 + j]) for b in range(3)], pool, logits=True).clone())
-        got.append(stage.prefill(tokens[1, 70:75], pool[1], logits=True).clone())  # a 5-token static step
-        outs.append(got)
+    for on in (False, True):
+        monkeypatch.setattr(pdl, "ON", on)
+        outs.append(_every_step(GpuStage(cfg, weights, device="cuda"), tokens, 32))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a, b)
 

@@ -80,3 +80,27 @@ def test_problems_flags_what_ci_must_reject() -> None:
     found = compile_check.problems(bad)
     assert len(found) == 3 and "boom" in found[0] and "bf16" in found[1] and "spills" in found[2]
     assert "ERROR" in compile_check.format_table(bad)
+
+
+def test_sm90_kernels_wait_for_the_previous_kernel_before_touching_memory(reports: list[compile_check.Report]) -> None:
+    """On sm_90+ every kernel is launched with programmatic dependent launch (kernels/pdl.py), so it may start
+    before the previous kernel ends: its PTX must wait (griddepcontrol.wait) before any global load, store or
+    atomic, and only then let the next kernel launch. sm_86 builds carry no wait (PDL is sm_90+)."""
+    sm90 = [r for r in reports if r.target == "sm90"]
+    assert sm90 and {r.extra.get("pdl") for r in sm90} == {"first"}, \
+        [(r.kernel, r.extra.get("pdl")) for r in sm90 if r.extra.get("pdl") != "first"]
+    assert {r.extra.get("pdl") for r in reports if r.target == "sm86"} == {"off"}
+
+
+def test_pdl_order_reads_the_wait_against_the_first_global_access() -> None:
+    wait, go = "griddepcontrol.wait; // r1\n", "griddepcontrol.launch_dependents; // r2\n"
+    load, store = "ld.global.nc.v4.b32 {%r3, %r4, %r5, %r6}, [%rd1];\n", "st.global.b32 [%rd2], %r7;\n"
+    params = "ld.param.u64 %rd1, [k_param_0];\nmov.u32 %r1, %ctaid.x;\n"
+    assert compile_check.pdl_order(params + wait + go + load + store) == "first"
+    assert compile_check.pdl_order(params + load + wait + go + store) == "late"
+    assert compile_check.pdl_order(params + "atom.global.add.u32 %r8, [%rd3], 1;\n" + wait + go) == "late"
+    assert compile_check.pdl_order(params + go + wait + load) == "late"  # dependents launched before the wait
+    assert compile_check.pdl_order(params + load + store) == "missing"
+    assert compile_check.pdl_order(params + wait + load) == "missing"
+    bad = [compile_check.Report("k", "sm90", ok=True, extra={"pdl": "late"})]
+    assert "wait is late" in compile_check.problems(bad)[0]

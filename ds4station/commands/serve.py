@@ -57,8 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "--sessions KV slots; default: all of them)")
     p.add_argument("--prefill-budget", type=token_count, default=None, metavar="N",
                    help="prompt tokens prefilled per step over all prompts in progress, between two decode steps "
-                        "of the running requests (default: 1024 on a GPU, the prefill chunk on the CPU; at most "
-                        "the prefill chunk)")
+                        "of the running requests (default and at most: the prefill chunk)")
     p.add_argument("--queue", type=int, default=16, help="requests that may wait for a place in the batch")
     p.add_argument("--max-tokens", type=token_count, default=4096, metavar="N",
                    help="default generation limit per request (default 4096)")

@@ -99,7 +99,6 @@ from .stage import (
 )
 
 DEFAULT_GPU_CHUNK = 2048
-DEFAULT_GPU_PREFILL_BUDGET = 1024
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
 DEFAULT_JOIN_TIMEOUT = 300.0
 
@@ -950,9 +949,11 @@ def default_chunk(device: str) -> int:
 
 def default_prefill_budget(device: str) -> int:
     """The scheduler's prompt tokens per step (serve --prefill-budget) for a route whose first stage is on
-    `device`: DEFAULT_GPU_PREFILL_BUDGET on a GPU (a piece of a long prompt, between two decode steps of the
-    running requests, takes well under a second), the CPU's whole chunk (DEFAULT_CHUNK)."""
-    return DEFAULT_CHUNK if device == "cpu" else DEFAULT_GPU_PREFILL_BUDGET
+    `device`: its whole prefill chunk. On the H200 a 32K-token prompt through serve prefilled at 2,298 tok/s
+    in 2,048-token pieces against 2,123 in 1,024-token ones (the routed experts' prefill reads each expert once
+    per piece), and a 20-token request arriving meanwhile still had its first token in 0.40 s (0.30 s);
+    docs/PERFORMANCE.md, twenty-second session."""
+    return default_chunk(device)
 
 
 def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: str | Route | None = None,
@@ -977,5 +978,5 @@ def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: st
     return resolved
 
 
-__all__ = ["DEFAULT_GPU_CHUNK", "DEFAULT_GPU_PREFILL_BUDGET", "Engine", "Session", "StageDown", "check_expert_caches",
+__all__ = ["DEFAULT_GPU_CHUNK", "Engine", "Session", "StageDown", "check_expert_caches",
            "check_settings", "default_chunk", "default_device", "default_prefill_budget", "resolve_route"]

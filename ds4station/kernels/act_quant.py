@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 LAYOUTS = {"iq2_xxs": 0, "q2_k": 1, "q4_k": 2}
 
@@ -85,7 +86,8 @@ else:
 
 @triton.jit
 def _quant_act_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K, stride_xm,
-                      LAYOUT: tl.constexpr, BLOCK_G: tl.constexpr):
+                      LAYOUT: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     pid = tl.program_id(1)
     G = K // 32
@@ -133,7 +135,7 @@ def quantize_act(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
     tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
     block_g = min(tiles.block, 32)
     _quant_act_kernel[(m, triton.cdiv(k // 32, block_g))](
-        x, xq, xs, xsum, k, x.stride(0), LAYOUT=LAYOUTS[layout], BLOCK_G=block_g, num_warps=tiles.num_warps)
+        x, xq, xs, xsum, k, x.stride(0), LAYOUT=LAYOUTS[layout], BLOCK_G=block_g, num_warps=tiles.num_warps, **pdl(x))
     return xq, xs, xsum
 
 
@@ -161,7 +163,8 @@ def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
 
 
 @triton.jit
-def _quant_act16_kernel(x_ptr, hi_ptr, lo_ptr, xs_ptr, K, stride_xm, BLOCK_G: tl.constexpr):
+def _quant_act16_kernel(x_ptr, hi_ptr, lo_ptr, xs_ptr, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0)
     pid = tl.program_id(1)
     G = K // 32
@@ -201,7 +204,7 @@ def quantize_act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
     block_g = min(tiles.block, 32)
     _quant_act16_kernel[(m, triton.cdiv(k // 32, block_g))](x, hi, lo, xs, k, x.stride(0), BLOCK_G=block_g,
-                                                           num_warps=tiles.num_warps)
+                                                           num_warps=tiles.num_warps, **pdl(x))
     return hi, lo, xs
 
 

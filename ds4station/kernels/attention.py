@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
 
@@ -157,9 +158,10 @@ def _attn_split_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, 
                        H, D, NW, NC, ring_len, stride_q, stride_kw, stride_kc, stride_qt, stride_it, stride_skw,
                        stride_skc, scale,
                        INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Partials of key block `split` for heads [hb * BLOCK_H, ...) of query program_id(2): m, l [T, S, H] and
     acc [T, S, H, D]."""
+    enter(PDL)
     split = tl.program_id(0)
     hb = tl.program_id(1)
     q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr = _query(
@@ -207,11 +209,12 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
                            stride_skc, scale,
                            INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
     """The split step on the matrix units: grid (key blocks, value-dim blocks); every program takes ALL heads
     (MQA: one key load serves them all), computes the logits z [BLOCK_H, BLOCK_N] = q . keys^T over the whole
     head dim with tl.dot, and writes acc for its BLOCK_DV slice of the output dims (programs of value block 0
     also write m and l). Same partials as `_attn_split_kernel`."""
+    enter(PDL)
     split = tl.program_id(0)
     dv = tl.program_id(1)
     q_ptr, pos_ptr, mc_ptr, ids_ptr, m_ptr, l_ptr, acc_ptr, kw_ptr, kc_ptr = _query(
@@ -251,10 +254,11 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
 
 @triton.jit
 def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, stride_o, stride_ot,
-                         BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr):
+                         BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, h, d-block] = sum_s exp(m_s - M) acc_s / (sum_s exp(m_s - M) l_s + exp(sink - M)), for query
     t = program_id(2); M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked.
     A split with m_s = -inf had no visible key and wrote neither l_s nor acc_s: they are not read."""
+    enter(PDL)
     t = tl.program_id(2).to(tl.int64)
     m_ptr += t * S * H
     l_ptr += t * S * H
@@ -402,14 +406,14 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
             raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")
         _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d,
-            BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision, num_warps=tiles.num_warps)
+            BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision, num_warps=tiles.num_warps, **pdl(q))
     else:
         _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
-            num_warps=tiles.num_warps)
+            num_warps=tiles.num_warps, **pdl(q))
     _attn_combine_kernel[(H, triton.cdiv(D, tiles.block_dc), T)](
         m, lsum, acc, sinks, out, n_split, H, D, out.stride(-2), out.stride(0) if rows else 0,
-        BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, num_warps=tiles.num_warps_c)
+        BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, num_warps=tiles.num_warps_c, **pdl(m))
     return out
 
 
@@ -433,10 +437,12 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
                          H, D, NW, NC, ring_len, stride_qt, stride_qh, stride_kw, stride_kc, stride_it,
                          stride_ot, stride_oh, scale,
                          INDEXED: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr):
+                         BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Grid (T, value-dim blocks): one query, all heads, its NW window keys (ring slots of positions
     p - NW + 1 .. p) then its NC compressed rows, in BLOCK_N steps with an online softmax; the sink joins the
     denominator at the end. Masked keys are never loaded."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     dv = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
@@ -521,5 +527,5 @@ def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c:
         q.stride(0), q.stride(1), ring.stride(0), kc_.stride(0), stride_it, out.stride(0), out.stride(1),
         float(scale), INDEXED=ids is not None, RATIO=ratio if ids is None else 0, BLOCK_H=tiles.block_h,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision,
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **pdl(q))
     return out

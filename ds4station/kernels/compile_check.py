@@ -523,10 +523,13 @@ def compile_one(spec: KernelSpec, target: CompileTarget) -> Report:
     from triton.compiler import ASTSource
 
     rep = Report(spec.name, target.name, ok=False, decode=spec.decode, wants_dot=spec.wants_dot)
-    names = list(spec.signature)
+    signature, constexprs = dict(spec.signature), dict(spec.constexprs)
+    if "PDL" in spec.fn.arg_names:  # built as pdl.pdl() launches it there: with the grid-dependency wait on sm_90+
+        signature["PDL"], constexprs["PDL"] = "constexpr", pdl_target(target)
+    names = list(signature)
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in spec.aligned}
     try:
-        src = ASTSource(fn=spec.fn, signature=spec.signature, constexprs=spec.constexprs, attrs=attrs)
+        src = ASTSource(fn=spec.fn, signature=signature, constexprs=constexprs, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget(target.backend, target.arch, target.warp_size),
                                 options={"num_warps": spec.num_warps, "num_stages": spec.num_stages})
     except Exception as exc:  # the compiler's message is the report
@@ -535,6 +538,7 @@ def compile_one(spec: KernelSpec, target: CompileTarget) -> Report:
     rep.ok = True
     rep.shared_bytes = int(getattr(kernel.metadata, "shared", 0) or 0)
     if target.backend == "cuda":
+        rep.extra["pdl"] = pdl_order(kernel.asm["ptx"]) if constexprs.get("PDL") else "off"
         res = _cuda_resources(kernel.asm["cubin"])
         rep.regs = res.get("REG")
         rep.spill_bytes = res.get("LOCAL")
@@ -550,6 +554,26 @@ def compile_one(spec: KernelSpec, target: CompileTarget) -> Report:
         if target.arch == "gfx906":
             rep.dot2 = "v_dot2_f32_f16" in asm
     return rep
+
+
+def pdl_target(target: CompileTarget) -> bool:
+    """Whether kernels run with programmatic dependent launch on this target (kernels/pdl.py: sm_90+)."""
+    return target.backend == "cuda" and int(target.arch) >= 90
+
+
+_GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)\.global|cp\.async|prefetch\.global)")
+
+
+def pdl_order(ptx: str) -> str:
+    """Where a PDL kernel's grid-dependency wait sits in its PTX: "first" when it comes before every global
+    memory access (and the launch of dependents after it), "late" when some access comes first (a race with
+    the previous kernel), "missing" without it."""
+    wait = ptx.find("griddepcontrol.wait")
+    go = ptx.find("griddepcontrol.launch_dependents")
+    if wait < 0 or go < 0:
+        return "missing"
+    first = _GLOBAL_ACCESS.search(ptx)
+    return "first" if (first is None or first.start() > wait) and go > wait else "late"
 
 
 def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = "",
@@ -584,7 +608,8 @@ def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = 
 
 
 def problems(reports: list[Report]) -> list[str]:
-    """What CI rejects: a compile error, bf16 in a gfx906 build, spills in a decode matvec."""
+    """What CI rejects: a compile error, bf16 in a gfx906 build, spills in a decode matvec, a PDL kernel that
+    touches memory before its grid-dependency wait."""
     out = []
     for r in reports:
         if not r.ok:
@@ -592,6 +617,8 @@ def problems(reports: list[Report]) -> list[str]:
             continue
         if r.target == "gfx906" and r.bf16_instr:
             out.append(f"{r.kernel} on gfx906: {r.bf16_instr} bf16 instructions (Vega20 has no bf16)")
+        if r.extra.get("pdl") in ("late", "missing"):
+            out.append(f"{r.kernel} on {r.target}: launched early (PDL), its grid-dependency wait is {r.extra['pdl']}")
         if r.decode and r.spill_bytes:
             out.append(f"{r.kernel} on {r.target}: {r.spill_bytes} bytes of register spills / scratch")
     return out

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.rows import _RT, finish_row
 
 Tensor = torch.Tensor
@@ -111,11 +112,12 @@ def _compress_kernel(kv_ptr, sc_ptr, ape_ptr, pos_ptr, slot_ptr, fkv_ptr, fsc_pt
                      b0, Rf, W, d, eps, stride_kv, stride_sf, stride_sr,
                      R: tl.constexpr, COFF: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr,
                      HADAMARD: tl.constexpr, RT: tl.constexpr, NOPE: tl.constexpr, BLOCK_D: tl.constexpr,
-                     LOG_D: tl.constexpr, BLOCK_J: tl.constexpr, SLOTS: tl.constexpr):
+                     LOG_D: tl.constexpr, BLOCK_J: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False):
     # MODE 0: pool blocks b0 + program id; 1: write position pos[t] (t = program id, its projections in row t
     # of kv / sc) into the frontier, then pool the block it closes, if it does; 2: pool the block position
     # pos[program id] closes, if it does. SLOTS (modes 1, 2): program t's frontier and rows are slot slots[t] of
     # pools.
+    enter(PDL)
     offs = tl.arange(0, BLOCK_D)
     dmask = offs < d
     if SLOTS:
@@ -204,7 +206,7 @@ def _launch(grid: int, kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Te
         fkv.shape[-1], d, float(fin.eps), kv.stride(0), fkv.stride(0) if pooled else 0, rows.stride(0) if pooled else 0,
         R=ratio, COFF=coff, MODE=mode, HALF=fin.inv_freq.numel(), HADAMARD=fin.hadamard, RT=_RT[fin.rt],
         NOPE=fin.nope, BLOCK_D=block, LOG_D=block.bit_length() - 1, BLOCK_J=tiles.block_j, SLOTS=pooled,
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **pdl(kv))
 
 
 def compress_decode_triton(kv: Tensor, sc: Tensor, ape: Tensor, pos: Tensor, fkv: Tensor, fsc: Tensor, rows: Tensor,

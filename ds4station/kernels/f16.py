@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.splitk import split_buffers, split_k_range, store_split_k
 
 Tensor = torch.Tensor
@@ -59,8 +60,9 @@ def _f16_matvec_kernel(
     x_ptr, w_ptr, y_ptr,
     N, K,
     stride_xm, stride_wn, stride_ym,
-    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -99,8 +101,10 @@ def _f16_matmul_kernel(
     M, N, K,
     stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # One BLOCK_M x BLOCK_N output tile per program_id(0); program axis 1 is the K slice (kernels/splitk.py).
+    enter(PDL)
     k_lo, k_hi = split_k_range(K, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -197,7 +201,7 @@ def f16_matvec_triton(x: Tensor, w: Tensor, out: Tensor | None = None,
     _f16_matvec_kernel[(triton.cdiv(n, tiles.block_n),)](
         x, w, out, n, k, x.stride(0), w.stride(0), out.stride(0),
         M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return out
 
@@ -220,6 +224,6 @@ def f16_matmul_triton(x: Tensor, w: Tensor, out: Tensor | None = None,
     _f16_matmul_kernel[(n_tiles, split)](
         x, w, out, part, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SPLIT_K=split > 1,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return out

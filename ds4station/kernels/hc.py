@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
 
@@ -75,8 +76,9 @@ def hc_head_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps:
 
 @triton.jit
 def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M, CHUNK, stride_xt, stride_fn,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """part[t, b, :M] = fn[:, chunk b] @ Xf[t, chunk b]; part[t, b, M] = sum(Xf[t, chunk b]^2)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     nblk = tl.num_programs(1)
@@ -103,12 +105,13 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M, CHUNK, stride_xt, stri
 def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
                         NBLK, K, DIM, stride_xt, stride_xc, stride_yt, rms_eps, hc_eps, iters,
                         C: tl.constexpr, CP: tl.constexpr, NBLK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HEAD: tl.constexpr):
+                        HEAD: tl.constexpr, PDL: tl.constexpr = False):
     """Per token and block of dim (grid (T, cdiv(DIM, BLOCK_D))): mix = sum of partials * rsqrt(mean(Xf^2) +
     rms_eps); pre; y[d-block] = pre . X[:, d-block]; the programs of d-block 0 also write post and the Sinkhorn
     of comb. Every program re-reduces the few partials it needs (cheaper than a second launch), so the weighted
     sum over dim is spread over many programs instead of looping in one.
     HEAD: the output head's variant (M = C, pre only, one scale, no post / comb)."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     if HEAD:
         M = C
@@ -167,8 +170,10 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
 
 @triton.jit
 def _hc_post_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, stride_xt, stride_xc,
-                    stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr):
+                    stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block]."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < DIM
@@ -219,7 +224,7 @@ def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: dispatch.HcTiles) -> Ten
     if T:
         _hc_mix_partial_kernel[(T, nblk)](
             X, fn, part, k, m, tiles.chunk_k, X.stride(0), fn.stride(0),
-            BLOCK_M=triton.next_power_of_2(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+            BLOCK_M=triton.next_power_of_2(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **pdl(X))
     return part
 
 
@@ -246,7 +251,7 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
             part, X, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps),
             int(sinkhorn_iters), C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk),
-            BLOCK_D=tiles.block_d, HEAD=False, num_warps=tiles.num_warps_d)
+            BLOCK_D=tiles.block_d, HEAD=False, num_warps=tiles.num_warps_d, **pdl(part))
     return y, post, comb
 
 
@@ -269,7 +274,7 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
             part, X, scale.float().contiguous(), base.float().contiguous(), y, y, y,
             nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps), 1,
             C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk), BLOCK_D=tiles.block_d, HEAD=True,
-            num_warps=tiles.num_warps_d)
+            num_warps=tiles.num_warps_d, **pdl(part))
     return y
 
 
@@ -298,7 +303,7 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X:
     if T:
         _hc_post_kernel[(T, triton.cdiv(dim, tiles.block_d))](
             out, X, post, comb, y, dim, out.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
-            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d)
+            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d, **pdl(out))
     return y
 
 

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
 
@@ -121,11 +122,12 @@ def _score_dot(qt, ktt, DOT_FP16: tl.constexpr):
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, slot_ptr, out_ptr, T, IH, D, n0, n1, col0,
                     stride_qt, stride_qh, stride_wt, stride_k, stride_ot, stride_sk, ratio,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                    USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SLOTS: tl.constexpr):
+                    USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False):
     """Sort keys of blocks [n0 + pid0 * BLOCK_N, ...) < n1 for queries [pid1 * BLOCK_T, ...) < T, written to
     out[t, col0 + (i - n0)]. A program whose first block is past every one of its queries' positions (the
     rest of a position bucket) writes the invisible keys without loading or scoring anything. SLOTS (one query
     per program): query t reads the keys of slot slots[t] of a pool (stride_sk apart)."""
+    enter(PDL)
     offs_n = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < n1
     first = n0 + tl.program_id(0).to(tl.int64) * BLOCK_N
@@ -200,7 +202,7 @@ _PAD_KEY = tl.constexpr(-(1 << 63) + (1 << 32) - 1)  # high half INT32_MIN, low 
 
 @triton.jit(do_not_specialize=["stride_b", "col0", "n", "stride_o", "K"])  # position-dependent
 def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr):
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
     the sort keys at buf[t, col0 + c CHUNK ...], held in registers. The keys are unique, so the selection is
     every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
@@ -208,6 +210,7 @@ def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_pt
     the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
     >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
     two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY."""
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -278,11 +281,11 @@ def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
         cand = torch.empty(T, plan.chunks * k, dtype=torch.int64, device=buf.device)
         _select_kernel[(T, plan.chunks)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, cand, cand.stride(0),
                                          k, CHUNK=plan.chunk, BLOCK=plan.first.block, KEYS_OUT=True,
-                                         num_warps=plan.first.num_warps)
+                                         num_warps=plan.first.num_warps, **pdl(buf))
         buf, col0, n = cand, 0, plan.chunks * k
     last = plan.last
     _select_kernel[(T, 1)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, ids, 0, k, CHUNK=last.block,
-                           BLOCK=last.block, KEYS_OUT=False, num_warps=last.num_warps)
+                           BLOCK=last.block, KEYS_OUT=False, num_warps=last.num_warps, **pdl(buf))
     return ids, valid
 
 
@@ -349,7 +352,7 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
             w.stride(0), keys.stride(-2), buf.stride(0), keys.stride(0) if slots is not None else 0, ratio,
             BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             USE_DOT=tiles.dot, DOT_FP16=fp16_dot, SLOTS=slots is not None, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            num_stages=tiles.num_stages, **pdl(q))
         last = n1 == n_blocks
         if plan is not None:  # one column block: select in programs that hold their keys in registers
             return _select(buf, kk, n_blocks, pos, ratio, kk, plan)

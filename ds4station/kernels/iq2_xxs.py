@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 if TYPE_CHECKING:
     from ds4station.kernels.q2_k import PackedQ2K
@@ -348,7 +349,8 @@ def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.cons
 
 @triton.jit
 def _iq2_xxs_matvec_kernel(xt_ptr, qs_ptr, d_ptr, grid_ptr, y_ptr, N, K, stride_ym,
-                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -392,6 +394,6 @@ def iq2_xxs_matvec(
         transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device), out,
         w.n, w.k, out.stride(0),
         M=m, BLOCK_N=tiles.block_n, BLOCK_G=tiles.block_k // 32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return out

@@ -40,6 +40,7 @@ from ds4station.kernels.iq2_xxs import (
     grid_words,
     transpose_groups,
 )
+from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.q2_k import PackedQ2K, _q2_k_dot, _q2_k_dot_i8, dequantize_q2_k
 from ds4station.kernels.q4_k import PackedQ4K, _q4_k_dot, _q4_k_dot_i8, dequantize_q4_k
 from ds4station.kernels.q8_0 import PackedQ8_0, _q8_0_dot, dequantize_q8_0
@@ -133,8 +134,9 @@ def _moe_gate_up_kernel(
     g0, g1, g2, g3, u0, u1, u2, u3,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, H_SUB: tl.constexpr, CLAMP: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     slot = tl.program_id(0)  # token * S + s
     pid_n = tl.program_id(1)
     t = slot // S
@@ -160,8 +162,9 @@ def _moe_down_kernel(
     ht_ptr, ids_ptr, y_ptr, grid_ptr,
     d0, d1, d2, d3,
     F, D, stride_yt,
-    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
+    S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -196,8 +199,9 @@ def _moe_gate_up_i8_kernel(
     g0, g1, g2, g3, u0, u1, u2, u3, last_ptr,
     F, D, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    PADDED: tl.constexpr,
+    PADDED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     t = (slot // S).to(tl.int64)
@@ -223,8 +227,9 @@ def _moe_down_i8_kernel(
     d0, d1, d2, d3, last_ptr,
     F, D, stride_yt,
     S: tl.constexpr, QT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr,
-    PADDED: tl.constexpr,
+    PADDED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     t = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -301,7 +306,7 @@ def moe_decode(
         transpose_groups(x, sub_in), ids, weights, ht, grid_tab, *_ptrs(gate), *_ptrs(up),
         d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], H_SUB=sub_h, CLAMP=clamp is not None,
-        BLOCK_N=gu.block_n, BLOCK_U=gu.block_k // sub_in, num_warps=gu.num_warps, num_stages=gu.num_stages,
+        BLOCK_N=gu.block_n, BLOCK_U=gu.block_k // sub_in, num_warps=gu.num_warps, num_stages=gu.num_stages, **pdl(x),
     )
     if out is None:
         out = torch.empty((t_count, d_model), device=x.device, dtype=torch.float32)
@@ -309,7 +314,7 @@ def moe_decode(
     _moe_down_kernel[(t_count, triton.cdiv(d_model, dn.block_n))](
         ht, ids, out, grid_tab, *_ptrs(down), d_ff, d_model, out.stride(0),
         S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n, BLOCK_U=dn.block_k // sub_h,
-        num_warps=dn.num_warps, num_stages=dn.num_stages,
+        num_warps=dn.num_warps, num_stages=dn.num_stages, **pdl(ht),
     )
     return out
 
@@ -337,7 +342,7 @@ def _moe_decode_i8(
         d_ff, d_model, float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None, BLOCK_N=gu.block_n,
         BLOCK_U=gu.block_k // _I8_UNIT[gate.qtype], PADDED=last is not None, num_warps=gu.num_warps,
-        num_stages=gu.num_stages,
+        num_stages=gu.num_stages, **pdl(xq),
     )
     hq, hs, hsum = quantize_act(h, down.qtype)
     if out is None:
@@ -347,6 +352,6 @@ def _moe_decode_i8(
         hq, hs, hsum, ids, out, grid_tab, *_ptrs(down), ids if last is None else last, d_ff, d_model,
         out.stride(0), S=n_slots, QT=_QT_CODE[down.qtype], BLOCK_N=dn.block_n,
         BLOCK_U=dn.block_k // _I8_UNIT[down.qtype], PADDED=last is not None, num_warps=dn.num_warps,
-        num_stages=dn.num_stages,
+        num_stages=dn.num_stages, **pdl(hq),
     )
     return out

@@ -19,6 +19,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import _iq2_xxs_tile, grid_words
 from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs
+from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.q2_k import _q2_k_tile
 from ds4station.kernels.q4_k import _q4_k_tile
 from ds4station.kernels.q8_0 import _q8_0_tile
@@ -65,8 +66,9 @@ def _moe_prefill_gate_up_kernel(
     g0, g1, g2, g3, u0, u1, u2, u3,
     F, D, stride_xt, clamp,
     S: tl.constexpr, QT: tl.constexpr, CLAMP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     tile = tl.program_id(0)
     start = tl.load(t_start_ptr + tile)
     end = tl.load(t_end_ptr + tile)
@@ -103,8 +105,9 @@ def _moe_prefill_down_kernel(
     h_ptr, order_ptr, t_exp_ptr, t_start_ptr, t_end_ptr, y_ptr, grid_ptr,
     d0, d1, d2, d3,
     F, D,
-    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     tile = tl.program_id(0)
     start = tl.load(t_start_ptr + tile)
     end = tl.load(t_end_ptr + tile)
@@ -160,10 +163,10 @@ def moe_prefill(
         x, order, t_exp, t_start, t_end, weights, h, grid_tab, *_ptrs(gate, words=False), *_ptrs(up, words=False),
         d_ff, d_model, x.stride(0), float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts, **pdl(x))
     y_slots = torch.empty((t_count * n_slots, d_model), device=x.device, dtype=torch.float32)
     _moe_prefill_down_kernel[(t_exp.numel(), triton.cdiv(d_model, tiles.block_n))](
         h, order, t_exp, t_start, t_end, y_slots, grid_tab, *_ptrs(down, words=False), d_ff, d_model,
-        QT=_QT_CODE[down.qtype], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts)
+        QT=_QT_CODE[down.qtype], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts, **pdl(h))
     return y_slots.view(t_count, n_slots, d_model).sum(1)
 

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -24,7 +25,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps,
-                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -52,7 +54,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     tiles = dispatch.row_tiles(n, dispatch.launch_backend(x))
     _rms_norm_kernel[(x2.shape[0],)](
         x2, weight if weight is not None else x2, y, n, x2.stride(0), y.stride(0), float(eps),
-        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, num_warps=tiles.num_warps)
+        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, num_warps=tiles.num_warps, **pdl(x2))
     return y.view(x.shape)
 
 
@@ -73,7 +75,8 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, f_ptr, D, stride_x, heads, sign,
-                 HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     p = tl.load(pos_ptr + row // heads).to(tl.float32)
     offs = tl.arange(0, BLOCK_H)
@@ -113,7 +116,7 @@ def rope_triton_(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, hea
     half = inv_freq.numel()
     _rope_kernel[(x.shape[0],)](
         x, pos, inv_freq.float().contiguous(), x.shape[1], x.stride(0), heads, -1.0 if inverse else 1.0,
-        HALF=half, BLOCK_H=triton.next_power_of_2(half), num_warps=1)
+        HALF=half, BLOCK_H=triton.next_power_of_2(half), num_warps=1, **pdl(x))
     return x
 
 
@@ -127,7 +130,9 @@ def swiglu_ref(gu: torch.Tensor, clamp: float) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, y_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(gu_ptr, y_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < F
@@ -150,5 +155,5 @@ def swiglu(gu: torch.Tensor, clamp: float) -> torch.Tensor:
     tiles = dispatch.row_tiles(min(f, 1024), dispatch.launch_backend(gu))
     _swiglu_kernel[(gu.shape[0], triton.cdiv(f, tiles.block))](
         gu, y, f, gu.stride(0), y.stride(0), float(clamp), CLAMP=clamp > 0, BLOCK=tiles.block,
-        num_warps=tiles.num_warps)
+        num_warps=tiles.num_warps, **pdl(gu))
     return y

@@ -22,6 +22,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _uint_f32, matvec_launch, transpose_groups
+from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
 BLOCK_BYTES_Q2_K = 84
@@ -201,7 +202,8 @@ def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexp
 
 @triton.jit
 def _q2_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, dm_ptr, y_ptr, N, K, stride_ym,
-                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -223,6 +225,6 @@ def q2_k_matvec(
     _q2_k_matvec_kernel[grid](
         transpose_groups(x, 16), w.qs.view(torch.int32), w.sc, w.dm.view(torch.int32), out, w.n, w.k, out.stride(0),
         M=m, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 16,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return out

@@ -30,6 +30,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _uint_f32, transpose_groups
+from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
 BLOCK_BYTES_Q4_K = 144
@@ -212,7 +213,8 @@ def _q4_k_word_dp4a(word, j: tl.constexpr, xq_ptr, gg, g_mask, G, isum):
 
 @triton.jit
 def _q4_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, N, K, stride_ym,
-                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr):
+                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -224,7 +226,8 @@ def _q4_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, N, K, str
 
 @triton.jit
 def _q4_k_matmul_kernel(x_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask = offs_m < M
@@ -262,7 +265,7 @@ def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out: torch.Tensor | None = None, 
     y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype) if out is None else out
     _q4_k_matvec_kernel[(triton.cdiv(w.n, tiles.block_n),)](
         transpose_groups(x, 8), *_args(w, True), y, w.n, w.k, y.stride(0), M=m, BLOCK_N=tiles.block_n,
-        BLOCK_U=tiles.block_k // 8, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_U=tiles.block_k // 8, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
     return y
 
 
@@ -277,5 +280,5 @@ def q4_k_matmul(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = N
     y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype)
     _q4_k_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(w.n, tiles.block_n))](
         x, *_args(w, False), y, m, w.n, w.k, x.stride(0), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
     return y

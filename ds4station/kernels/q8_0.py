@@ -28,6 +28,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a, dequantize_act16
 from ds4station.kernels.iq2_xxs import _s8x4_f16, _s8x4_f32
+from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.splitk import split_buffers, split_k_range, store_split_k
 
 QK8_0 = 32
@@ -103,8 +104,9 @@ def _q8_0_matvec_kernel(
     x_ptr, qs_ptr, d_ptr, y_ptr,
     N, K, rows_per_group,
     stride_xm, stride_xg, stride_ym,
-    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -208,7 +210,7 @@ def q8_0_matvec(
     _q8_0_matvec_kernel[grid](
         x, w.qs.view(torch.int32), w.d, out, n, k, rows_per_group, x.stride(0), k, out.stride(0),
         M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return out
 
@@ -217,10 +219,11 @@ def q8_0_matvec(
 def _q8_0_matvec_i8_kernel(
     hi_ptr, lo_ptr, xs_ptr, qs_ptr, d_ptr, y_ptr,
     N, K, rows_per_group, stride_xm, stride_ym,
-    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Integer-dot form of _q8_0_matvec_kernel: weights read as int32 words, activations as two int8 digits
     (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums."""
+    enter(PDL)
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
@@ -277,7 +280,7 @@ def q8_0_matvec_q16(
     _q8_0_matvec_i8_kernel[(triton.cdiv(n, tiles.block_n),)](
         hi, lo, xs, w.qs.view(torch.int32), w.d, out, n, k, rows_per_group, hi.stride(0), out.stride(0),
         M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(hi),
     )
     return out
 
@@ -300,12 +303,13 @@ def _q8_0_matmul_kernel(
     M, N, K, rows_per_group,
     stride_xm, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr,
+    W_AS_A: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # Grouped projection (rows_per_group < N): output rows [g * rows_per_group, (g + 1) * rows_per_group) read
     # x[:, g * K:(g + 1) * K]; a program's BLOCK_N rows lie in one group (the launcher checks BLOCK_N divides
     # rows_per_group).
     # Split-K (kernels/splitk.py): program axis 1 is the K slice; with one slice this is the plain matmul.
+    enter(PDL)
     k_lo, k_hi = split_k_range(K, BLOCK_K)
     # Grouped program order: GROUP_M row-blocks share each weight column-block while it is in L2.
     pid = tl.program_id(0)
@@ -399,6 +403,6 @@ def q8_0_matmul(
     _q8_0_matmul_kernel[(n_tiles, split)](
         x, w.qs.view(torch.int32), w.d, y, part, counters, m, n, k, n // groups, x.stride(0), y.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
-        W_AS_A=tiles.w_as_a, SPLIT_K=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        W_AS_A=tiles.w_as_a, SPLIT_K=split > 1, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
     )
     return y

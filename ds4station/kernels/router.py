@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
 
@@ -62,7 +63,8 @@ def router_ref(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, toke
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, tid2eid_ptr, tokens_ptr, ids_ptr, wts_ptr, E, stride_lt, stride_tid,
                    scale, K: tl.constexpr, K_P: tl.constexpr, BLOCK_E: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HASH: tl.constexpr, NORM: tl.constexpr):
+                   HASH: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     e_ok = offs < E
@@ -156,5 +158,5 @@ def router_triton(logits: Tensor, bias: Tensor | None, tid2eid: Tensor | None, t
         logits, bias if bias is not None and not hashed else logits, tid2eid if hashed else ids,
         tokens if hashed else ids, ids, wts, E, logits.stride(0), tid2eid.stride(0) if hashed else 0, float(scale),
         K=k, K_P=triton.next_power_of_2(k), BLOCK_E=tiles.block_e, HAS_BIAS=bias is not None and not hashed,
-        HASH=hashed, NORM=bool(norm), num_warps=tiles.num_warps)
+        HASH=hashed, NORM=bool(norm), num_warps=tiles.num_warps, **pdl(logits))
     return ids, wts

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
 RT_NONE, RT_FP8, RT_FP4 = 0, 1, 2
@@ -207,7 +208,8 @@ def _finish_rows_kernel(x_ptr, pos_ptr, slot_ptr, w_ptr, f_ptr, y_ptr, D, heads,
                         ring_len, eps, sign,
                         NORM: tl.constexpr, HAS_W: tl.constexpr, HALF: tl.constexpr, HADAMARD: tl.constexpr,
                         RT: tl.constexpr, NOPE: tl.constexpr, RING: tl.constexpr, SLOTS: tl.constexpr,
-                        BLOCK_D: tl.constexpr, LOG_D: tl.constexpr):
+                        BLOCK_D: tl.constexpr, LOG_D: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
@@ -244,5 +246,5 @@ def finish_rows_triton(x: Tensor, pos: Tensor, heads: int, *, norm: bool = False
         ring.shape[-2] if ring is not None else 1, float(eps), -1.0 if inverse else 1.0,
         NORM=norm, HAS_W=weight is not None, HALF=0 if inv_freq is None else inv_freq.numel(),
         HADAMARD=hadamard, RT=_RT[rt], NOPE=nope, RING=ring is not None, SLOTS=slots is not None, BLOCK_D=block,
-        LOG_D=block.bit_length() - 1, num_warps=tiles.num_warps)
+        LOG_D=block.bit_length() - 1, num_warps=tiles.num_warps, **pdl(x))
     return y
