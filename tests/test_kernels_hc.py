@@ -95,6 +95,13 @@ def test_hc_post_matches_model(poisoned_empty: None, T: int, dim: int, seed: int
     Xi = X.clone()
     assert hc_post_triton(out, Xi, post, comb, out_X=Xi, tiles=tiles) is Xi
     torch.testing.assert_close(Xi, want, **TOL)
+    # A sublayer of two parts (the FFN's routed and shared experts) summed inside: exactly the sum's post.
+    part = torch.randn(T, dim, generator=gen).to(DEVICE)
+    two = hc_post_triton(out - part, X, post, comb, part, tiles=tiles)
+    assert torch.equal(two, hc_post_triton((out - part) + part, X, post, comb, tiles=tiles))
+    torch.testing.assert_close(two, HyperConnection.post((out - part) + part, X, post, comb), **TOL)
+    with pytest.raises(ValueError, match="must have out's shape"):
+        hc_post_triton(out, X, post, comb, part[:, :-1])
 
 
 @pytest.mark.parametrize(("T", "dim", "seed", "tiles"), [(1, 96, 0, None), (3, 96, 1, SPLIT),

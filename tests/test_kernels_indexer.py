@@ -109,6 +109,23 @@ def test_tile_paths(poisoned_empty: None, path: str, fp16_dot: bool) -> None:
 
 
 @pytest.mark.parametrize("path", sorted(_TILES))
+def test_weight_scale_read_in_the_kernel_is_the_scaled_weights(poisoned_empty: None, path: str) -> None:
+    """w_scale (GpuStage._index's 1 / sqrt(dim * heads)) multiplies each weight as the kernel reads it: the same
+    selection as weights scaled by a launch of their own, in every tile path and in the reference."""
+    T = 1 if _TILES[path].block_t == 1 else 5
+    c = _case(T, 20, 24, 37, seed=31)
+    scale = 24 ** -0.5 * 20 ** -0.5
+    w_wide = torch.randn(T, 26, generator=torch.Generator().manual_seed(5)).to(DEVICE)  # w a column slice
+    w = w_wide[:, 3:23]
+    got = index_topk_triton(c["q"], w, c["keys"], 37, c["pos"], RATIO, 8, tiles=_TILES[path], w_scale=scale)
+    want = index_topk_triton(c["q"], w * scale, c["keys"], 37, c["pos"], RATIO, 8, tiles=_TILES[path])
+    assert all(torch.equal(g, h) for g, h in zip(got, want, strict=True))
+    ref = index_topk_ref(c["q"], w, c["keys"], 37, c["pos"], RATIO, 8, w_scale=scale)
+    assert all(torch.equal(g, h) for g, h in zip(ref, index_topk_ref(c["q"], w * scale, c["keys"], 37, c["pos"],
+                                                                     RATIO, 8), strict=True))
+
+
+@pytest.mark.parametrize("path", sorted(_TILES))
 def test_fp16_dot_precision(path: str) -> None:
     """Block 1 outscores block 0 by 2^-12 relative, below fp16 resolution: fp32 (ieee) dots and the FMA path
     pick block 1; fp16 dot operands round both scores to 1, a tie, so block 0 (why fp16_dot=True needs q and

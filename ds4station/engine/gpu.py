@@ -438,10 +438,11 @@ class GpuStage:
         fp4 = self.rt.indexer_fp4
         q = finish_rows(iq.view(T * cfg.index_heads, cfg.index_dim), st.pos, cfg.index_heads,
                         inv_freq=L.rope.inv_freq, hadamard=fp4, rt="fp4" if fp4 else None)
-        w = proj[:, L.index_w:L.index_w + cfg.index_heads] * (cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
+        w = proj[:, L.index_w:L.index_w + cfg.index_heads]  # scaled as the kernel reads it (no launch of its own)
         # fp16 dot operands are exact for FP4-round-tripped queries and keys, and only then
         return index_topk(q.view(T, cfg.index_heads, cfg.index_dim), w, kv.index_keys, n_blocks, st.pos, 4,
-                          cfg.index_topk, fp16_dot=fp4, slots=st.slots)
+                          cfg.index_topk, fp16_dot=fp4, slots=st.slots,
+                          w_scale=cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
 
     def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
         """Attention of rows xn [T, dim]. `kv`: the layer's LayerKV of the sequence they extend, or for a
@@ -578,9 +579,7 @@ class GpuStage:
                 shared = down(swiglu(gate_up(state.xn), L.shared_clamp))
         y = L.experts(state.xn, state.ids, state.wts, st.last)
         self._join(st)
-        if shared is not None:
-            y = y + shared
-        return hc_k.hc_post(y, state.X, state.post, state.comb)
+        return hc_k.hc_post(y, state.X, state.post, state.comb, shared)  # y + shared summed in hc_post
 
     @contextlib.contextmanager
     def _beside(self, st: Step) -> Iterator[None]:

@@ -281,7 +281,7 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
             f"indexer scores {label}", indexer._indexer_kernel,
             {"q_ptr": p32, "w_ptr": p32, "k_ptr": p32, "pos_ptr": "*i64", "slot_ptr": "*i64", "out_ptr": "*i64",
              "T": i32, "IH": i32, "D": i32, "n0": i32, "n1": i32, "col0": i32, "stride_qt": i32, "stride_qh": i32,
-             "stride_wt": i32, "stride_k": i32, "stride_ot": i32, "stride_sk": i32, "ratio": i32,
+             "stride_wt": i32, "stride_k": i32, "stride_ot": i32, "stride_sk": i32, "ratio": i32, "w_scale": "fp32",
              "BLOCK_T": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "BLOCK_D": "constexpr",
              "USE_DOT": "constexpr", "DOT_FP16": "constexpr", "SLOTS": "constexpr"},
             {"BLOCK_T": t.block_t, "BLOCK_H": t.block_h, "BLOCK_N": t.block_n, "BLOCK_D": t.block_d,
@@ -396,12 +396,13 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
                 ("x_ptr", "y_ptr", "DIM", "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_d, 1,
                 decode=t == 1))
         out.append(KernelSpec(
-            f"hc_post T{t}", hc._hc_post_kernel,
-            {"o_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "DIM": i32,
-             "stride_ot": i32, "stride_xt": i32, "stride_xc": i32, "stride_yt": i32, "stride_yc": i32,
-             "C": "constexpr", "CP": "constexpr", "BLOCK_D": "constexpr"},
-            {"C": C, "CP": C, "BLOCK_D": tl_.block_d},
-            ("o_ptr", "x_ptr", "y_ptr", "DIM", "stride_ot", "stride_xt", "stride_xc", "stride_yt", "stride_yc"),
+            f"hc_post T{t}", hc._hc_post_kernel,  # the FFN's form: routed + shared experts summed in it
+            {"o_ptr": p32, "e_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "DIM": i32,
+             "stride_ot": i32, "stride_et": i32, "stride_xt": i32, "stride_xc": i32, "stride_yt": i32,
+             "stride_yc": i32, "C": "constexpr", "CP": "constexpr", "BLOCK_D": "constexpr", "EXTRA": "constexpr"},
+            {"C": C, "CP": C, "BLOCK_D": tl_.block_d, "EXTRA": True},
+            ("o_ptr", "e_ptr", "x_ptr", "y_ptr", "DIM", "stride_ot", "stride_et", "stride_xt", "stride_xc",
+             "stride_yt", "stride_yc"),
             tl_.num_warps_d, 1, decode=t == 1))
     return out
 

@@ -53,11 +53,12 @@ def hc_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: floa
     return (pre.unsqueeze(-1) * Xf).sum(1), post, comb
 
 
-def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """HyperConnection.post of kernels/reference.py."""
+def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None) -> Tensor:
+    """HyperConnection.post of kernels/reference.py (of out + extra, when given)."""
     from ds4station.kernels.reference import HyperConnection
 
-    return HyperConnection.post(out.float(), X.float(), post.float(), comb.float())
+    out = out.float() if extra is None else out.float() + extra.float()
+    return HyperConnection.post(out, X.float(), post.float(), comb.float())
 
 
 def hc_head_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
@@ -169,10 +170,11 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
 
 
 @triton.jit
-def _hc_post_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, stride_xt, stride_xc,
-                    stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr,
-                    PDL: tl.constexpr = False):
-    """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block]."""
+def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, stride_et, stride_xt,
+                    stride_xc, stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr,
+                    EXTRA: tl.constexpr, PDL: tl.constexpr = False):
+    """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block], with EXTRA
+    out + extra[t, d-block] in place of out (a sublayer's two parts summed here, not in a launch of their own)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -180,6 +182,8 @@ def _hc_post_kernel(o_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, str
     offs_c = tl.arange(0, CP)
     c_ok = offs_c < C
     o = tl.load(o_ptr + t * stride_ot + d, mask=d_ok, other=0.0).to(tl.float32)
+    if EXTRA:
+        o += tl.load(e_ptr + t * stride_et + d, mask=d_ok, other=0.0).to(tl.float32)
     xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
                  mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [CP(j), BLOCK_D]
     post = tl.load(post_ptr + t * C + offs_c, mask=c_ok, other=0.0)
@@ -278,11 +282,11 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
     return y
 
 
-def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X: Tensor | None = None,
-                   tiles: dispatch.HcTiles | None = None) -> Tensor:
-    """HyperConnection.post in one launch: out [T, dim], X [T, C, dim], post [T, C], comb [T, C, C] ->
-    X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every program reads its whole
-    [C, dim-block] of X before writing the same block)."""
+def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None, *,
+                   out_X: Tensor | None = None, tiles: dispatch.HcTiles | None = None) -> Tensor:
+    """HyperConnection.post in one launch: out [T, dim] (plus `extra` [T, dim] when given), X [T, C, dim],
+    post [T, C], comb [T, C, C] -> X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every
+    program reads its whole [C, dim-block] of X before writing the same block)."""
     _check_device(X)
     if X.dim() != 3:
         raise ValueError(f"X must be [T, C, dim], got {tuple(X.shape)}")
@@ -294,6 +298,11 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X:
         X = X.contiguous()
     if out.stride(1) != 1:
         out = out.contiguous()
+    if extra is not None:
+        if extra.shape != out.shape:
+            raise ValueError(f"extra {tuple(extra.shape)} must have out's shape {tuple(out.shape)}")
+        if extra.stride(1) != 1:
+            extra = extra.contiguous()
     post = post.float().contiguous()
     comb = comb.float().contiguous()
     y = torch.empty(T, C, dim, device=X.device, dtype=torch.float32) if out_X is None else out_X
@@ -302,8 +311,10 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, *, out_X:
     tiles = tiles or dispatch.hc_tiles(C * dim, (2 + C) * C, dim, T, dispatch.launch_backend(X))
     if T:
         _hc_post_kernel[(T, triton.cdiv(dim, tiles.block_d))](
-            out, X, post, comb, y, dim, out.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
-            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, num_warps=tiles.num_warps_d, **pdl(out))
+            out, out if extra is None else extra, X, post, comb, y, dim, out.stride(0),
+            0 if extra is None else extra.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
+            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, EXTRA=extra is not None,
+            num_warps=tiles.num_warps_d, **pdl(out))
     return y
 
 
@@ -319,9 +330,11 @@ def hc_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, h
     return hc_pre_ref(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
 
 
-def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor) -> Tensor:
-    """HyperConnection.post: -> X' [T, C, dim]."""
-    return hc_post_triton(out, X, post, comb) if dispatch.use_triton(X) else hc_post_ref(out, X, post, comb)
+def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None) -> Tensor:
+    """HyperConnection.post of out (+ extra: e.g. the routed and the shared experts' outputs) -> X' [T, C, dim]."""
+    if dispatch.use_triton(X):
+        return hc_post_triton(out, X, post, comb, extra)
+    return hc_post_ref(out, X, post, comb, extra)
 
 
 def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:

@@ -66,12 +66,12 @@ def _k_eff(k: int, n_blocks: int) -> int:
 
 
 def index_topk_ref(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
-                   k: int, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                   k: int, slots: Tensor | None = None, w_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """GpuStage._index's scoring and selection: scores in column blocks of bounded scratch, invisible blocks
     at -inf, a stable descending sort (ties to the lower block), the first min(k, n_blocks). With slots [T],
     keys is a pool [S, R, D] and query t scores the keys of slot slots[t]."""
     if slots is not None:
-        parts = [index_topk_ref(q[t:t + 1], w[t:t + 1], keys[s], n_blocks, pos[t:t + 1], ratio, k)
+        parts = [index_topk_ref(q[t:t + 1], w[t:t + 1], keys[s], n_blocks, pos[t:t + 1], ratio, k, w_scale=w_scale)
                  for t, s in enumerate(slots.tolist())]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     T, IH = w.shape
@@ -79,7 +79,7 @@ def index_topk_ref(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tenso
     if n_blocks == 0:
         z = torch.zeros(T, kk, dtype=torch.long, device=q.device)
         return z, z.bool()
-    qf, wf = q.float(), w.float()
+    qf, wf = q.float(), w.float() * w_scale
     score = torch.empty(T, n_blocks, device=q.device)
     step = max(64, SCRATCH_BYTES // (4 * max(T, 1) * IH))
     for n0 in range(0, n_blocks, step):
@@ -120,7 +120,7 @@ def _score_dot(qt, ktt, DOT_FP16: tl.constexpr):
 # 1 or divisible by 16: new compiles in the middle of serving); shapes and strides fixed by the model still are.
 @triton.jit(do_not_specialize=["n0", "n1", "col0", "stride_ot"])
 def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, slot_ptr, out_ptr, T, IH, D, n0, n1, col0,
-                    stride_qt, stride_qh, stride_wt, stride_k, stride_ot, stride_sk, ratio,
+                    stride_qt, stride_qh, stride_wt, stride_k, stride_ot, stride_sk, ratio, w_scale,
                     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                     USE_DOT: tl.constexpr, DOT_FP16: tl.constexpr, SLOTS: tl.constexpr, PDL: tl.constexpr = False):
     """Sort keys of blocks [n0 + pid0 * BLOCK_N, ...) < n1 for queries [pid1 * BLOCK_T, ...) < T, written to
@@ -166,14 +166,14 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, slot_ptr, out_ptr, T, IH, D, n
                 qt = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :],
                              mask=h_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
                 s = _score_dot(qt, ktt, DOT_FP16)
-                wv = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+                wv = tl.load(w_ptr + t * stride_wt + offs_h, mask=h_ok, other=0.0).to(tl.float32) * w_scale
                 acc += tl.sum(tl.maximum(s, 0.0) * wv[:, None], axis=0)
         else:  # per-head fp32 FMA reductions over the key row
             kf = kraw.to(tl.float32)
             for h in range(0, IH):
                 qv = tl.load(q_ptr + t * stride_qt + h * stride_qh + offs_d, mask=d_ok, other=0.0).to(tl.float32)
                 s = tl.sum(kf * qv[None, :], axis=1)
-                wh = tl.load(w_ptr + t * stride_wt + h).to(tl.float32)
+                wh = tl.load(w_ptr + t * stride_wt + h).to(tl.float32) * w_scale
                 acc += tl.maximum(s, 0.0) * wh
         vis = n_ok & ((offs_n + 1) * ratio <= p + 1)
         tl.store(out_ptr + t * stride_ot + col0 + (offs_n - n0), _sort_key(acc, offs_n, vis), mask=n_ok)
@@ -184,7 +184,7 @@ def _indexer_kernel(q_ptr, w_ptr, k_ptr, pos_ptr, slot_ptr, out_ptr, T, IH, D, n
             qt = tl.load(q_ptr + offs_t[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                          mask=t_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
             s2 = _score_dot(qt, ktt, DOT_FP16)
-            wv = tl.load(w_ptr + offs_t * stride_wt + h, mask=t_ok, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + offs_t * stride_wt + h, mask=t_ok, other=0.0).to(tl.float32) * w_scale
             acc2 += tl.maximum(s2, 0.0) * wv[:, None]
         p2 = tl.load(pos_ptr + offs_t, mask=t_ok, other=0).to(tl.int64)
         vis2 = n_ok[None, :] & ((offs_n[None, :] + 1) * ratio <= p2[:, None] + 1)
@@ -260,13 +260,14 @@ def _column_step(t: int, k: int, n_blocks: int, block_n: int, step: int | None =
 
 
 def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int,
-               k: int, *, fp16_dot: bool = True, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               k: int, *, fp16_dot: bool = True, slots: Tensor | None = None,
+               w_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """Top-min(k, n_blocks) visible index blocks per query: Triton on a GPU tensor, the torch reference on
     CPU. `fp16_dot`: see index_topk_triton (DS4 with the indexer's FP4 round trip: True, exact). `slots`:
     query t of its own sequence, keys a pool [S, R, D] (a batched decode step)."""
     if dispatch.use_triton(q):
-        return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot, slots=slots)
-    return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k, slots)
+        return index_topk_triton(q, w, keys, n_blocks, pos, ratio, k, fp16_dot=fp16_dot, slots=slots, w_scale=w_scale)
+    return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k, slots, w_scale)
 
 
 def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
@@ -290,11 +291,12 @@ def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
 
 
 def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, ratio: int, k: int, *,
-                      fp16_dot: bool = True, step: int | None = None,
-                      tiles: dispatch.IndexerTiles | None = None, slots: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      fp16_dot: bool = True, step: int | None = None, tiles: dispatch.IndexerTiles | None = None,
+                      slots: Tensor | None = None, w_scale: float = 1.0) -> tuple[Tensor, Tensor]:
     """The Triton launcher of `index_topk`.
 
-    q [T, IH, Dq] and w [T, IH] (any float dtype, fp32 math), keys [R >= n_blocks, Dq] fp32 or fp16 (only
+    q [T, IH, Dq] and w [T, IH] (any float dtype, fp32 math; each weight times `w_scale` as it is read: the
+    fp32 product a multiplication of w before the call gives), keys [R >= n_blocks, Dq] fp32 or fp16 (only
     the first n_blocks rows are read), pos [T] integer -> ids [T, k'] int64 and valid [T, k'] bool with
     k' = min(k, max(n_blocks, 1)); n_blocks == 0 gives zeros (all invalid), as GpuStage._index. The entries
     come in ascending block order (one-program select) or score order (torch.topk over column blocks).
@@ -349,7 +351,7 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
         grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(T, tiles.block_t))
         _indexer_kernel[grid](
             q, w, keys, pos, slots if slots is not None else pos, buf, T, IH, D, n0, n1, kk, q.stride(0), q.stride(1),
-            w.stride(0), keys.stride(-2), buf.stride(0), keys.stride(0) if slots is not None else 0, ratio,
+            w.stride(0), keys.stride(-2), buf.stride(0), keys.stride(0) if slots is not None else 0, ratio, w_scale,
             BLOCK_T=tiles.block_t, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             USE_DOT=tiles.dot, DOT_FP16=fp16_dot, SLOTS=slots is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages, **pdl(q))
