@@ -265,6 +265,43 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUF
     assert short.written == 16 and cache.written == 13
 
 
+@pytest.mark.skipif(not dispatch.interpreting(), reason="the interpreter's case; on a GPU every decode test runs it")
+def test_norms_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a projection or the experts read their input quantised (the integer-dot kernels: Q8_0 at one or two
+    rows, the routed experts), the RMSNorm that makes the input emits it quantised in its own launch (attention
+    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> experts, output norm -> head). Interpreter, every integer-dot
+    route forced on: the same logits, bit for bit, as when each consumer quantises its input itself, and the
+    norms emit what they replace (launch counts)."""
+    cfg, layers = tiny.config, range(2, 3)
+    real_route = dispatch.q8_0_route
+    monkeypatch.setattr(dispatch, "q8_0_route", lambda n, k, m, backend: "int_dot" if m <= 2 else
+                        real_route(n, k, m, backend))
+    stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device="cpu", round_trips=OFF, int_dot=True)
+    stage.graphs = False
+    tokens = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(12))
+    quants: list[str | None] = []
+    real_norm = gpu._norm
+
+    def norm(x, weight, eps, quant):  # noqa: ANN001, ANN202
+        quants.append(quant)
+        return real_norm(x, weight, eps, quant)
+
+    got = []
+    for fused in (True, False):
+        if not fused:  # every consumer quantises its own input, as before
+            monkeypatch.setattr(gpu, "_norm", lambda x, weight, eps, quant: real_norm(x, weight, eps, None))
+        else:
+            monkeypatch.setattr(gpu, "_norm", norm)
+        cache = stage.new_cache(64, chunk=32)
+        stage.prefill(tokens[:18], cache)  # torch references
+        quants.clear()
+        with dispatch.interpreted_kernels():
+            got.append(stage.decode(int(tokens[18]), cache, logits=True, graph=False))
+        if fused:  # the decode step's: attention norm, q_a norm, FFN norm of the layer, then the output norm
+            assert quants == ["act16", "act16", "iq2_xxs", "act16"]
+    assert torch.equal(got[0], got[1])
+
+
 @pytest.mark.skipif(not dispatch.interpreting(), reason="on a GPU the cuda case of the batched test runs them")
 def test_batched_decode_kernels_in_the_interpreter(tiny: GGUFFile) -> None:
     """The batched decode step's own launches (ring writes, compressor updates, indexer scores and decode

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds4station.kernels.act_quant import quantize_act, quantize_act16
 from ds4station.kernels.norm import rms_norm, rms_norm_ref, rms_norm_triton, rope_, rope_ref, rope_triton_
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,6 +30,30 @@ def test_rms_norm(rows: int, n: int, dtype: torch.dtype, weighted: bool) -> None
     torch.testing.assert_close(want.float(), model_rms_norm(x.float(), None if w is None else w.float(), 1e-6),
                                rtol=tol, atol=tol)
     torch.testing.assert_close(rms_norm(x.cpu(), None if w is None else w.cpu(), 1e-6), want.cpu())
+
+
+@pytest.mark.parametrize(("rows", "n", "quant", "dtype"), [(1, 4096, "act16", torch.float32),
+                                                           (3, 1024, "act16", torch.float16),
+                                                           (2, 4096, "iq2_xxs", torch.float32),
+                                                           (3, 1536, "q2_k", torch.float32),
+                                                           (1, 2048, "q4_k", torch.float16),
+                                                           (2, 96, "iq2_xxs", torch.float32)])
+def test_rms_norm_emits_its_output_quantised(rows: int, n: int, quant: str, dtype: torch.dtype) -> None:
+    """rms_norm(quant=...) also stores its output quantised for an integer-dot consumer (the Q8_0 dp4a matvec's
+    16-bit digits, or a MoE layout): the same codes and scales as the quantiser's own launch on the output,
+    bit for bit (a row of 1,536 or 96 values runs in a wider power-of-two block, its tail masked)."""
+    gen = torch.Generator().manual_seed(n + rows)
+    x = (torch.randn(rows, n, generator=gen) * 3).to(DEVICE, dtype)
+    w = (torch.rand(n, generator=gen) + 0.5).to(DEVICE)
+    y, act = rms_norm(x, w, 1e-6, quant=quant)  # an fp16 row is quantised as stored (rounded to fp16)
+    assert torch.equal(y, rms_norm_triton(x, w, 1e-6))
+    want = quantize_act16(y) if quant == "act16" else quantize_act(y, quant)
+    for got, ref in zip(act, want, strict=True):
+        assert got.dtype == ref.dtype and torch.equal(got, ref)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        rms_norm(x[:, :40], w[:40], 1e-6, quant=quant)
+    with pytest.raises(ValueError, match="quant must be one of"):
+        rms_norm(x, w, 1e-6, quant="q8_0")
 
 
 @pytest.mark.parametrize(("tokens", "heads", "d", "rd", "dtype"), [(3, 4, 512, 64, torch.float32),

@@ -126,7 +126,12 @@ class Linear:
     def nbytes(self) -> int:
         return self.packed.nbytes if self.packed is not None else self.dense.numel() * self.dense.element_size()
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def act16(self, x: Tensor) -> bool:
+        """Whether this projection reads x's rows quantised to 16 bits (ops.linear_act16): then x's producer may
+        emit them so (norm.rms_norm(quant="act16")) and pass them as `act`."""
+        return self.packed is not None and self.groups == 1 and ops.linear_act16(x, self.packed)
+
+    def __call__(self, x: Tensor, act: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         if self.dense is not None:
             if self.groups == 1 and self.dense.dtype == torch.float16 and x.shape[0] <= ops.MAX_MATVEC_ROWS \
                     and dispatch.use_triton(x):
@@ -137,7 +142,7 @@ class Linear:
             xg = x.to(w.dtype).view(x.shape[0], self.groups, self.k)
             return torch.einsum("mgk,gnk->mgn", xg, w.view(self.groups, -1, self.k)).flatten(1).float()
         return ops.linear(x if dispatch.use_triton(x) else x.float(), self.packed, self.groups,
-                          out_dtype=torch.float32)
+                          out_dtype=torch.float32, act=act)
 
 
 def _pack_experts(w: Weight, device: torch.device) -> PackedIQ2XXS | PackedQ2K | PackedQ4K | PackedQ8_0 | Tensor:
@@ -168,10 +173,17 @@ class Experts:
         return sum(w.numel() * w.element_size() if isinstance(w, Tensor) else w.nbytes
                    for w in (self.gate, self.up, self.down))
 
-    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
+    def act_layout(self, xn: Tensor) -> str | None:
+        """The layout the MoE reads xn's rows quantised in (ops.moe_act_layout), or None."""
+        return ops.moe_act_layout(xn, self.gate, self.down, self.int_dot)
+
+    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None,
+                 xq: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         """xn [T, D], ids / wts [T, S] -> [T, D] fp32. `last` (device, [1]): the last real token of a padded
-        static step; the decode kernels may skip the tokens after it (their rows are never read)."""
-        return ops.moe(xn, self.gate, self.up, self.down, ids, wts, self.clamp, int_dot=self.int_dot, last=last)
+        static step; the decode kernels may skip the tokens after it (their rows are never read). `xq`: xn
+        quantised in `act_layout`'s layout by its producer."""
+        return ops.moe(xn, self.gate, self.up, self.down, ids, wts, self.clamp, int_dot=self.int_dot, last=last,
+                       xq=xq)
 
 
 class StreamedExperts:
@@ -186,10 +198,15 @@ class StreamedExperts:
         self.clamp = clamp if clamp > 0 else None
         self.int_dot = int_dot
 
-    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None) -> Tensor:
+    def act_layout(self, xn: Tensor) -> str | None:
+        gate, _, down = self.cache.parts()
+        return ops.moe_act_layout(xn, gate, down, self.int_dot)
+
+    def __call__(self, xn: Tensor, ids: Tensor, wts: Tensor, last: Tensor | None = None,
+                 xq: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         gate, up, down = self.cache.parts()
         return ops.moe(xn, gate, up, down, self.cache.lookup(self.layer, ids), wts, self.clamp,
-                       int_dot=self.int_dot, last=last)
+                       int_dot=self.int_dot, last=last, xq=xq)
 
 
 # ---- one layer's weights -----------------------------------------------------------------------------------
@@ -309,6 +326,7 @@ class _Routed:
     comb: Tensor
     ids: Tensor
     wts: Tensor
+    xq: tuple[Tensor, Tensor, Tensor] | None = None  # xn quantised for the experts' integer-dot kernels
 
 
 @dataclass
@@ -410,7 +428,11 @@ class GpuStage:
     def head(self, X: Tensor) -> Tensor:
         cfg, h = self.cfg, self.out_hc
         x = hc_k.hc_head_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps)
-        return self.output(rms_norm(x, self.output_norm, cfg.rms_eps))
+        return self._logits(x, self.output_norm)
+
+    def _logits(self, x: Tensor, norm: Tensor) -> Tensor:
+        """The output matrix over RMSNorm(x) (quantised in the norm's launch when the head reads it so)."""
+        return self.output(*_norm(x, norm, self.cfg.rms_eps, "act16" if self.output.act16(x) else None))
 
     def _compress(self, c: CompressorW, proj: Tensor, st: Step, frontier: Frontier, rows: Tensor) -> None:
         """Write these positions' projections into the frontier and pool the blocks they close (one kernel for
@@ -444,20 +466,21 @@ class GpuStage:
                           cfg.index_topk, fp16_dot=fp4, slots=st.slots,
                           w_scale=cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
 
-    def _attention(self, L: GpuLayer, xn: Tensor, st: Step, kv) -> Tensor:
+    def _attention(self, L: GpuLayer, x: Tensor, st: Step, kv) -> Tensor:
         """Attention of rows xn [T, dim]. `kv`: the layer's LayerKV of the sequence they extend, or for a
         batched decode step (st.slots) the pool's (row b is one token of sequence slots[b]). The projections
         run over all rows at once (the weights are read once for the batch), and so does what touches the KV:
         each kernel reaches a row's sequence through its slot."""
-        cfg, T = self.cfg, xn.shape[0]
+        cfg, T = self.cfg, x.shape[0]
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
+        xn, act = _norm(x, L.attn_norm, eps, "act16" if L.q_kv.act16(x) else None)
         with self._beside(st):  # the compressor / indexer projections need only xn: beside the query's
             proj = L.proj(xn) if L.comp is not None else None
-        q_kv = L.q_kv(xn)
-        qr = rms_norm(q_kv[:, :L.q_lora], L.q_a_norm, eps)
+        q_kv = L.q_kv(xn, act)
+        qr, act = _norm(q_kv[:, :L.q_lora], L.q_a_norm, eps, "act16" if L.q_b.act16(q_kv) else None)
         with self._beside(st):
             iq = L.index_q_b(qr) if L.index_comp is not None else None
-        q = finish_rows(L.q_b(qr).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
+        q = finish_rows(L.q_b(qr, act).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
         self._join(st)
         o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
         o = _rope(L.rope, o, st.pos, inverse=True)
@@ -577,7 +600,7 @@ class GpuStage:
             gate_up, down = L.shared
             with self._beside(st):  # the shared expert beside the routed ones
                 shared = down(swiglu(gate_up(state.xn), L.shared_clamp))
-        y = L.experts(state.xn, state.ids, state.wts, st.last)
+        y = L.experts(state.xn, state.ids, state.wts, st.last, state.xq)
         self._join(st)
         return hc_k.hc_post(y, state.X, state.post, state.comb, shared)  # y + shared summed in hc_post
 
@@ -604,13 +627,13 @@ class GpuStage:
         layer); the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair."""
         eps, cfg = self.cfg.rms_eps, self.cfg
         x, post, comb = self._hc_pre(L.hc_attn, X)
-        X = hc_k.hc_post(self._attention(L, rms_norm(x, L.attn_norm, eps), st, kv), X, post, comb)
+        X = hc_k.hc_post(self._attention(L, x, st, kv), X, post, comb)
         x, post, comb = self._hc_pre(L.hc_ffn, X)
-        xn = rms_norm(x, L.ffn_norm, eps)
+        xn, xq = _norm(x, L.ffn_norm, eps, L.experts.act_layout(x))  # quantised here for the experts' kernels
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
-        return _Routed(X, xn, post, comb, ids, wts)
+        return _Routed(X, xn, post, comb, ids, wts, xq)
 
     @torch.inference_mode()
     def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
@@ -709,7 +732,7 @@ class GpuStage:
         m, cfg = self.mtp, self.cfg
         assert m is not None
         x = hc_k.hc_head_pre(X, m.hc.fn, m.hc.scale, m.hc.base, cfg.rms_eps, cfg.hc_eps)
-        return self.output(rms_norm(x, m.norm, cfg.rms_eps))
+        return self._logits(x, m.norm)
 
     def new_mtp_caches(self, n: int, ctx: int, chunk: int) -> list[KVCache]:
         """n caches of the MTP layer, the slots of one KVPool (one draft graph serves all of them)."""
@@ -1015,6 +1038,12 @@ class GpuStage:
         for key in [k for k in self._graphs if k[0] == id(cache) or (k[0] in ("static", "batch", "multi") and
                                                                       k[1] == id(cache.pool))]:
             del self._graphs[key]
+
+
+def _norm(x: Tensor, weight: Tensor, eps: float, quant: str | None) -> tuple[Tensor, tuple[Tensor, ...] | None]:
+    """RMSNorm of x -> (xn, xn's rows quantised as `quant` names for an integer-dot consumer, in the same launch;
+    None without `quant`)."""
+    return rms_norm(x, weight, eps, quant=quant) if quant else (rms_norm(x, weight, eps), None)
 
 
 def _env_on(name: str) -> bool:

@@ -85,17 +85,13 @@ else:
 
 
 @triton.jit
-def _quant_act_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K, stride_xm,
-                      LAYOUT: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    row = tl.program_id(0)
-    pid = tl.program_id(1)
-    G = K // 32
-    gg = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+def act_tile(x, row, g0, G, xq_ptr, xs_ptr, xsum_ptr, LAYOUT: tl.constexpr):
+    """Quantise x [BLOCK_G, 32] fp32, the 32-groups g0 .. g0 + BLOCK_G of activation row `row` (groups from G
+    on are masked off), and store them as `quantize_act` lays them out (LAYOUT: LAYOUTS[layout]). Used by the
+    quantiser's own kernel and by producers that emit the quantised row with their output (norm.rms_norm)."""
+    BLOCK_G: tl.constexpr = x.shape[0]
+    gg = g0 + tl.arange(0, BLOCK_G)
     g_mask = gg < G
-    offs = tl.arange(0, 32)
-    x = tl.load(x_ptr + row * stride_xm + gg[:, None] * 32 + offs[None, :], mask=g_mask[:, None],
-                other=0.0).to(tl.float32)  # [BLOCK_G, 32]
     amax = tl.max(tl.abs(x), axis=1)
     scale = amax / 127.0
     inv = tl.where(amax > 0, 127.0 / tl.maximum(amax, 1e-30), 0.0)
@@ -117,26 +113,74 @@ def _quant_act_kernel(x_ptr, xq_ptr, xs_ptr, xsum_ptr, K, stride_xm,
         # [g, w_local, b, i] -> word (w = 2 g + w_local, i) holds byte b = x[16 w + 4 b + i]
         q4 = tl.reshape(qb, (BLOCK_G, 2, 4, 4)) << (tl.arange(0, 4) * 8)[None, None, :, None]
         words = tl.reshape(tl.sum(q4, axis=2), (BLOCK_G * 2, 4))  # rows: w = 2 g + w_local
-        ww = pid * BLOCK_G * 2 + tl.arange(0, BLOCK_G * 2)
+        ww = g0 * 2 + tl.arange(0, BLOCK_G * 2)
         tl.store(xq_ptr + row * (8 * G) + tl.arange(0, 4)[None, :] * (2 * G) + ww[:, None], words,
                  mask=(ww < 2 * G)[:, None])
 
 
-def quantize_act(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq int32 [M, K/4] in `layout`'s transposed order, scales fp32 [M, K/32], sums fp32 [M, K/16])."""
-    m, k = x.shape
+@triton.jit
+def quant_tile(x, row, g0, G, q0_ptr, q1_ptr, q2_ptr, QUANT: tl.constexpr, LAYOUT: tl.constexpr):
+    """x [BLOCK_G, 32] stored quantised as QUANT says: 1 `act16_tile` (q0, q1, q2 = hi, lo, scale), 2 `act_tile`
+    in LAYOUT (xq, scale, sums)."""
+    if QUANT == 1:
+        act16_tile(x, row, g0, G, q0_ptr, q1_ptr, q2_ptr)
+    else:
+        act_tile(x, row, g0, G, q0_ptr, q1_ptr, q2_ptr, LAYOUT)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q0_ptr, q1_ptr, q2_ptr, K, stride_xm, QUANT: tl.constexpr, LAYOUT: tl.constexpr,
+                  BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
+    """The quantiser's own launch: BLOCK_G groups of 32 values of row program_id(0) per program (see quant_tile)."""
+    enter(PDL)
+    row = tl.program_id(0)
+    G = K // 32
+    g0 = tl.program_id(1) * BLOCK_G
+    gg = g0 + tl.arange(0, BLOCK_G)
+    x = tl.load(x_ptr + row * stride_xm + gg[:, None] * 32 + tl.arange(0, 32)[None, :], mask=(gg < G)[:, None],
+                other=0.0).to(tl.float32)  # [BLOCK_G, 32]
+    quant_tile(x, row, g0, G, q0_ptr, q1_ptr, q2_ptr, QUANT, LAYOUT)
+
+
+QUANTS = ("act16", *LAYOUTS)  # the quantised forms: quantize_act16's, and quantize_act's per layout
+
+
+def quant_buffers(m: int, k: int, quant: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty outputs of m rows of k values quantised as `quant` (QUANTS): act16 (hi, lo int32 [m, k/4], scale
+    fp32 [m, k/32]); a layout (xq int32 [m, k/4], scale fp32 [m, k/32], sums fp32 [m, k/16])."""
+    if quant not in QUANTS:
+        raise ValueError(f"quant must be one of {QUANTS}, got {quant!r}")
     if k % 32:
-        raise ValueError(f"activation width must be a multiple of 32, got {k}")
+        raise ValueError(f"a quantised row has a multiple of 32 values, got {k}")
+    words = torch.empty((m, k // 4), device=device, dtype=torch.int32)
+    scale = torch.empty((m, k // 32), device=device, dtype=torch.float32)
+    if quant == "act16":
+        return words, torch.empty_like(words), scale
+    return words, scale, torch.empty((m, k // 16), device=device, dtype=torch.float32)
+
+
+def quant_flags(quant: str | None) -> dict:
+    """The QUANT / LAYOUT constexprs of quant_tile for `quant` (None: QUANT 0, nothing quantised)."""
+    return {"QUANT": 0 if quant is None else 1 if quant == "act16" else 2, "LAYOUT": LAYOUTS.get(quant, 0)}
+
+
+def _quantize(x: torch.Tensor, quant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    out = quant_buffers(m, k, quant, x.device)
     if x.stride(1) != 1:
         x = x.contiguous()
-    xq = torch.empty((m, k // 4), device=x.device, dtype=torch.int32)
-    xs = torch.empty((m, k // 32), device=x.device, dtype=torch.float32)
-    xsum = torch.empty((m, k // 16), device=x.device, dtype=torch.float32)
     tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
     block_g = min(tiles.block, 32)
-    _quant_act_kernel[(m, triton.cdiv(k // 32, block_g))](
-        x, xq, xs, xsum, k, x.stride(0), LAYOUT=LAYOUTS[layout], BLOCK_G=block_g, num_warps=tiles.num_warps, **pdl(x))
-    return xq, xs, xsum
+    _quant_kernel[(m, triton.cdiv(k // 32, block_g))](x, *out, k, x.stride(0), **quant_flags(quant), BLOCK_G=block_g,
+                                                      num_warps=tiles.num_warps, **pdl(x))
+    return out
+
+
+def quantize_act(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int32 [M, K/4] in `layout`'s transposed order, scales fp32 [M, K/32], sums fp32 [M, K/16])."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {tuple(LAYOUTS)}, got {layout!r}")
+    return _quantize(x, layout)
 
 
 def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,16 +207,13 @@ def quantize_act_ref(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
 
 
 @triton.jit
-def _quant_act16_kernel(x_ptr, hi_ptr, lo_ptr, xs_ptr, K, stride_xm, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    row = tl.program_id(0)
-    pid = tl.program_id(1)
-    G = K // 32
-    gg = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+def act16_tile(x, row, g0, G, hi_ptr, lo_ptr, xs_ptr):
+    """Quantise x [BLOCK_G, 32] fp32, the 32-groups g0 .. g0 + BLOCK_G of activation row `row` (groups from G
+    on are masked off), to two int8 digits per value and store them as `quantize_act16` lays them out. Used by
+    the quantiser's own kernel and by producers that emit the quantised row with their output."""
+    BLOCK_G: tl.constexpr = x.shape[0]
+    gg = g0 + tl.arange(0, BLOCK_G)
     g_mask = gg < G
-    offs = tl.arange(0, 32)
-    x = tl.load(x_ptr + row * stride_xm + gg[:, None] * 32 + offs[None, :], mask=g_mask[:, None],
-                other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=1)
     # 32639 = 127 * 256 + 127: the largest value whose two signed digits both fit int8
     inv = tl.where(amax > 0, 32639.0 / tl.maximum(amax, 1e-30), 0.0)
@@ -193,19 +234,7 @@ def quantize_act16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """x [M, K] -> (hi, lo int32 [M, K/4], scale fp32 [M, K/32]) with x ~ scale * (256 hi + lo) per 32 values:
     16-bit activations as two int8 digits, so a Q8_0 block's dot is two exact dp4a sums (KERNEL-NOTES.md:
     max relative error 2e-5). Words hold 4 consecutive values, in natural order."""
-    m, k = x.shape
-    if k % 32:
-        raise ValueError(f"activation width must be a multiple of 32, got {k}")
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    hi = torch.empty((m, k // 4), device=x.device, dtype=torch.int32)
-    lo = torch.empty_like(hi)
-    xs = torch.empty((m, k // 32), device=x.device, dtype=torch.float32)
-    tiles = dispatch.row_tiles(k // 32, dispatch.launch_backend(x))
-    block_g = min(tiles.block, 32)
-    _quant_act16_kernel[(m, triton.cdiv(k // 32, block_g))](x, hi, lo, xs, k, x.stride(0), BLOCK_G=block_g,
-                                                           num_warps=tiles.num_warps, **pdl(x))
-    return hi, lo, xs
+    return _quantize(x, "act16")
 
 
 def dequantize_act16(hi: torch.Tensor, lo: torch.Tensor, xs: torch.Tensor) -> torch.Tensor:

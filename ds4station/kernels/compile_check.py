@@ -120,12 +120,14 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     for qtype in ("q2_k", "q4_k"):
         specs.append(_moe_spec("down", qtype, ptrs[qtype], dispatch.moe_tiles(qtype, qtype, 4096, 2048, 6, backend)))
     rt = dispatch.row_tiles(4096 // 32, backend)
-    specs.append(KernelSpec(
-        "act_quant q2_k 4096", act_quant._quant_act_kernel,
-        {"x_ptr": ptr32, "xq_ptr": "*i32", "xs_ptr": ptr32, "xsum_ptr": ptr32, "K": i32, "stride_xm": i32,
-         "LAYOUT": "constexpr", "BLOCK_G": "constexpr"},
-        {"LAYOUT": 1, "BLOCK_G": min(rt.block, 32)},
-        ("x_ptr", "xq_ptr", "xs_ptr", "xsum_ptr", "K", "stride_xm"), rt.num_warps, 1))
+    for quant in ("q2_k", "act16"):
+        q1 = "*i32" if quant == "act16" else ptr32
+        specs.append(KernelSpec(
+            f"act_quant {quant} 4096", act_quant._quant_kernel,
+            {"x_ptr": ptr32, "q0_ptr": "*i32", "q1_ptr": q1, "q2_ptr": ptr32, "K": i32, "stride_xm": i32,
+             "QUANT": "constexpr", "LAYOUT": "constexpr", "BLOCK_G": "constexpr"},
+            {**act_quant.quant_flags(quant), "BLOCK_G": min(rt.block, 32)},
+            ("x_ptr", "q0_ptr", "q1_ptr", "q2_ptr", "K", "stride_xm"), rt.num_warps, 1))
     pt = dispatch.moe_prefill_tiles(2048 * 6, backend)
     common = {"F": i32, "D": i32}
     specs.append(KernelSpec(
@@ -157,12 +159,15 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
     rt = dispatch.row_tiles(4096, backend)
-    specs.append(KernelSpec(
-        "rms_norm 4096", norm._rms_norm_kernel,
-        {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "N": i32, "stride_x": i32, "stride_y": i32, "eps": "fp32",
-         "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr"},
-        {"HAS_WEIGHT": True, "BLOCK": rt.block}, ("x_ptr", "w_ptr", "y_ptr", "N", "stride_x", "stride_y"),
-        rt.num_warps, 1))
+    for quant in (None, "act16", "iq2_xxs", "q2_k"):
+        q_ptrs = ("*i32", "*i32", ptr32) if quant == "act16" else ("*i32", ptr32, ptr32) if quant else (ptr32,) * 3
+        specs.append(KernelSpec(
+            f"rms_norm 4096{f' + {quant}' if quant else ''}", norm._rms_norm_kernel,
+            {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "q0_ptr": q_ptrs[0], "q1_ptr": q_ptrs[1],
+             "q2_ptr": q_ptrs[2], "N": i32, "stride_x": i32, "stride_y": i32, "eps": "fp32",
+             "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr", "LAYOUT": "constexpr"},
+            {"HAS_WEIGHT": True, "BLOCK": rt.block, **act_quant.quant_flags(quant)},
+            ("x_ptr", "w_ptr", "y_ptr", "q0_ptr", "q1_ptr", "q2_ptr", "N", "stride_x", "stride_y"), rt.num_warps, 1))
     specs.append(KernelSpec(
         "rope 64 heads x 512 (last 64)", norm._rope_kernel,
         {"x_ptr": ptr32, "pos_ptr": "*i64", "f_ptr": ptr32, "D": i32, "stride_x": i32, "heads": i32, "sign": "fp32",

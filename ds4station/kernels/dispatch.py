@@ -229,7 +229,8 @@ _Q8_0_HEAD_ROWS = 65536
 
 def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
     """Which kernel runs a Q8_0 [n, k] projection of m fp32 activation rows: "int_dot" (the activation quantised
-    to 16 bits by act_quant.quantize_act16 in a launch of its own, then the dp4a matvec, `q8_0_int_dot_tiles`),
+    to 16 bits by act_quant.quantize_act16 in a launch of its own, or by the RMSNorm that produces it (the
+    engine's q_a + kv, q_b and head), then the dp4a matvec, `q8_0_int_dot_tiles`),
     "matvec" (fp32 math, up to q8_0_matvec_rows) or "matmul" (split-K tl.dot, `matmul_tiles`).
 
     H200, eighteenth session (docs/PERFORMANCE.md: the dp4a matvec at one row per program and one warp, against

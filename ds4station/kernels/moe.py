@@ -272,11 +272,13 @@ def moe_decode(
     tiles: dispatch.MoeTiles | None = None,
     int_dot: bool | None = None,
     last: torch.Tensor | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Triton fused MoE for a few tokens: x [T, D], ids [T, S] (int32/int64), weights [T, S] -> y [T, D] fp32.
 
     int_dot (default: dispatch.use_int_dot for the device): quantise the activations per 32 to int8 and use
     dp4a (four launches: quantise x, gate+up, quantise h, down); otherwise the fp32-math kernels (two).
+    `int_dot_layout` says which; `xq`: x already quantised in that layout (by its producer, norm.rms_norm).
     last: the index of the last real token, [1] int64 on the device (a short prefill padded to its static
     row class): the integer-dot kernels skip the tokens after it, whose rows come out zero.
     """
@@ -294,10 +296,8 @@ def moe_decode(
     weights = weights.contiguous()
     tiles = tiles or dispatch.moe_tiles(gate.qtype, down.qtype, d_model, d_ff, t_count * n_slots,
                                         dispatch.launch_backend(x))
-    if int_dot is None:
-        int_dot = dispatch.use_int_dot(dispatch.launch_backend(x))
-    if int_dot and gate.qtype in dispatch.MOE_INT_DOT_QTYPES and down.qtype in dispatch.MOE_INT_DOT_QTYPES:
-        return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles, last)
+    if int_dot_layout(x, gate, down, int_dot):
+        return _moe_decode_i8(x, gate, up, down, ids, weights, clamp, out, tiles, last, xq)
     sub_in, sub_h = _UNIT[gate.qtype], _UNIT[down.qtype]
     ht = torch.empty((t_count, n_slots, d_ff), device=x.device, dtype=torch.float32)
     grid_tab = grid_words(x.device)
@@ -319,6 +319,15 @@ def moe_decode(
     return out
 
 
+def int_dot_layout(x: torch.Tensor, gate: PackedExperts, down: PackedExperts, int_dot: bool | None) -> str | None:
+    """The activation layout (act_quant.LAYOUTS) moe_decode quantises x in for its integer-dot kernels, or None
+    when it runs the fp32 ones (int_dot None: dispatch.use_int_dot for the device)."""
+    if int_dot is None:
+        int_dot = dispatch.use_int_dot(dispatch.launch_backend(x))
+    ok = int_dot and gate.qtype in dispatch.MOE_INT_DOT_QTYPES and down.qtype in dispatch.MOE_INT_DOT_QTYPES
+    return gate.qtype if ok else None
+
+
 def _moe_decode_i8(
     x: torch.Tensor,
     gate: PackedExperts,
@@ -330,11 +339,12 @@ def _moe_decode_i8(
     out: torch.Tensor | None,
     tiles: dispatch.MoeTiles,
     last: torch.Tensor | None = None,
+    act: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     t_count, d_model = x.shape
     d_ff, n_slots = gate.n, ids.shape[1]
     grid_tab = grid_codes(x.device)
-    xq, xs, xsum = quantize_act(x, gate.qtype)
+    xq, xs, xsum = quantize_act(x, gate.qtype) if act is None else act
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
     gu = tiles.gate_up
     _moe_gate_up_i8_kernel[(t_count * n_slots, triton.cdiv(d_ff, gu.block_n))](

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import quant_buffers, quant_flags, quant_tile
 from ds4station.kernels.pdl import enter, pdl
 
 
@@ -24,8 +25,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps,
-                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q0_ptr, q1_ptr, q2_ptr, N, stride_x, stride_y, eps,
+                     HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = 0,
+                     LAYOUT: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """y = x / rms(x) * w over one row per program; with QUANT also y quantised (act_quant.quant_tile: QUANT 1
+    as quantize_act16, 2 as quantize_act in LAYOUT, into q0 / q1 / q2): from the values stored, so the same codes
+    as the quantiser's own launch on y gives, without that launch."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -35,16 +40,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, N, stride_x, stride_y, eps,
     y = x * r
     if HAS_WEIGHT:
         y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    y = y.to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if QUANT:  # from the values stored (an fp16 y quantised as its reader would see it)
+        quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), row, 0, N // 32, q0_ptr, q1_ptr, q2_ptr, QUANT,
+                   LAYOUT)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., N]: Triton on a GPU tensor, the torch reference on CPU."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, quant: str | None = None):  # noqa: ANN201
+    """RMSNorm over the last dim of x [..., N]: Triton on a GPU tensor, the torch reference on CPU. With `quant`
+    (act_quant.QUANTS: "act16" or a MoE layout) -> (y, the rows [-1, N] of y quantised as quantize_act16 /
+    quantize_act(layout) gives them), in the same launch (Triton only: the integer-dot consumers run there)."""
+    if quant is not None:
+        return rms_norm_triton(x, weight, eps, quant=quant)
     return rms_norm_triton(x, weight, eps) if dispatch.use_triton(x) else rms_norm_ref(x, weight, eps)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, quant: str | None = None):  # noqa: ANN201
     """The Triton launcher of rms_norm (any device the Triton backend or interpreter runs on)."""
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
@@ -52,10 +65,12 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
         x2 = x2.contiguous()
     y = torch.empty_like(x2) if out is None else out.view(-1, n)
     tiles = dispatch.row_tiles(n, dispatch.launch_backend(x))
-    _rms_norm_kernel[(x2.shape[0],)](
-        x2, weight if weight is not None else x2, y, n, x2.stride(0), y.stride(0), float(eps),
-        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, num_warps=tiles.num_warps, **pdl(x2))
-    return y.view(x.shape)
+    m = x2.shape[0]
+    act = (x2, x2, x2) if quant is None else quant_buffers(m, n, quant, x.device)
+    _rms_norm_kernel[(m,)](
+        x2, weight if weight is not None else x2, y, *act, n, x2.stride(0), y.stride(0), float(eps),
+        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, **quant_flags(quant), num_warps=tiles.num_warps, **pdl(x2))
+    return y.view(x.shape) if quant is None else (y.view(x.shape), act)
 
 
 def rope_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int,

@@ -21,7 +21,7 @@ from ds4station.kernels.iq2_xxs import (
     iq2_xxs_matvec_ref,
     repack_iq2_xxs,
 )
-from ds4station.kernels.moe import _expert, moe_decode, moe_decode_ref
+from ds4station.kernels.moe import _expert, int_dot_layout, moe_decode, moe_decode_ref
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
 from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
@@ -101,12 +101,22 @@ def dequantize(w: Packed) -> torch.Tensor:
     return dequantize_q2_k(w)
 
 
-def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def linear_act16(x: torch.Tensor, w: Packed) -> bool:
+    """Whether `linear` runs W over x's rows from their 16-bit quantisation (act_quant.quantize_act16): the
+    integer-dot Q8_0 matvec. Its producer can then emit x quantised (norm.rms_norm(quant="act16")) and pass it as
+    `act`, saving the quantiser's launch."""
+    return isinstance(w, PackedQ8_0) and dispatch.use_triton(x) and \
+        dispatch.q8_0_route(w.n, w.k, x.shape[0], dispatch.launch_backend(x)) == "int_dot"
+
+
+def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None,
+           act: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """y = x @ W^T for x [M, groups*K] -> [M, N] (groups > 1: Q8_0 grouped projection, rows split evenly).
 
     GPU: M <= 8 runs the fused dequant matvec (Q8_0: dispatch.q8_0_route picks the integer-dot matvec, the fp32
     one or the split-K matmul, measured); more rows run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types, which
     hold routed experts, are dequantised to fp16 and multiplied by torch here). CPU: torch reference.
+    `act`: x as quantize_act16 gives it, where `linear_act16` says the route reads that (else ignored).
     """
     m = x.shape[0]
     if groups != 1 and not isinstance(w, PackedQ8_0):
@@ -123,7 +133,8 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
     if isinstance(w, PackedQ8_0):
         route = dispatch.q8_0_route(w.n, w.k, m, dispatch.launch_backend(x))
         if route == "int_dot":
-            return q8_0_matvec_q16(quantize_act16(x), w, groups=groups, out_dtype=out_dtype or x.dtype,
+            return q8_0_matvec_q16(quantize_act16(x) if act is None else act, w, groups=groups,
+                                   out_dtype=out_dtype or x.dtype,
                                    tiles=dispatch.q8_0_int_dot_tiles(w.n, w.k, m))
         if route == "matvec":
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
@@ -139,6 +150,16 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
     return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)
 
 
+def moe_act_layout(x: torch.Tensor, gate: PackedIQ2XXS | PackedQ2K | torch.Tensor,
+                   down: PackedIQ2XXS | PackedQ2K | torch.Tensor, int_dot: bool | None = None) -> str | None:
+    """The layout (act_quant.LAYOUTS) in which `moe` quantises x's rows for its integer-dot decode kernels, or
+    None when it reads them as floats: its producer can emit them quantised (norm.rms_norm(quant=layout)) and
+    pass them as `xq`."""
+    if isinstance(gate, torch.Tensor) or not dispatch.use_triton(x) or x.shape[0] > MOE_DECODE_ROWS:
+        return None
+    return int_dot_layout(x, gate, down, int_dot)
+
+
 def moe(
     x: torch.Tensor,
     gate: PackedIQ2XXS | PackedQ2K | torch.Tensor,
@@ -150,9 +171,10 @@ def moe(
     *,
     int_dot: bool | None = None,
     last: torch.Tensor | None = None,
+    xq: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Routed-expert FFN for tokens x [T, D] with selected ids/weights [T, S]: y [T, D] fp32 (the one place
-    that picks the MoE path).
+    that picks the MoE path). `xq`: x quantised in the layout `moe_act_layout` names (ignored elsewhere).
 
     GPU: up to MOE_DECODE_ROWS tokens run the decode kernels (integer dot on CUDA unless `int_dot` is False;
     `last`: see moe_decode), more the prefill kernels (tokens grouped by expert, tl.dot); no host
@@ -162,7 +184,7 @@ def moe(
     dense = isinstance(gate, torch.Tensor)
     if dispatch.use_triton(x) and not dense:
         if x.shape[0] <= MOE_DECODE_ROWS:
-            return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last)
+            return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last, xq=xq)
         return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
     if x.shape[0] <= MAX_MATVEC_ROWS and not dense:
         return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
