@@ -269,7 +269,8 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUF
 def test_norms_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a projection or the experts read their input quantised (the integer-dot kernels: Q8_0 at one or two
     rows, the routed experts), the RMSNorm that makes the input emits it quantised in its own launch (attention
-    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> experts, output norm -> head). Interpreter, every integer-dot
+    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> shared and routed experts, output norm -> head). Interpreter,
+    every integer-dot
     route forced on: the same logits, bit for bit, as when each consumer quantises its input itself, and the
     norms emit what they replace (launch counts)."""
     cfg, layers = tiny.config, range(2, 3)
@@ -282,14 +283,15 @@ def test_norms_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypa
     quants: list[str | None] = []
     real_norm = gpu._norm
 
-    def norm(x, weight, eps, quant):  # noqa: ANN001, ANN202
+    def norm(x, weight, eps, *quant):  # noqa: ANN001, ANN202
         quants.append(quant)
-        return real_norm(x, weight, eps, quant)
+        return real_norm(x, weight, eps, *quant)
 
     got = []
     for fused in (True, False):
         if not fused:  # every consumer quantises its own input, as before
-            monkeypatch.setattr(gpu, "_norm", lambda x, weight, eps, quant: real_norm(x, weight, eps, None))
+            monkeypatch.setattr(gpu, "_norm", lambda x, weight, eps, *quant: real_norm(x, weight, eps,
+                                                                                     *[None] * len(quant)))
         else:
             monkeypatch.setattr(gpu, "_norm", norm)
         cache = stage.new_cache(64, chunk=32)
@@ -298,7 +300,7 @@ def test_norms_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypa
         with dispatch.interpreted_kernels():
             got.append(stage.decode(int(tokens[18]), cache, logits=True, graph=False))
         if fused:  # the decode step's: attention norm, q_a norm, FFN norm of the layer, then the output norm
-            assert quants == ["act16", "act16", "iq2_xxs", "act16"]
+            assert quants == [("act16",), ("act16",), ("act16", "iq2_xxs"), ("act16",)]
     assert torch.equal(got[0], got[1])
 
 

@@ -45,15 +45,23 @@ def test_rms_norm_emits_its_output_quantised(rows: int, n: int, quant: str, dtyp
     gen = torch.Generator().manual_seed(n + rows)
     x = (torch.randn(rows, n, generator=gen) * 3).to(DEVICE, dtype)
     w = (torch.rand(n, generator=gen) + 0.5).to(DEVICE)
-    y, act = rms_norm(x, w, 1e-6, quant=quant)  # an fp16 row is quantised as stored (rounded to fp16)
+    y, (act,) = rms_norm(x, w, 1e-6, quant=(quant,))  # an fp16 row is quantised as stored (rounded to fp16)
     assert torch.equal(y, rms_norm_triton(x, w, 1e-6))
     want = quantize_act16(y) if quant == "act16" else quantize_act(y, quant)
     for got, ref in zip(act, want, strict=True):
         assert got.dtype == ref.dtype and torch.equal(got, ref)
+    # two forms at once (the FFN norm: the shared expert's 16-bit digits and the routed experts' layout)
+    other = "iq2_xxs" if quant == "act16" else "act16"
+    y2, acts = rms_norm(x, w, 1e-6, quant=(quant, other))
+    want2 = quantize_act16(y) if other == "act16" else quantize_act(y, other)
+    assert torch.equal(y2, y) and all(torch.equal(g, h) for g, h in zip((*acts[0], *acts[1]), (*want, *want2),
+                                                                         strict=True))
     with pytest.raises(ValueError, match="multiple of 32"):
-        rms_norm(x[:, :40], w[:40], 1e-6, quant=quant)
+        rms_norm(x[:, :40], w[:40], 1e-6, quant=(quant,))
     with pytest.raises(ValueError, match="quant must be one of"):
-        rms_norm(x, w, 1e-6, quant="q8_0")
+        rms_norm(x, w, 1e-6, quant=("q8_0",))
+    with pytest.raises(ValueError, match="at most two"):
+        rms_norm(x, w, 1e-6, quant=(quant, quant, quant))
 
 
 @pytest.mark.parametrize(("tokens", "heads", "d", "rd", "dtype"), [(3, 4, 512, 64, torch.float32),

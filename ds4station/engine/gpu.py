@@ -327,6 +327,7 @@ class _Routed:
     ids: Tensor
     wts: Tensor
     xq: tuple[Tensor, Tensor, Tensor] | None = None  # xn quantised for the experts' integer-dot kernels
+    xs: tuple[Tensor, Tensor, Tensor] | None = None  # ... and for the shared expert's gate + up
 
 
 @dataclass
@@ -432,7 +433,8 @@ class GpuStage:
 
     def _logits(self, x: Tensor, norm: Tensor) -> Tensor:
         """The output matrix over RMSNorm(x) (quantised in the norm's launch when the head reads it so)."""
-        return self.output(*_norm(x, norm, self.cfg.rms_eps, "act16" if self.output.act16(x) else None))
+        xn, (act,) = _norm(x, norm, self.cfg.rms_eps, "act16" if self.output.act16(x) else None)
+        return self.output(xn, act)
 
     def _compress(self, c: CompressorW, proj: Tensor, st: Step, frontier: Frontier, rows: Tensor) -> None:
         """Write these positions' projections into the frontier and pool the blocks they close (one kernel for
@@ -473,11 +475,11 @@ class GpuStage:
         each kernel reaches a row's sequence through its slot."""
         cfg, T = self.cfg, x.shape[0]
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
-        xn, act = _norm(x, L.attn_norm, eps, "act16" if L.q_kv.act16(x) else None)
+        xn, (act,) = _norm(x, L.attn_norm, eps, "act16" if L.q_kv.act16(x) else None)
         with self._beside(st):  # the compressor / indexer projections need only xn: beside the query's
             proj = L.proj(xn) if L.comp is not None else None
         q_kv = L.q_kv(xn, act)
-        qr, act = _norm(q_kv[:, :L.q_lora], L.q_a_norm, eps, "act16" if L.q_b.act16(q_kv) else None)
+        qr, (act,) = _norm(q_kv[:, :L.q_lora], L.q_a_norm, eps, "act16" if L.q_b.act16(q_kv) else None)
         with self._beside(st):
             iq = L.index_q_b(qr) if L.index_comp is not None else None
         q = finish_rows(L.q_b(qr, act).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
@@ -599,7 +601,7 @@ class GpuStage:
         if L.shared is not None:
             gate_up, down = L.shared
             with self._beside(st):  # the shared expert beside the routed ones
-                shared = down(swiglu(gate_up(state.xn), L.shared_clamp))
+                shared = down(swiglu(gate_up(state.xn, state.xs), L.shared_clamp))
         y = L.experts(state.xn, state.ids, state.wts, st.last, state.xq)
         self._join(st)
         return hc_k.hc_post(y, state.X, state.post, state.comb, shared)  # y + shared summed in hc_post
@@ -629,11 +631,13 @@ class GpuStage:
         x, post, comb = self._hc_pre(L.hc_attn, X)
         X = hc_k.hc_post(self._attention(L, x, st, kv), X, post, comb)
         x, post, comb = self._hc_pre(L.hc_ffn, X)
-        xn, xq = _norm(x, L.ffn_norm, eps, L.experts.act_layout(x))  # quantised here for the experts' kernels
+        # quantised here for the shared expert's and the routed experts' integer-dot kernels
+        shared_act = L.shared is not None and L.shared[0].act16(x)
+        xn, (xs, xq) = _norm(x, L.ffn_norm, eps, "act16" if shared_act else None, L.experts.act_layout(x))
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
-        return _Routed(X, xn, post, comb, ids, wts, xq)
+        return _Routed(X, xn, post, comb, ids, wts, xq, xs)
 
     @torch.inference_mode()
     def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
@@ -1040,10 +1044,15 @@ class GpuStage:
             del self._graphs[key]
 
 
-def _norm(x: Tensor, weight: Tensor, eps: float, quant: str | None) -> tuple[Tensor, tuple[Tensor, ...] | None]:
-    """RMSNorm of x -> (xn, xn's rows quantised as `quant` names for an integer-dot consumer, in the same launch;
-    None without `quant`)."""
-    return rms_norm(x, weight, eps, quant=quant) if quant else (rms_norm(x, weight, eps), None)
+def _norm(x: Tensor, weight: Tensor, eps: float, *quant: str | None) -> tuple[Tensor, list]:
+    """RMSNorm of x -> (xn, per entry of `quant` xn's rows quantised in that form (act_quant.QUANTS) for an
+    integer-dot consumer, in the same launch, or None where the entry is None)."""
+    wanted = tuple(q for q in quant if q)
+    if not wanted:
+        return rms_norm(x, weight, eps), [None] * len(quant)
+    xn, acts = rms_norm(x, weight, eps, quant=wanted)
+    it = iter(acts)
+    return xn, [next(it) if q else None for q in quant]
 
 
 def _env_on(name: str) -> bool:

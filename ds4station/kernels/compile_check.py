@@ -159,15 +159,22 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
     rt = dispatch.row_tiles(4096, backend)
-    for quant in (None, "act16", "iq2_xxs", "q2_k"):
-        q_ptrs = ("*i32", "*i32", ptr32) if quant == "act16" else ("*i32", ptr32, ptr32) if quant else (ptr32,) * 3
+    def q_ptrs(quant: str | None) -> tuple[str, str, str]:
+        return ("*i32", "*i32", ptr32) if quant == "act16" else ("*i32", ptr32, ptr32) if quant else (ptr32,) * 3
+
+    for qa, qb in ((None, None), ("act16", None), ("q2_k", None), ("act16", "iq2_xxs")):  # FFN norm: both
+        a, b = q_ptrs(qa), q_ptrs(qb)
+        fb = act_quant.quant_flags(qb)
         specs.append(KernelSpec(
-            f"rms_norm 4096{f' + {quant}' if quant else ''}", norm._rms_norm_kernel,
-            {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "q0_ptr": q_ptrs[0], "q1_ptr": q_ptrs[1],
-             "q2_ptr": q_ptrs[2], "N": i32, "stride_x": i32, "stride_y": i32, "eps": "fp32",
-             "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr", "LAYOUT": "constexpr"},
-            {"HAS_WEIGHT": True, "BLOCK": rt.block, **act_quant.quant_flags(quant)},
-            ("x_ptr", "w_ptr", "y_ptr", "q0_ptr", "q1_ptr", "q2_ptr", "N", "stride_x", "stride_y"), rt.num_warps, 1))
+            f"rms_norm 4096{''.join(f' + {q}' for q in (qa, qb) if q)}", norm._rms_norm_kernel,
+            {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "a0_ptr": a[0], "a1_ptr": a[1], "a2_ptr": a[2],
+             "b0_ptr": b[0], "b1_ptr": b[1], "b2_ptr": b[2], "N": i32, "stride_x": i32, "stride_y": i32,
+             "eps": "fp32", "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr",
+             "LAYOUT": "constexpr", "QUANT_B": "constexpr", "LAYOUT_B": "constexpr"},
+            {"HAS_WEIGHT": True, "BLOCK": rt.block, **act_quant.quant_flags(qa), "QUANT_B": fb["QUANT"],
+             "LAYOUT_B": fb["LAYOUT"]},
+            ("x_ptr", "w_ptr", "y_ptr", "a0_ptr", "a1_ptr", "a2_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "N", "stride_x",
+             "stride_y"), rt.num_warps, 1))
     specs.append(KernelSpec(
         "rope 64 heads x 512 (last 64)", norm._rope_kernel,
         {"x_ptr": ptr32, "pos_ptr": "*i64", "f_ptr": ptr32, "D": i32, "stride_x": i32, "heads": i32, "sign": "fp32",

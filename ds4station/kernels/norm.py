@@ -25,12 +25,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q0_ptr, q1_ptr, q2_ptr, N, stride_x, stride_y, eps,
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr, N, stride_x, stride_y, eps,
                      HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr, QUANT: tl.constexpr = 0,
-                     LAYOUT: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """y = x / rms(x) * w over one row per program; with QUANT also y quantised (act_quant.quant_tile: QUANT 1
-    as quantize_act16, 2 as quantize_act in LAYOUT, into q0 / q1 / q2): from the values stored, so the same codes
-    as the quantiser's own launch on y gives, without that launch."""
+                     LAYOUT: tl.constexpr = 0, QUANT_B: tl.constexpr = 0, LAYOUT_B: tl.constexpr = 0,
+                     PDL: tl.constexpr = False):
+    """y = x / rms(x) * w over one row per program; with QUANT also y quantised into a0 / a1 / a2, with QUANT_B
+    a second form into b0 / b1 / b2 (act_quant.quant_tile: 1 as quantize_act16, 2 as quantize_act in the
+    layout): from the values stored, so the same codes as the quantiser's own launch on y gives."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -43,22 +44,28 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, q0_ptr, q1_ptr, q2_ptr, N, stride_x, s
     y = y.to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
     if QUANT:  # from the values stored (an fp16 y quantised as its reader would see it)
-        quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), row, 0, N // 32, q0_ptr, q1_ptr, q2_ptr, QUANT,
+        quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), row, 0, N // 32, a0_ptr, a1_ptr, a2_ptr, QUANT,
                    LAYOUT)
+    if QUANT_B:
+        quant_tile(tl.reshape(y.to(tl.float32), (BLOCK // 32, 32)), row, 0, N // 32, b0_ptr, b1_ptr, b2_ptr, QUANT_B,
+                   LAYOUT_B)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, quant: str | None = None):  # noqa: ANN201
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, quant: tuple[str, ...] = ()):  # noqa: ANN201
     """RMSNorm over the last dim of x [..., N]: Triton on a GPU tensor, the torch reference on CPU. With `quant`
-    (act_quant.QUANTS: "act16" or a MoE layout) -> (y, the rows [-1, N] of y quantised as quantize_act16 /
-    quantize_act(layout) gives them), in the same launch (Triton only: the integer-dot consumers run there)."""
-    if quant is not None:
+    (one or two of act_quant.QUANTS: "act16", a MoE layout) -> (y, per form the rows [-1, N] of y quantised as
+    quantize_act16 / quantize_act(layout) gives them), in the same launch (Triton only: the integer-dot
+    consumers run there)."""
+    if quant:
         return rms_norm_triton(x, weight, eps, quant=quant)
     return rms_norm_triton(x, weight, eps) if dispatch.use_triton(x) else rms_norm_ref(x, weight, eps)
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                    out: torch.Tensor | None = None, quant: str | None = None):  # noqa: ANN201
+                    out: torch.Tensor | None = None, quant: tuple[str, ...] = ()):  # noqa: ANN201
     """The Triton launcher of rms_norm (any device the Triton backend or interpreter runs on)."""
+    if len(quant) > 2:
+        raise ValueError(f"rms_norm emits at most two quantised forms, got {quant}")
     n = x.shape[-1]
     x2 = x.reshape(-1, n)
     if x2.stride(-1) != 1:
@@ -66,11 +73,14 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     y = torch.empty_like(x2) if out is None else out.view(-1, n)
     tiles = dispatch.row_tiles(n, dispatch.launch_backend(x))
     m = x2.shape[0]
-    act = (x2, x2, x2) if quant is None else quant_buffers(m, n, quant, x.device)
+    acts = tuple(quant_buffers(m, n, q, x.device) for q in quant)
+    a, b = (*acts, (x2,) * 3, (x2,) * 3)[:2]
+    flags_b = quant_flags(quant[1] if len(quant) > 1 else None)
     _rms_norm_kernel[(m,)](
-        x2, weight if weight is not None else x2, y, *act, n, x2.stride(0), y.stride(0), float(eps),
-        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, **quant_flags(quant), num_warps=tiles.num_warps, **pdl(x2))
-    return y.view(x.shape) if quant is None else (y.view(x.shape), act)
+        x2, weight if weight is not None else x2, y, *a, *b, n, x2.stride(0), y.stride(0), float(eps),
+        HAS_WEIGHT=weight is not None, BLOCK=tiles.block, **quant_flags(quant[0] if quant else None),
+        QUANT_B=flags_b["QUANT"], LAYOUT_B=flags_b["LAYOUT"], num_warps=tiles.num_warps, **pdl(x2))
+    return (y.view(x.shape), acts) if quant else y.view(x.shape)
 
 
 def rope_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: int,
