@@ -154,6 +154,32 @@ class _NoGraphs:
         raise RuntimeError("operation not supported while the stream is capturing")
 
 
+def test_graph_capture_failure_with_dependent_launches_retries_in_stream_order(
+        tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A capture that fails while kernels launch with PDL (a driver that cannot put dependent launches in a graph)
+    is retried once with PDL off, keeping the graphs; a second failure falls back to eager launches."""
+    stage = GpuStage(tiny.config, load_tensors(tiny), device="cpu", round_trips=OFF)
+    monkeypatch.setattr(pdl, "ON", True)
+    monkeypatch.setattr(pdl, "enabled", lambda device: pdl.ON)  # as on an sm_90 GPU
+    tries: list[bool] = []
+
+    def make() -> object:
+        tries.append(pdl.ON)
+        if pdl.ON:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return "graph"
+
+    with caplog.at_level(logging.WARNING, logger="ds4station.engine.gpu"):
+        assert stage._graph(True, ("k",), make) == "graph"
+    assert tries == [True, False] and not pdl.ON and stage.graphs
+    assert "stream order" in caplog.records[0].message
+    tries.clear()
+    assert stage._graph(True, ("k",), make) == "graph" and tries == []  # kept
+    monkeypatch.setattr(pdl, "ON", True)
+    assert stage._graph(True, ("k2",), lambda: (_ for _ in ()).throw(RuntimeError("no graphs"))) is None
+    assert not stage.graphs and not pdl.ON  # retried without PDL, failed again: eager from now on
+
+
 def test_graph_capture_failure_falls_back_to_eager(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     """A failed capture warns once and decode goes on with eager launches (the same logits, no retries);

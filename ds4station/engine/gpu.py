@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from ds4station.kernels import dispatch, ops
+from ds4station.kernels import dispatch, ops, pdl
 from ds4station.kernels import hc as hc_k
 from ds4station.kernels.attention import attention_decode, attention_prefill
 from ds4station.kernels.compressor import Finish, compress_blocks, compress_decode, compress_rows
@@ -1030,6 +1030,12 @@ class GpuStage:
             try:
                 g = self._graphs[key] = make()
             except Exception as exc:  # e.g. a driver / ROCm build without graph support: eager launches instead
+                if pdl.enabled(self.device):  # a driver that cannot capture dependent launches: keep the graphs
+                    pdl.ON = False
+                    log.warning("step graph capture with dependent launches failed on %s (%s: %s); capturing "
+                                "with launches in stream order (DS4STATION_PDL=0)", self.device, type(exc).__name__,
+                                exc)
+                    return self._graph(graph, key, make)
                 self.graphs = False
                 log.warning("step graph capture failed on %s (%s: %s); running with eager launches",
                             self.device, type(exc).__name__, exc)
