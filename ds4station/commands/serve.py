@@ -112,7 +112,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     """The FastAPI app for these arguments and uvicorn's settings (the engine loads when the app starts)."""
     from ds4station.engine.demo import demo_model_path
-    from ds4station.engine.engine import Engine, check_mtp, check_settings, default_chunk, default_prefill_budget
+    from ds4station.engine.engine import Engine, check_mtp, check_settings, default_chunk
     from ds4station.engine.scheduler import Scheduler
     from ds4station.engine.stage import MTP_IN_MODEL
     from ds4station.model.footprint import kv_bytes, stage_mtp_bytes
@@ -148,7 +148,10 @@ def build(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     if not 1 <= batch <= sessions:
         raise ValueError(f"--batch {batch}: use 1 to {sessions}; each running request holds one of the --sessions "
                          f"{sessions} KV slots (raise --sessions to run more at once)")
-    budget = args.prefill_budget or min(chunk, default_prefill_budget(route.stages[0].device))
+    # Prompt tokens per step: at most one chunk, by default the device's chunk (H200: a 32K prompt prefilled at
+    # 2,298 tok/s in 2,048-token pieces against 2,123 in 1,024-token ones, and a 20-token request arriving
+    # meanwhile still had its first token in 0.40 s; docs/PERFORMANCE.md, twenty-second session).
+    budget = args.prefill_budget or min(chunk, default_chunk(route.stages[0].device))
     if budget > chunk:
         raise ValueError(f"--prefill-budget {budget} exceeds the prefill chunk {chunk}: a step prefills at most one "
                          "chunk; raise --prefill-chunk or lower the budget")

@@ -947,15 +947,6 @@ def default_chunk(device: str) -> int:
     return DEFAULT_CHUNK if device == "cpu" else DEFAULT_GPU_CHUNK
 
 
-def default_prefill_budget(device: str) -> int:
-    """The scheduler's prompt tokens per step (serve --prefill-budget) for a route whose first stage is on
-    `device`: its whole prefill chunk. On the H200 a 32K-token prompt through serve prefilled at 2,298 tok/s
-    in 2,048-token pieces against 2,123 in 1,024-token ones (the routed experts' prefill reads each expert once
-    per piece), and a 20-token request arriving meanwhile still had its first token in 0.40 s (0.30 s);
-    docs/PERFORMANCE.md, twenty-second session."""
-    return default_chunk(device)
-
-
 def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: str | Route | None = None,
                    expert_cache: int | str | None = None, activation_bits: int = 16, device: str = "auto") -> Route:
     """Validate the context, route, expert cache and activation bits against the file's header before anything
@@ -979,4 +970,4 @@ def check_settings(model: GGUFFile | str | os.PathLike[str], ctx: int, route: st
 
 
 __all__ = ["DEFAULT_GPU_CHUNK", "Engine", "Session", "StageDown", "check_expert_caches",
-           "check_settings", "default_chunk", "default_device", "default_prefill_budget", "resolve_route"]
+           "check_settings", "default_chunk", "default_device", "resolve_route"]

@@ -327,7 +327,7 @@ class _Routed:
     ids: Tensor
     wts: Tensor
     xq: tuple[Tensor, Tensor, Tensor] | None = None  # xn quantised for the experts' integer-dot kernels
-    xs: tuple[Tensor, Tensor, Tensor] | None = None  # ... and for the shared expert's gate + up
+    x16: tuple[Tensor, Tensor, Tensor] | None = None  # ... and for the shared expert's gate + up
 
 
 @dataclass
@@ -601,7 +601,7 @@ class GpuStage:
         if L.shared is not None:
             gate_up, down = L.shared
             with self._beside(st):  # the shared expert beside the routed ones
-                shared = down(swiglu(gate_up(state.xn, state.xs), L.shared_clamp))
+                shared = down(swiglu(gate_up(state.xn, state.x16), L.shared_clamp))
         y = L.experts(state.xn, state.ids, state.wts, st.last, state.xq)
         self._join(st)
         return hc_k.hc_post(y, state.X, state.post, state.comb, shared)  # y + shared summed in hc_post
@@ -633,11 +633,11 @@ class GpuStage:
         x, post, comb = self._hc_pre(L.hc_ffn, X)
         # quantised here for the shared expert's and the routed experts' integer-dot kernels
         shared_act = L.shared is not None and L.shared[0].act16(x)
-        xn, (xs, xq) = _norm(x, L.ffn_norm, eps, "act16" if shared_act else None, L.experts.act_layout(x))
+        xn, (x16, xq) = _norm(x, L.ffn_norm, eps, "act16" if shared_act else None, L.experts.act_layout(x))
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
-        return _Routed(X, xn, post, comb, ids, wts, xq, xs)
+        return _Routed(X, xn, post, comb, ids, wts, xq, x16)
 
     @torch.inference_mode()
     def mtp_step(self, H: Tensor, tokens: Tensor, cache: KVCache) -> tuple[Tensor, Tensor]:
