@@ -292,41 +292,58 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUF
 
 
 @pytest.mark.skipif(not dispatch.interpreting(), reason="the interpreter's case; on a GPU every decode test runs it")
-def test_norms_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_producers_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a projection or the experts read their input quantised (the integer-dot kernels: Q8_0 at one or two
-    rows, the routed experts), the RMSNorm that makes the input emits it quantised in its own launch (attention
-    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> shared and routed experts, output norm -> head). Interpreter,
-    every integer-dot
-    route forced on: the same logits, bit for bit, as when each consumer quantises its input itself, and the
-    norms emit what they replace (launch counts)."""
+    rows, the routed experts), the launch that makes the input emits it quantised too: the RMSNorms (attention
+    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> shared and routed experts, output norm -> head), the decode
+    attention's combine (-> the grouped output a) and the shared expert's swiglu (-> its down). Interpreter, every
+    integer-dot route forced on: the same logits, bit for bit, as when each consumer quantises its input itself,
+    and of the 7 quantiser launches that takes only output b's is left (its input is a matvec's output)."""
+    from ds4station.kernels import act_quant
+
     cfg, layers = tiny.config, range(2, 3)
     real_route = dispatch.q8_0_route
-    monkeypatch.setattr(dispatch, "q8_0_route", lambda n, k, m, backend: "int_dot" if m <= 2 else
-                        real_route(n, k, m, backend))
+    monkeypatch.setattr(dispatch, "q8_0_route", lambda n, k, m, backend, quantised=False: "int_dot" if m <= 2 else
+                        real_route(n, k, m, backend, quantised))
     stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device="cpu", round_trips=OFF, int_dot=True)
     stage.graphs = False
     tokens = torch.randint(0, cfg.vocab_size, (19,), generator=torch.Generator().manual_seed(12))
-    quants: list[str | None] = []
-    real_norm = gpu._norm
+    quants: list[tuple] = []
+    launched: list[str] = []
+    real_norm, real_swiglu, real_attention, real_quantize = gpu._norm, gpu.swiglu, gpu.attention_decode, \
+        act_quant._quantize
 
     def norm(x, weight, eps, *quant):  # noqa: ANN001, ANN202
         quants.append(quant)
         return real_norm(x, weight, eps, *quant)
 
+    def quantize(x, quant):  # noqa: ANN001, ANN202
+        launched.append(quant)
+        return real_quantize(x, quant)
+
+    monkeypatch.setattr(act_quant, "_quantize", quantize)
     got = []
     for fused in (True, False):
         if not fused:  # every consumer quantises its own input, as before
             monkeypatch.setattr(gpu, "_norm", lambda x, weight, eps, *quant: real_norm(x, weight, eps,
                                                                                      *[None] * len(quant)))
+            monkeypatch.setattr(gpu, "swiglu", lambda gu, clamp, act16=False: (real_swiglu(gu, clamp), None)
+                                if act16 else real_swiglu(gu, clamp))
+            monkeypatch.setattr(gpu, "attention_decode", lambda *a, act16=False, **k: (real_attention(*a, **k), None)
+                                if act16 else real_attention(*a, **k))
         else:
             monkeypatch.setattr(gpu, "_norm", norm)
         cache = stage.new_cache(64, chunk=32)
         stage.prefill(tokens[:18], cache)  # torch references
         quants.clear()
+        launched.clear()
         with dispatch.interpreted_kernels():
             got.append(stage.decode(int(tokens[18]), cache, logits=True, graph=False))
         if fused:  # the decode step's: attention norm, q_a norm, FFN norm of the layer, then the output norm
             assert quants == [("act16",), ("act16",), ("act16", "iq2_xxs"), ("act16",)]
+            assert [q for q in launched if q == "act16"] == ["act16"]  # output b's
+        else:
+            assert [q for q in launched if q == "act16"] == ["act16"] * 7
     assert torch.equal(got[0], got[1])
 
 

@@ -277,6 +277,64 @@ def test_several_queries_in_one_split_launch(poisoned_empty: None, backend: str,
                                 pos=pos.to(DEVICE), window=0)
 
 
+@pytest.mark.parametrize(("backend", "block_dc"), [("cuda", None), ("hip64", None), ("cuda", 32), ("cuda", 1)])
+def test_output_rope_undone_in_the_combine(poisoned_empty: None, backend: str, block_dc: int | None) -> None:
+    """`unrope`: the decode kernels rotate the output's last 2 * HALF dims back by the inverse RoPE at each query's
+    position in their combine launch: bit for bit what the separate RoPE launch (norm.rope_) gives on the
+    output, for T queries, with the rotated tail inside one combine block or spread over several; an odd
+    combine block (no pairs in it) takes the separate launch. The reference does the same."""
+    from ds4station.kernels.norm import rope_triton_
+
+    H, D, T, W, half = 5, 96, 3, 16, 16
+    gen = torch.Generator().manual_seed(23)
+    q, sinks = torch.randn(T, H, D, generator=gen).to(DEVICE), torch.randn(H, generator=gen).to(DEVICE)
+    ring = torch.randn(40, D, generator=gen).to(DEVICE)
+    pos = torch.tensor([5, 17, 39], device=DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))).to(DEVICE)
+    tiles = attention_tiles(H, D, W, backend)
+    if block_dc is not None:
+        tiles = AttentionTiles(**{**tiles.__dict__, "block_dc": block_dc})
+    common = dict(scale=D ** -0.5, pos=pos, window=W, tiles=tiles)
+    plain = attention_decode_triton(q, ring, None, None, None, sinks, **common)
+    got = attention_decode_triton(q, ring, None, None, None, sinks, **common, unrope=inv_freq)
+    want = rope_triton_(plain.clone().view(T * H, D), pos, inv_freq, H, inverse=True).view(T, H, D)
+    assert torch.equal(got, want) and torch.equal(got[..., :D - 2 * half], plain[..., :D - 2 * half])
+    ref = attention_decode_ref(q.cpu(), ring.cpu(), None, None, None, sinks.cpu(), D ** -0.5, pos=pos.cpu(), window=W,
+                               unrope=inv_freq.cpu())
+    torch.testing.assert_close(ref, want.cpu(), **(TOL_DEFAULT if tiles.precision == "tf32" else TOL))
+    with pytest.raises(ValueError, match="unrope needs"):
+        attention_decode_triton(q, ring, None, None, None, sinks, **common, unrope=torch.ones(D // 2 + 1,
+                                                                                              device=DEVICE))
+
+
+@pytest.mark.parametrize(("D", "block_dc", "unrope"), [(128, 32, True), (128, 64, False), (192, 128, True),
+                                                     (128, 16, True)])
+def test_output_quantised_in_the_combine(poisoned_empty: None, D: int, block_dc: int, unrope: bool) -> None:
+    """`act16`: the combine launch also stores the output rows [T, H * D] quantised for the output projection's
+    integer-dot matvec: the same words and scales, bit for bit, as quantize_act16 of the output it stores (after
+    the inverse RoPE), which is itself unchanged, also where a head's last block is ragged (192 = 128 + 64); a
+    combine block that is not whole 32-groups (16) quantises in a launch of its own, to the same result. The
+    reference path refuses it (no integer-dot kernels there)."""
+    from ds4station.kernels.act_quant import quantize_act16
+
+    H, T, W, half = 3, 2, 16, 16
+    gen = torch.Generator().manual_seed(29)
+    q, sinks = torch.randn(T, H, D, generator=gen).to(DEVICE), torch.randn(H, generator=gen).to(DEVICE)
+    ring = torch.randn(40, D, generator=gen).to(DEVICE)
+    pos = torch.tensor([7, 33], device=DEVICE)
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))).to(DEVICE)
+    tiles = AttentionTiles(**{**attention_tiles(H, D, W, "cuda").__dict__, "block_dc": block_dc})
+    common = dict(scale=D ** -0.5, pos=pos, window=W, tiles=tiles, unrope=inv_freq if unrope else None)
+    plain = attention_decode_triton(q, ring, None, None, None, sinks, **common)
+    got, act = attention_decode_triton(q, ring, None, None, None, sinks, **common, act16=True)
+    assert torch.equal(got, plain)
+    for a, b in zip(act, quantize_act16(plain.view(T, H * D)), strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="act16"):
+        attention_decode(q.cpu(), ring.cpu(), None, None, None, sinks.cpu(), D ** -0.5, pos=pos.cpu(), window=W,
+                         act16=True)
+
+
 def test_prefill_attention_rejects_bad_input() -> None:
     from ds4station.kernels.attention import attention_prefill_triton
 

@@ -102,5 +102,10 @@ def test_pdl_order_reads_the_wait_against_the_first_global_access() -> None:
     assert compile_check.pdl_order(params + go + wait + load) == "late"  # dependents launched before the wait
     assert compile_check.pdl_order(params + load + store) == "missing"
     assert compile_check.pdl_order(params + wait + load) == "missing"
+    # weight loads (evict_first, pdl.py) may come before the wait; a store or another load may not
+    weight = "@%p1 ld.global.L1::evict_first.L2::cache_hint.b32 { %r77 }, [ %rd8 + 0 ], %rd9;\n"
+    assert compile_check.pdl_order(params + weight + weight + wait + go + load + store) == "first"
+    assert compile_check.pdl_order(params + weight + load + wait + go) == "late"
+    assert compile_check.pdl_order(params + "st.global.L1::evict_first.b32 [%rd2], %r7;\n" + wait + go) == "late"
     bad = [compile_check.Report("k", "sm90", ok=True, extra={"pdl": "late"})]
     assert "wait is late" in compile_check.problems(bad)[0]

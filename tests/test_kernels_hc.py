@@ -104,6 +104,40 @@ def test_hc_post_matches_model(poisoned_empty: None, T: int, dim: int, seed: int
         hc_post_triton(out, X, post, comb, part[:, :-1])
 
 
+@pytest.mark.parametrize(("T", "dim", "seed", "block_dm"), [(1, 96, 0, 32), (3, 96, 1, 64), (2, 256, 2, None),
+                                                            (1, 256, 3, 128)])
+def test_hc_post_computes_the_next_mix_partials(poisoned_empty: None, T: int, dim: int, seed: int,
+                                                block_dm: int | None) -> None:
+    """hc_post(mix=fn) also writes the mix partials of the state it makes (the next hc_pre's first launch, folded
+    into this one): the state is the plain hc_post's bit for bit; the partials sum to fn @ flatten(X') and
+    |X'|^2, and hc_pre from them equals the model's HyperConnection.pre of X' (K chunks of block_dm, 96 = 64 + 32
+    ragged)."""
+    C, m = 4, 24
+    gen = torch.Generator().manual_seed(200 + seed)
+    out = (torch.randn(T, dim, generator=gen) * 2).to(DEVICE)
+    X, fn, scale, base = _weights(T, C, dim, m, seed)
+    post = (2 * torch.rand(T, C, generator=gen)).to(DEVICE)
+    comb = sinkhorn(torch.randn(T, C, C, generator=gen), 20, 1e-6).to(DEVICE)
+    tiles = hc_tiles(C * dim, m, dim, T, "cpu" if DEVICE == "cpu" else "cuda")
+    if block_dm is not None:
+        tiles = dataclasses.replace(tiles, block_dm=block_dm)
+    Y, part = hc_post_triton(out, X, post, comb, tiles=tiles, mix=fn)
+    assert torch.equal(Y, hc_post_triton(out, X, post, comb, tiles=tiles))
+    assert part.shape == (T, C * -(-dim // tiles.block_dm), m + 1)
+    flat = Y.reshape(T, -1)
+    torch.testing.assert_close(part[..., :m].sum(1), flat @ fn.T, **TOL)
+    torch.testing.assert_close(part[..., m].sum(1), (flat * flat).sum(1), rtol=1e-5, atol=1e-3)
+    cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C)
+    want = HyperConnection(fn, scale, base, cfg).pre(Y)
+    got = hc_pre_triton(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, part=part)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **TOL)
+    with pytest.raises(ValueError, match="mix must be"):
+        hc_post_triton(out, X, post, comb, mix=fn[:, :-1])
+    with pytest.raises(ValueError, match="mix partials"):
+        hc_pre_triton(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, 1, part=part[..., :-1])
+
+
 @pytest.mark.parametrize(("T", "dim", "seed", "tiles"), [(1, 96, 0, None), (3, 96, 1, SPLIT),
                                                          (3, 256, 2, None), (1, 256, 3, RAGGED_K)])
 def test_hc_head_pre_matches_model_head(poisoned_empty: None, T: int, dim: int, seed: int,
@@ -139,6 +173,9 @@ def test_launches_per_call(count_launches) -> None:  # type: ignore[no-untyped-d
     hc_head_pre_triton(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
     assert total() == 5
     assert counters["_hc_post_kernel"].launches == 1
+    Y, part = hc_post_triton(x, X, post, comb, mix=fn)  # with the next hc_pre's partials: 2 launches for both
+    hc_pre_triton(Y, fn, scale, base, 1e-6, 1e-6, 20, part=part)
+    assert total() == 7 and counters["_hc_mix_partial_kernel"].launches == 2
 
 
 def test_public_ops_use_reference_on_cpu() -> None:
@@ -148,7 +185,9 @@ def test_public_ops_use_reference_on_cpu() -> None:
     got = hc.hc_pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
-    torch.testing.assert_close(hc.hc_post(got[0], X, got[1], got[2]), HyperConnection.post(got[0], X, *got[1:]))
+    post, part = hc.hc_post(got[0], X, got[1], got[2], mix=fn)
+    torch.testing.assert_close(post, HyperConnection.post(got[0], X, *got[1:]))
+    assert part is None  # the mix partials are a GPU launch's: the reference hc_pre computes its own
     assert hc.hc_head_pre(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6).shape == (2, 32)
 
 
@@ -175,7 +214,9 @@ def test_tiles_are_consistent(backend: str, t: int, dim: int) -> None:
     assert (nblk - 1) * tiles.chunk_k < k  # no empty chunk
     if backend != "cpu" and t >= 256:
         assert nblk == 1  # prefill: one chunk per token, the token programs fill the GPU
-    assert 1 <= tiles.num_warps <= 8 and 1 <= tiles.num_warps_d <= 8
+    assert 1 <= tiles.num_warps <= 8 and 1 <= tiles.num_warps_d <= 8 and 1 <= tiles.num_warps_m <= 8
+    # hc_post's K chunks for the next mix partials: at most 256 per token, whole blocks of 32 or more
+    assert 32 <= tiles.block_dm <= tiles.block_d and 4 * -(-dim // tiles.block_dm) <= 256
     if backend == "hip64":  # wave64: half the warps of wave32 for the same tile
         w32 = hc_tiles(k, m, dim, t, "hip32")
         assert tiles.num_warps <= w32.num_warps

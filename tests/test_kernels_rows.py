@@ -4,6 +4,8 @@ blocks with a 64-dim RoPE tail), several heads, positions, both round trips, rin
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -204,3 +206,26 @@ def test_swiglu(clamp: float) -> None:
         got = swiglu(gu, clamp)
     _close(got, want)
     assert got.shape == (3, 300)
+
+
+@pytest.mark.parametrize("f", [2048, 96])
+def test_swiglu_emits_its_output_quantised(f: int) -> None:
+    """`act16`: swiglu also stores its output quantised for the shared expert's down projection (the integer-dot
+    matvec) in its launch: the words and scales of quantize_act16 on the output it stores, bit for bit, which
+    is itself unchanged. A width that is not whole 32-groups is refused, and so is the CPU reference."""
+    from ds4station.kernels import dispatch
+    from ds4station.kernels.act_quant import quantize_act16
+
+    gu = (torch.randn(2, 2 * f, generator=_gen(9)) * 3).to(DEVICE)
+    ctx = dispatch.interpreted_kernels() if DEVICE == "cpu" else contextlib.nullcontext()
+    with ctx:
+        plain = swiglu(gu, 1.5)
+        got, act = swiglu(gu, 1.5, act16=True)
+        want = quantize_act16(plain)
+        with pytest.raises(ValueError, match="multiple of 32"):
+            swiglu(gu[:, :2 * 40], 1.5, act16=True)
+    assert torch.equal(got, plain)
+    for a, b in zip(act, want, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="act16"):
+        swiglu(gu.cpu(), 1.5, act16=True)

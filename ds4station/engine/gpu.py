@@ -129,7 +129,7 @@ class Linear:
     def act16(self, x: Tensor) -> bool:
         """Whether this projection reads x's rows quantised to 16 bits (ops.linear_act16): then x's producer may
         emit them so (norm.rms_norm(quant="act16")) and pass them as `act`."""
-        return self.packed is not None and self.groups == 1 and ops.linear_act16(x, self.packed)
+        return self.packed is not None and ops.linear_act16(x, self.packed)
 
     def __call__(self, x: Tensor, act: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
         if self.dense is not None:
@@ -484,15 +484,17 @@ class GpuStage:
             iq = L.index_q_b(qr) if L.index_comp is not None else None
         q = finish_rows(L.q_b(qr, act).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
         self._join(st)
-        o = self._attend_kv(L, q_kv, q, proj, iq, st, kv)
-        o = _rope(L.rope, o, st.pos, inverse=True)
-        return L.out_b(L.out_a(o.reshape(T, -1)))
+        # RoPE undone on its rotated dims; quantised for out_a's integer-dot matvec where it reads that
+        o, act = self._attend_kv(L, q_kv, q, proj, iq, st, kv, L.out_a.act16(x))
+        return L.out_b(L.out_a(o.reshape(T, -1), act))
 
     def _attend_kv(self, L: GpuLayer, q_kv: Tensor, q: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
-                   kv) -> Tensor:
+                   kv, act16: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
         """The part of attention that reads and writes the KV: the K=V rows into the ring, the compressors and
-        the indexer, then attention of the queries q [T * H, D] -> [T, H, D] (one sequence's, or with st.slots
-        one row of each sequence of a batch, kv the pool's)."""
+        the indexer, then attention of the queries q [T * H, D] -> ([T, H, D] (one sequence's, or with st.slots
+        one row of each sequence of a batch, kv the pool's), the inverse RoPE applied to its rotated dims, and
+        with act16 in a static step its rows quantised as quantize_act16 gives them, else None; both in the
+        decode kernel's combine launch)."""
         cfg, T = self.cfg, q_kv.shape[0]
         H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
         finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=eps, inv_freq=L.rope.inv_freq,
@@ -507,9 +509,10 @@ class GpuStage:
             n_blocks = st.bucket // L.ratio if L.ratio else 0
             kc = kv.comp if indexed else kv.comp[..., :n_blocks, :] if n_blocks else None
             o = attention_decode(q.view(T, H, D), kv.raw, None, kc, valid if indexed else None, L.sinks, D ** -0.5,
-                                 ids=ids if indexed else None, pos=st.pos, window=W,
-                                 ratio=0 if indexed else L.ratio, slots=st.slots)
-        elif dispatch.use_triton(q):  # prefill kernel: each query's own window and rows, online softmax
+                                 ids=ids if indexed else None, pos=st.pos, window=W, ratio=0 if indexed else L.ratio,
+                                 slots=st.slots, unrope=L.rope.inv_freq, act16=act16)
+            return o if act16 else (o, None)
+        if dispatch.use_triton(q):  # prefill kernel: each query's own window and rows, online softmax
             kc = kv.comp if indexed else kv.comp[:st.p1 // L.ratio] if L.ratio else None
             o = attention_prefill(q.view(T, H, D), kv.raw, kc, valid, L.sinks, D ** -0.5, ids, st.pos, W,
                                   0 if indexed else L.ratio)
@@ -523,7 +526,7 @@ class GpuStage:
                 keys_c = kv.comp[:n_blocks]
                 allow_c = (torch.arange(n_blocks, device=q.device)[None] + 1) * L.ratio <= st.pos[:, None] + 1
             o = self._attend(q.view(T, H, D), keys_w, allow_w, kv.comp, keys_c, allow_c, L.sinks, indexed)
-        return o.view(T, H, D)
+        return _rope(L.rope, o.view(T, H, D), st.pos, inverse=True), None
 
     @staticmethod
     def _attend(q: Tensor, kw: Tensor, aw: Tensor, comp: Tensor | None, kc: Tensor | None, ac: Tensor | None,
@@ -584,27 +587,35 @@ class GpuStage:
         starts from the HC state X) and then layer k up to its router (-> its routed state; k = n ends with the
         stage's output HC state). A streaming stage's decode captures each segment as a graph and loads the
         experts a router chose between two replays (_SegmentedStep)."""
+        part = None
         if k == 0:
             assert isinstance(state, Tensor)
             X = state
         else:
             assert isinstance(state, _Routed)
-            X = self._ffn(self.blocks[k - 1], state, st)
+            # hc_post of layer k-1's FFN computes the mix partials of layer k's first hc_pre (a GPU's launch)
+            X, part = self._ffn(self.blocks[k - 1], state, st, self.blocks[k].hc_attn.fn if k < len(self.blocks)
+                                else None)
         if k == len(self.blocks):
             return X
         L = self.blocks[k]
-        return self._to_router(L, X, tokens, cache[L.layer], st)
+        return self._to_router(L, X, tokens, cache[L.layer], st, part)
 
-    def _ffn(self, L: GpuLayer, state: _Routed, st: Step) -> Tensor:
-        """A layer's FFN from its routed state: the routed experts and the shared one, then hc_post."""
+    def _ffn(self, L: GpuLayer, state: _Routed, st: Step, mix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """A layer's FFN from its routed state: the routed experts and the shared one, then hc_post -> (the HC
+        state, on a GPU with `mix` (the next hc_pre's fn) its mix partials for that hc_pre, else None)."""
         shared = None
         if L.shared is not None:
             gate_up, down = L.shared
             with self._beside(st):  # the shared expert beside the routed ones
-                shared = down(swiglu(gate_up(state.xn, state.x16), L.shared_clamp))
+                gu = gate_up(state.xn, state.x16)
+                # quantised in swiglu's launch for down's integer-dot matvec, where it reads that
+                q16 = down.act16(gu)
+                h, act = swiglu(gu, L.shared_clamp, act16=True) if q16 else (swiglu(gu, L.shared_clamp), None)
+                shared = down(h, act)
         y = L.experts(state.xn, state.ids, state.wts, st.last, state.xq)
         self._join(st)
-        return hc_k.hc_post(y, state.X, state.post, state.comb, shared)  # y + shared summed in hc_post
+        return hc_k.hc_post(y, state.X, state.post, state.comb, shared, mix)  # y + shared summed in hc_post
 
     @contextlib.contextmanager
     def _beside(self, st: Step) -> Iterator[None]:
@@ -624,13 +635,15 @@ class GpuStage:
         if self.side is not None and st.static:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
 
-    def _to_router(self, L: GpuLayer, X: Tensor, tokens: Tensor, kv, st: Step) -> _Routed:
-        """A layer from its input HC state X up to its router (kv: the layer's LayerKV, or a static step's pool
-        layer); the fused hyper-connection kernels: 3 launches per hc_pre + hc_post pair."""
+    def _to_router(self, L: GpuLayer, X: Tensor, tokens: Tensor, kv, st: Step, part: Tensor | None = None) -> _Routed:
+        """A layer from its input HC state X (with `part`, its mix partials for the first hc_pre, computed by the
+        hc_post that made it) up to its router (kv: the layer's LayerKV, or a static step's pool layer); the
+        fused hyper-connection kernels: 2 launches per hc_post + hc_pre pair (hc_post computes the next mix
+        partials), 3 for a stage's first hc_pre."""
         eps, cfg = self.cfg.rms_eps, self.cfg
-        x, post, comb = self._hc_pre(L.hc_attn, X)
-        X = hc_k.hc_post(self._attention(L, x, st, kv), X, post, comb)
-        x, post, comb = self._hc_pre(L.hc_ffn, X)
+        x, post, comb = self._hc_pre(L.hc_attn, X, part)
+        X, part = hc_k.hc_post(self._attention(L, x, st, kv), X, post, comb, mix=L.hc_ffn.fn)
+        x, post, comb = self._hc_pre(L.hc_ffn, X, part)
         # quantised here for the shared expert's and the routed experts' integer-dot kernels
         shared_act = L.shared is not None and L.shared[0].act16(x)
         xn, (x16, xq) = _norm(x, L.ffn_norm, eps, "act16" if shared_act else None, L.experts.act_layout(x))
@@ -729,7 +742,7 @@ class GpuStage:
         e = m.e_proj(rms_norm(m.token_embd[tokens].float(), m.enorm, eps))  # [T, dim]
         h = m.h_proj(rms_norm(H.reshape(T * cfg.hc_mult, cfg.dim), m.hnorm, eps)).view(T, cfg.hc_mult, cfg.dim)
         L = m.block
-        return self._ffn(L, self._to_router(L, (h + e.unsqueeze(1)).contiguous(), tokens, kv, st), st)
+        return self._ffn(L, self._to_router(L, (h + e.unsqueeze(1)).contiguous(), tokens, kv, st), st)[0]
 
     def _mtp_head(self, X: Tensor) -> Tensor:
         """The MTP layer's own hyper-connection head and norm, then the stage's output matrix -> [T, vocab]."""
@@ -744,9 +757,9 @@ class GpuStage:
         return pooled_caches(self.mtp.mcfg, range(self.cfg.n_layers, self.cfg.n_layers + 1), n, ctx, chunk=chunk,
                              device=self.device)
 
-    def _hc_pre(self, h: HyperConnection, X: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _hc_pre(self, h: HyperConnection, X: Tensor, part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         cfg = self.cfg
-        return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, part)
 
     # ---- the backend interface (engine/stage.py drives it) ---------------------------------------------------
     @torch.inference_mode()

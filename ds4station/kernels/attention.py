@@ -32,6 +32,8 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import act16_tile, quant_buffers, quantize_act16
+from ds4station.kernels.norm import rope_ref, rope_triton_
 from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
@@ -60,7 +62,8 @@ def positional_masks(kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_
 
 def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
                          sinks: Tensor, scale: float, ids: Tensor | None = None, *, pos: Tensor | None = None,
-                         window: int = 0, ratio: int = 0, slots: Tensor | None = None) -> Tensor:
+                         window: int = 0, ratio: int = 0, slots: Tensor | None = None,
+                         unrope: Tensor | None = None) -> Tensor:
     """engine/model.py's sink_attention for one query over [kw ; kc] (or [kw ; kc[ids]]) -> [H, D] fp32
     (q [T, H, D]: each query t as one, at pos[t] with ids[t] / mask_c[t] -> [T, H, D]; with slots [T], kw and
     kc are pools [S, ...] and query t reads slot slots[t]).
@@ -68,6 +71,11 @@ def attention_decode_ref(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tenso
     arbitrary, and sink_attention multiplies p = 0 by the key (0 * inf would be NaN)."""
     from ds4station.kernels.reference import sink_attention
 
+    if unrope is not None:
+        out = attention_decode_ref(q, kw, mask_w, kc, mask_c, sinks, scale, ids, pos=pos, window=window, ratio=ratio,
+                                   slots=slots)
+        T, H, D = (1, *out.shape) if out.dim() == 2 else out.shape
+        return rope_ref(out.reshape(T * H, D), pos, unrope, H, inverse=True).view(out.shape)
     if q.dim() == 3:
         sl = [None] * q.shape[0] if slots is None else slots.tolist()
         return torch.stack([attention_decode_ref(
@@ -253,11 +261,16 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
 
 
 @triton.jit
-def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, stride_o, stride_ot,
-                         BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, PDL: tl.constexpr = False):
+def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, pos_ptr, f_ptr, hi_ptr, lo_ptr, xs_ptr, S, H, D,
+                         stride_o, stride_ot, BLOCK_S: tl.constexpr, BLOCK_DC: tl.constexpr, HALF: tl.constexpr = 0,
+                         ACT16: tl.constexpr = False, PDL: tl.constexpr = False):
     """out[t, h, d-block] = sum_s exp(m_s - M) acc_s / (sum_s exp(m_s - M) l_s + exp(sink - M)), for query
     t = program_id(2); M = max(max_s m_s, sink): the sink is finite, so M is too even when every key is masked.
-    A split with m_s = -inf had no visible key and wrote neither l_s nor acc_s: they are not read."""
+    A split with m_s = -inf had no visible key and wrote neither l_s nor acc_s: they are not read.
+    HALF > 0: the output's last 2 * HALF dims rotated back by the inverse interleaved RoPE at pos[t] (f_ptr:
+    the HALF inverse frequencies), norm.rope_'s arithmetic on the same values, before the store.
+    ACT16: the output rows [T, H * D] also stored quantised as act_quant.quantize_act16 lays them out (hi, lo,
+    xs), for the output projection's integer-dot matvec (BLOCK_DC and D multiples of 32)."""
     enter(PDL)
     t = tl.program_id(2).to(tl.int64)
     m_ptr += t * S * H
@@ -285,7 +298,19 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, str
         a = tl.load(acc_ptr + (s.to(tl.int64) * H + h)[:, None] * D + d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w[:, None] * a, axis=0)
-    tl.store(out_ptr + h * stride_o + d, acc / total, mask=d_ok)
+    o = acc / total
+    if HALF:  # pairs (2i, 2i + 1) of the rotated tail lie in one block (BLOCK_DC even, blocks aligned)
+        a, b = tl.split(tl.reshape(o, (BLOCK_DC // 2, 2)))
+        de = tl.program_id(1) * BLOCK_DC + 2 * tl.arange(0, BLOCK_DC // 2)  # the pair's even dim
+        rot = (de >= D - 2 * HALF) & (de < D)
+        ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + (de - (D - 2 * HALF)) // 2, mask=rot, other=0.0)
+        c = tl.cos(ang)
+        sn = tl.sin(ang) * -1.0
+        o = tl.reshape(tl.join(tl.where(rot, a * c - b * sn, a), tl.where(rot, a * sn + b * c, b)), (BLOCK_DC,))
+    tl.store(out_ptr + h * stride_o + d, o, mask=d_ok)
+    if ACT16:  # row t from its own pointers, so the group bound can be this head's end (a ragged last block)
+        act16_tile(tl.reshape(o, (BLOCK_DC // 32, 32)), 0, (h * D + tl.program_id(1) * BLOCK_DC) // 32,
+                   (h + 1) * D // 32, hi_ptr + t * (H * D // 4), lo_ptr + t * (H * D // 4), xs_ptr + t * (H * D // 32))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -294,9 +319,15 @@ def _attn_combine_kernel(m_ptr, l_ptr, acc_ptr, sinks_ptr, out_ptr, S, H, D, str
 
 def attention_decode(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None, mask_c: Tensor | None,
                      sinks: Tensor, scale: float, ids: Tensor | None = None, **where: object) -> Tensor:
-    """Decode sink attention of one query: Triton on a GPU tensor, the torch reference on CPU."""
+    """Decode sink attention of one query: Triton on a GPU tensor, the torch reference on CPU. `unrope`
+    (inverse frequencies [HALF], with pos): the output's last 2 * HALF dims rotated back by the inverse
+    interleaved RoPE at each query's position (DS4's attention output), in the same launch on a GPU. `act16`
+    (GPU only, for the output projection's integer-dot matvec): -> (out, out's rows [T, H * D] quantised as
+    act_quant.quantize_act16 gives them)."""
     if dispatch.use_triton(q):
         return attention_decode_triton(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids, **where)
+    if where.pop("act16", False):
+        raise ValueError("act16 is for the integer-dot kernels, which run on a GPU")
     return attention_decode_ref(q, kw, mask_w, kc, mask_c, sinks, scale, ids=ids, **where)
 
 
@@ -317,8 +348,9 @@ def _mask(t: Tensor, n: int, name: str) -> Tensor:
 def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Tensor | None,
                             mask_c: Tensor | None, sinks: Tensor, scale: float, ids: Tensor | None = None, *,
                             pos: Tensor | None = None, window: int = 0, ratio: int = 0, out: Tensor | None = None,
-                            tiles: dispatch.AttentionTiles | None = None, slots: Tensor | None = None) -> Tensor:
-    """The Triton launcher of `attention_decode`, two launches.
+                            tiles: dispatch.AttentionTiles | None = None, slots: Tensor | None = None,
+                            unrope: Tensor | None = None, act16: bool = False):  # noqa: ANN201
+    """The Triton launcher of `attention_decode`, two launches (-> out, or with act16 (out, (hi, lo, xs))).
 
     q [H, D], or [T, H, D] for T queries at once (a static step of several positions: each query its own
     position pos[t], indexed rows ids[t] under mask_c[t]; then the window must come from the ring and shared
@@ -411,10 +443,23 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
         _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
             num_warps=tiles.num_warps, **pdl(q))
+    half = 0 if unrope is None else unrope.numel()
+    if half and (pos is None or pos.numel() != T or 2 * half > D):
+        raise ValueError(f"unrope needs the {T} query positions and at most D / 2 = {D // 2} frequencies")
+    fused = half and tiles.block_dc % 2 == 0
+    f = unrope.float().contiguous() if half else sinks
+    # the quantised rows in the combine launch when its blocks are whole 32-groups of one head (after the RoPE)
+    quant = act16 and tiles.block_dc % 32 == 0 and D % 32 == 0 and (fused or not half)
+    act = quant_buffers(T, H * D, "act16", q.device) if quant else (out, out, out)
     _attn_combine_kernel[(H, triton.cdiv(D, tiles.block_dc), T)](
-        m, lsum, acc, sinks, out, n_split, H, D, out.stride(-2), out.stride(0) if rows else 0,
-        BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, num_warps=tiles.num_warps_c, **pdl(m))
-    return out
+        m, lsum, acc, sinks, out, pos if fused else sinks, f, *act, n_split, H, D, out.stride(-2),
+        out.stride(0) if rows else 0, BLOCK_S=tiles.block_s, BLOCK_DC=tiles.block_dc, HALF=half if fused else 0,
+        ACT16=quant, num_warps=tiles.num_warps_c, **pdl(m))
+    if half and not fused:
+        rope_triton_(out.view(T * H, D), pos, f, H, inverse=True)
+    if not act16:
+        return out
+    return out, act if quant else quantize_act16(out.reshape(T, H * D))
 
 
 # ---------------------------------------------------------------------------------------------------------

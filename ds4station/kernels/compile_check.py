@@ -181,16 +181,21 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
          "HALF": "constexpr", "BLOCK_H": "constexpr"},
         {"HALF": 32, "BLOCK_H": 32}, ("x_ptr", "pos_ptr", "f_ptr", "D", "stride_x", "heads"), 1, 1))
     if dispatch.use_int_dot(backend):
-        t = dispatch.matvec_tiles("q8_0", 129280, 4096, 1, backend)
-        specs.append(KernelSpec(
-            "q8_0_matvec_i8 output_head m1", q8_0._q8_0_matvec_i8_kernel,
-            {"hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": ptr32, "qs_ptr": "*i32", "d_ptr": ptr16, "y_ptr": ptr32,
-             "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
-             "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
-            {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
-            ("hi_ptr", "lo_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm",
-             "stride_ym"),
-            t.num_warps, t.num_stages, decode=True))
+        # the integer-dot Q8_0 matvec at every projection the engine routes to it (1-2 rows; the head to 3)
+        for label, n, k in (("attn_q_a+kv", 1536, 4096), ("attn_q_b", 32768, 1024), ("attn_output_a", 8192, 4096),
+                            ("attn_output_b", 4096, 8192), ("shexp_gate_up", 4096, 4096), ("shexp_down", 4096, 2048),
+                            ("output_head", 129280, 4096)):
+            for m in (1, 2, 3) if label == "output_head" else (1, 2):
+                t = dispatch.q8_0_int_dot_tiles(n, k, m)
+                specs.append(KernelSpec(
+                    f"q8_0_matvec_i8 {label} m{m}", q8_0._q8_0_matvec_i8_kernel,
+                    {"hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": ptr32, "qs_ptr": "*i32", "d_ptr": ptr16,
+                     "y_ptr": ptr32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
+                     "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
+                    {"M": m, "M_PAD": _pow2(m), "BLOCK_N": t.block_n, "BLOCK_K": t.block_k},
+                    ("hi_ptr", "lo_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm",
+                     "stride_ym"),
+                    t.num_warps, t.num_stages, decode=True))
         specs += _moe_i8_specs("iq2_xxs", "q2_k", ptrs, mo)
         specs += _moe_i8_specs("q4_k", "q4_k", ptrs, dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend))
     specs += _hc_specs(hc, backend)
@@ -315,9 +320,10 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
     t = dispatch.row_tiles(1024, backend)
     out.append(KernelSpec(
         "swiglu shared expert 2048", norm._swiglu_kernel,
-        {"gu_ptr": p32, "y_ptr": p32, "F": i32, "stride_gu": i32, "stride_y": i32, "clamp": "fp32",
-         "CLAMP": "constexpr", "BLOCK": "constexpr"},
-        {"CLAMP": True, "BLOCK": t.block}, ("gu_ptr", "y_ptr", "F", "stride_gu", "stride_y"), t.num_warps, 1,
+        {"gu_ptr": p32, "y_ptr": p32, "hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": p32, "F": i32, "stride_gu": i32,
+         "stride_y": i32, "clamp": "fp32", "CLAMP": "constexpr", "BLOCK": "constexpr", "ACT16": "constexpr"},
+        {"CLAMP": True, "BLOCK": t.block, "ACT16": True},  # quantised for the down projection, as decode runs it
+        ("gu_ptr", "y_ptr", "hi_ptr", "lo_ptr", "xs_ptr", "F", "stride_gu", "stride_y"), t.num_warps, 1,
         decode=True))
     return out
 
@@ -404,18 +410,23 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
                  "comb_ptr": p32, "NBLK": i32, "K": i32, "DIM": i32, "stride_xt": i32, "stride_xc": i32,
                  "stride_yt": i32, "rms_eps": "fp32", "hc_eps": "fp32", "iters": i32, "C": "constexpr",
                  "CP": "constexpr", "NBLK_P": "constexpr", "BLOCK_D": "constexpr", "HEAD": "constexpr"},
-                {"C": C, "CP": C, "NBLK_P": _pow2(nblk), "BLOCK_D": tl_.block_d, "HEAD": head},
+                # the engine's hc_pre reads the partials hc_post computed (C * dim / block_dm), the head's its own
+                {"C": C, "CP": C, "NBLK_P": _pow2(nblk if head else C * -(-dim // tl_.block_dm)),
+                 "BLOCK_D": tl_.block_d, "HEAD": head},
                 ("x_ptr", "y_ptr", "DIM", "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_d, 1,
                 decode=t == 1))
         out.append(KernelSpec(
-            f"hc_post T{t}", hc._hc_post_kernel,  # the FFN's form: routed + shared experts summed in it
-            {"o_ptr": p32, "e_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "DIM": i32,
-             "stride_ot": i32, "stride_et": i32, "stride_xt": i32, "stride_xc": i32, "stride_yt": i32,
-             "stride_yc": i32, "C": "constexpr", "CP": "constexpr", "BLOCK_D": "constexpr", "EXTRA": "constexpr"},
-            {"C": C, "CP": C, "BLOCK_D": tl_.block_d, "EXTRA": True},
-            ("o_ptr", "e_ptr", "x_ptr", "y_ptr", "DIM", "stride_ot", "stride_et", "stride_xt", "stride_xc",
-             "stride_yt", "stride_yc"),
-            tl_.num_warps_d, 1, decode=t == 1))
+            # the FFN's form: routed + shared experts summed in it, the next hc_pre's mix partials computed
+            f"hc_post T{t}", hc._hc_post_kernel,
+            {"o_ptr": p32, "e_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "fn_ptr": p32,
+             "part_ptr": p32, "DIM": i32, "M": i32, "stride_ot": i32, "stride_et": i32, "stride_xt": i32,
+             "stride_xc": i32, "stride_yt": i32, "stride_yc": i32, "stride_fn": i32, "C": "constexpr",
+             "CP": "constexpr", "BLOCK_D": "constexpr", "EXTRA": "constexpr", "MIX": "constexpr",
+             "BLOCK_M": "constexpr"},
+            {"C": C, "CP": C, "BLOCK_D": tl_.block_dm, "EXTRA": True, "MIX": True, "BLOCK_M": _pow2(m + 1)},
+            ("o_ptr", "e_ptr", "x_ptr", "y_ptr", "fn_ptr", "part_ptr", "DIM", "stride_ot", "stride_et", "stride_xt",
+             "stride_xc", "stride_yt", "stride_yc", "stride_fn"),
+            tl_.num_warps_m, 1, decode=t == 1))
     return out
 
 
@@ -485,10 +496,13 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
         out.append(KernelSpec(
             f"attn_combine {label}", attention._attn_combine_kernel,
             {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sinks_ptr": "*fp32", "out_ptr": "*fp32",
-             "S": "i32", "H": "i32", "D": "i32", "stride_o": "i32", "stride_ot": "i32", "BLOCK_S": "constexpr",
-             "BLOCK_DC": "constexpr"},
-            {"BLOCK_S": t.block_s, "BLOCK_DC": t.block_dc},
-            ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr", "out_ptr", "D", "stride_o"), t.num_warps_c, 1, decode=True))
+             "pos_ptr": "*i64", "f_ptr": "*fp32", "hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": "*fp32", "S": "i32",
+             "H": "i32", "D": "i32", "stride_o": "i32", "stride_ot": "i32", "BLOCK_S": "constexpr",
+             "BLOCK_DC": "constexpr", "HALF": "constexpr", "ACT16": "constexpr"},
+            # the decode step's: RoPE undone in it, the output quantised for out_a where whole 32-groups
+            {"BLOCK_S": t.block_s, "BLOCK_DC": t.block_dc, "HALF": 32, "ACT16": t.block_dc % 32 == 0},
+            ("m_ptr", "l_ptr", "acc_ptr", "sinks_ptr", "out_ptr", "hi_ptr", "lo_ptr", "xs_ptr", "D", "stride_o"),
+            t.num_warps_c, 1, decode=True))
     return out
 
 
@@ -579,14 +593,16 @@ _GLOBAL_ACCESS = re.compile(r"\b(?:(?:ld|st|atom|red)\.global|cp\.async|prefetch
 
 def pdl_order(ptx: str) -> str:
     """Where a PDL kernel's grid-dependency wait sits in its PTX: "first" when it comes before every global
-    memory access (and the launch of dependents after it), "late" when some access comes first (a race with
-    the previous kernel), "missing" without it."""
+    memory access but weight loads (`ld.global.L1::evict_first`: pdl.py, weights are no kernel's output) and
+    before the launch of dependents, "late" when some other access comes first (a race with the previous
+    kernel), "missing" without it."""
     wait = ptx.find("griddepcontrol.wait")
     go = ptx.find("griddepcontrol.launch_dependents")
     if wait < 0 or go < 0:
         return "missing"
-    first = _GLOBAL_ACCESS.search(ptx)
-    return "first" if (first is None or first.start() > wait) and go > wait else "late"
+    early = [m for m in _GLOBAL_ACCESS.finditer(ptx, 0, wait)
+             if not ptx.startswith("ld.global.L1::evict_first", m.start())]
+    return "first" if not early and go > wait else "late"
 
 
 def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = "",

@@ -227,7 +227,7 @@ def q8_0_matvec_rows(n: int, k: int, backend: Backend) -> int:
 _Q8_0_HEAD_ROWS = 65536
 
 
-def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
+def q8_0_route(n: int, k: int, m: int, backend: Backend, quantised: bool = False) -> str:
     """Which kernel runs a Q8_0 [n, k] projection of m fp32 activation rows: "int_dot" (the activation quantised
     to 16 bits by act_quant.quantize_act16 in a launch of its own, or by the RMSNorm that produces it (the
     engine's q_a + kv, q_b and head), then the dp4a matvec, `q8_0_int_dot_tiles`),
@@ -240,8 +240,12 @@ def q8_0_route(n: int, k: int, m: int, backend: Backend) -> str:
     saves); at 2 rows all the large won (q_b 23.6 -> 17.0, head 306.6 -> 167.8). Nineteenth session: against
     the few-row matmul (`_few_row_matmul_tiles`), the head keeps it to 3 rows (194.7 against 200.0 us), the
     other large ones to 2 (at 3 rows: q_b 22.1 -> 17.5, output a 21.0 -> 18.4-19.4, output b 20.5 against
-    20.0-20.7). CUDA only (dp4a inline assembly)."""
-    if use_int_dot(backend) and n * k >= _Q8_0_LARGE and m <= (3 if n >= _Q8_0_HEAD_ROWS else 2):
+    20.0-20.7). CUDA only (dp4a inline assembly).
+    `quantised`: the rows come quantised by their producer (its launch emits them: no quantiser launch), and the
+    integer dot takes the small matrices too at 1-2 rows (the eighteenth session's sweep without the quantiser:
+    q_a 4.2 -> 3.7 us, kv 3.8 -> 3.3, shared expert down 5.6 -> 4.7 at one row; 6.1 -> 5.0, 5.1 -> 4.5, 7.9 -> 6.0
+    at two)."""
+    if use_int_dot(backend) and (n * k >= _Q8_0_LARGE or quantised) and m <= (3 if n >= _Q8_0_HEAD_ROWS else 2):
         return "int_dot"
     return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
 
@@ -504,6 +508,8 @@ class HcTiles:
     block_d: int  # dim elements per step of the finalize's weighted sum and per hc_post program
     num_warps: int  # partial matvec
     num_warps_d: int  # finalize and hc_post
+    block_dm: int = 0  # dim elements per hc_post program that also computes the next mix partials (K chunks)
+    num_warps_m: int = 1  # that hc_post
 
 
 def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
@@ -517,8 +523,9 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
     block_m = _pow2_ceil(m + 1)
     if backend == "cpu":
         block_k = min(4096, _pow2_ceil(k))
-        return HcTiles(block_k=block_k, chunk_k=block_k * _cdiv(k, block_k),
-                       block_d=min(4096, _pow2_ceil(dim)), num_warps=1, num_warps_d=1)
+        block_d = min(4096, _pow2_ceil(dim))
+        return HcTiles(block_k=block_k, chunk_k=block_k * _cdiv(k, block_k), block_d=block_d, num_warps=1,
+                       num_warps_d=1, block_dm=block_d, num_warps_m=1)
     lanes = 64 if backend == "hip64" else 32
     block_k = min(256, _pow2_ceil(k))
     steps = _cdiv(k, block_k)
@@ -528,7 +535,12 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
     # ~64 fp32 values of a [block_m, block_k] / [C, block_d] tile per lane, whatever the warp size.
     num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
     num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
-    return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d)
+    # hc_post with the next mix partials: ~256 K chunks per step like the partial kernel's (64-wide at one or
+    # two tokens: 64 programs per token for DS4's dim), each [block_m, block_dm] fn tile at ~32 fp32 per lane
+    block_dm = min(block_d, max(64, _pow2_floor(max(64, k * t // 256))))
+    num_warps_m = max(1, min(8, block_m * block_dm // (lanes * 32)))
+    return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d,
+                   block_dm=block_dm, num_warps_m=num_warps_m)
 
 
 @dataclass(frozen=True)

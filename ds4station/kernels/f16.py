@@ -62,37 +62,49 @@ def _f16_matvec_kernel(
     stride_xm, stride_wn, stride_ym,
     M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    enter(PDL)
+    """y [M, N] = x [M, K] @ W^T for a few rows. The first K step's weights are loaded before the grid-dependency
+    wait (pdl.py: weights are no kernel's output), so with PDL their reads overlap the previous kernel's tail."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1] row starts
     offs_k = tl.arange(0, BLOCK_K)
+    wt = _f16_weights(w_rows, n_mask, offs_k, K)
+    enter(PDL)
     if M == 1:
         # element-wise fp32 partial sums, one reduction after the loop
-        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc2 = wt * tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0).to(tl.float32)[None, :]
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kk = k0 + offs_k
-            k_mask = kk < K
-            wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
-            xv = tl.load(x_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            acc2 += wt * xv[None, :]
+            wt = _f16_weights(w_rows, n_mask, kk, K)
+            acc2 += wt * tl.load(x_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + offs_n, tl.sum(acc2, axis=1), mask=n_mask)
     else:
         cols = tl.arange(0, M_PAD)
-        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        acc = _f16_rows_step(tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32), wt, x_ptr, stride_xm, offs_k, K, M)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kk = k0 + offs_k
-            k_mask = kk < K
-            wt = tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
-            for m in tl.static_range(M):
-                xv = tl.load(x_ptr + m * stride_xm + kk, mask=k_mask, other=0.0).to(tl.float32)
-                part = tl.sum(wt * xv[None, :], axis=1)  # [BLOCK_N]
-                acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+            acc = _f16_rows_step(acc, _f16_weights(w_rows, n_mask, kk, K), x_ptr, stride_xm, kk, K, M)
         y_ptrs = y_ptr + cols[None, :] * stride_ym + offs_n[:, None]
         tl.store(y_ptrs, acc, mask=n_mask[:, None] & (cols[None, :] < M))
+
+
+@triton.jit
+def _f16_weights(w_rows, n_mask, kk, K):
+    """The weights [BLOCK_N, BLOCK_K] of one K step as fp32 (zero past K)."""
+    return tl.load(w_rows + kk[None, :], mask=n_mask[:, None] & (kk < K)[None, :], other=0.0,
+                   eviction_policy="evict_first").to(tl.float32)
+
+
+@triton.jit
+def _f16_rows_step(acc, wt, x_ptr, stride_xm, kk, K, M: tl.constexpr):
+    """acc [BLOCK_N, M_PAD] plus one K step (weights wt at columns kk) of each of the M activation rows."""
+    cols = tl.arange(0, acc.shape[1])
+    for m in tl.static_range(M):
+        xv = tl.load(x_ptr + m * stride_xm + kk, mask=kk < K, other=0.0).to(tl.float32)
+        part = tl.sum(wt * xv[None, :], axis=1)  # [BLOCK_N]
+        acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+    return acc
 
 
 @triton.jit

@@ -170,11 +170,15 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
 
 
 @triton.jit
-def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_ot, stride_et, stride_xt,
-                    stride_xc, stride_yt, stride_yc, C: tl.constexpr, CP: tl.constexpr, BLOCK_D: tl.constexpr,
-                    EXTRA: tl.constexpr, PDL: tl.constexpr = False):
+def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, DIM, M, stride_ot, stride_et,
+                    stride_xt, stride_xc, stride_yt, stride_yc, stride_fn, C: tl.constexpr, CP: tl.constexpr,
+                    BLOCK_D: tl.constexpr, EXTRA: tl.constexpr, MIX: tl.constexpr = False, BLOCK_M: tl.constexpr = 1,
+                    PDL: tl.constexpr = False):
     """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block], with EXTRA
-    out + extra[t, d-block] in place of out (a sublayer's two parts summed here, not in a launch of their own)."""
+    out + extra[t, d-block] in place of out (a sublayer's two parts summed here, not in a launch of their own).
+    MIX: also the next hc_pre's mix partials of Y (what `_hc_mix_partial_kernel` computes, with K chunks of
+    BLOCK_D): part[t, k * nd + d-block, :M] = fn[:, k * DIM + d-block] @ Y[t, k, d-block] and slot M the
+    chunk's sum of squares, nd = cdiv(DIM, BLOCK_D)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -193,6 +197,15 @@ def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, DIM, stride_
     y = post[:, None] * o[None, :] + mixed
     tl.store(y_ptr + t * stride_yt + offs_c[:, None] * stride_yc + d[None, :], y,
              mask=c_ok[:, None] & d_ok[None, :])
+    if MIX:
+        offs_m = tl.arange(0, BLOCK_M)
+        nd = tl.num_programs(1)
+        for k in tl.static_range(C):
+            yk = tl.sum(tl.where(offs_c[:, None] == k, y, 0.0), axis=0)  # [BLOCK_D] (zero past DIM)
+            w = tl.load(fn_ptr + offs_m[:, None] * stride_fn + k * DIM + d[None, :],
+                        mask=(offs_m < M)[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            vals = tl.where(offs_m == M, tl.sum(yk * yk, axis=0), tl.sum(w * yk[None, :], axis=1))
+            tl.store(part_ptr + ((t * C + k) * nd + tl.program_id(1)) * (M + 1) + offs_m, vals, mask=offs_m <= M)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,9 +246,11 @@ def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: dispatch.HcTiles) -> Ten
 
 
 def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-                  sinkhorn_iters: int, *, tiles: dispatch.HcTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                  sinkhorn_iters: int, *, tiles: dispatch.HcTiles | None = None,
+                  part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """HyperConnection.pre in two launches. X [T, C, dim], fn [(2+C)*C, C*dim], scale [3], base [(2+C)*C]
-    -> (x [T, dim], post [T, C], comb [T, C, C]), all fp32. `tiles` overrides hc_tiles (tests)."""
+    -> (x [T, dim], post [T, C], comb [T, C, C]), all fp32. `tiles` overrides hc_tiles (tests). `part`: the
+    mix partials of X with fn, as the hc_post that made X computed them (hc_post_triton(mix=fn)): one launch."""
     _check_device(X)
     if sinkhorn_iters < 1:
         raise ValueError("sinkhorn_iters must be >= 1")
@@ -245,7 +260,10 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
     if scale.numel() < 3 or base.numel() != m:
         raise ValueError(f"scale must have 3 entries and base {m}, got {scale.numel()} and {base.numel()}")
     tiles = tiles or dispatch.hc_tiles(C * dim, m, dim, T, dispatch.launch_backend(X))
-    part = _mix_partials(X, fn, m, tiles)
+    if part is None:
+        part = _mix_partials(X, fn, m, tiles)
+    elif part.dim() != 3 or part.shape[0] != T or part.shape[2] != m + 1:
+        raise ValueError(f"part must be the [T={T}, blocks, {m + 1}] mix partials, got {tuple(part.shape)}")
     y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
     post = torch.empty(T, C, device=X.device, dtype=torch.float32)
     comb = torch.empty(T, C, C, device=X.device, dtype=torch.float32)
@@ -283,10 +301,12 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
 
 
 def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None, *,
-                   out_X: Tensor | None = None, tiles: dispatch.HcTiles | None = None) -> Tensor:
+                   out_X: Tensor | None = None, tiles: dispatch.HcTiles | None = None,
+                   mix: Tensor | None = None):  # noqa: ANN201
     """HyperConnection.post in one launch: out [T, dim] (plus `extra` [T, dim] when given), X [T, C, dim],
     post [T, C], comb [T, C, C] -> X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every
-    program reads its whole [C, dim-block] of X before writing the same block)."""
+    program reads its whole [C, dim-block] of X before writing the same block). `mix` (the next hc_pre's fn
+    [M, C * dim]): -> (X', X''s mix partials for hc_pre_triton(part=...)), in the same launch."""
     _check_device(X)
     if X.dim() != 3:
         raise ValueError(f"X must be [T, C, dim], got {tuple(X.shape)}")
@@ -309,13 +329,21 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Te
     if y.shape != (T, C, dim) or y.dtype != torch.float32 or y.stride(2) != 1:
         raise ValueError("out_X must be an fp32 [T, C, dim] tensor with unit stride on dim")
     tiles = tiles or dispatch.hc_tiles(C * dim, (2 + C) * C, dim, T, dispatch.launch_backend(X))
+    block_d, num_warps, part, m = tiles.block_d, tiles.num_warps_d, y, 0
+    if mix is not None:
+        m = mix.shape[0]
+        if mix.shape != (m, C * dim) or mix.stride(1) != 1:
+            raise ValueError(f"mix must be a unit-stride fn [M, {C * dim}], got {tuple(mix.shape)}")
+        block_d, num_warps = tiles.block_dm, tiles.num_warps_m
+        part = torch.empty(T, C * triton.cdiv(dim, block_d), m + 1, device=X.device, dtype=torch.float32)
     if T:
-        _hc_post_kernel[(T, triton.cdiv(dim, tiles.block_d))](
-            out, out if extra is None else extra, X, post, comb, y, dim, out.stride(0),
-            0 if extra is None else extra.stride(0), X.stride(0), X.stride(1), y.stride(0), y.stride(1),
-            C=C, CP=triton.next_power_of_2(C), BLOCK_D=tiles.block_d, EXTRA=extra is not None,
-            num_warps=tiles.num_warps_d, **pdl(out))
-    return y
+        _hc_post_kernel[(T, triton.cdiv(dim, block_d))](
+            out, out if extra is None else extra, X, post, comb, y, y if mix is None else mix, part, dim, m,
+            out.stride(0), 0 if extra is None else extra.stride(0), X.stride(0), X.stride(1), y.stride(0),
+            y.stride(1), 0 if mix is None else mix.stride(0), C=C, CP=triton.next_power_of_2(C), BLOCK_D=block_d,
+            EXTRA=extra is not None, MIX=mix is not None, BLOCK_M=triton.next_power_of_2(m + 1),
+            num_warps=num_warps, **pdl(out))
+    return y if mix is None else (y, part)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -323,18 +351,23 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Te
 
 
 def hc_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-           sinkhorn_iters: int) -> tuple[Tensor, Tensor, Tensor]:
-    """HyperConnection.pre: X [T, C, dim] -> (x [T, dim], post [T, C], comb [T, C, C])."""
+           sinkhorn_iters: int, part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """HyperConnection.pre: X [T, C, dim] -> (x [T, dim], post [T, C], comb [T, C, C]); `part`: X's mix partials
+    from the hc_post that made it (GPU), or None."""
     if dispatch.use_triton(X):
-        return hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+        return hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, part=part)
     return hc_pre_ref(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
 
 
-def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None) -> Tensor:
-    """HyperConnection.post of out (+ extra: e.g. the routed and the shared experts' outputs) -> X' [T, C, dim]."""
+def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None,
+            mix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+    """HyperConnection.post of out (+ extra: e.g. the routed and the shared experts' outputs) -> (X' [T, C, dim],
+    with `mix` (the next hc_pre's fn) on a GPU X''s mix partials for it (hc_pre(part=...)), else None)."""
     if dispatch.use_triton(X):
-        return hc_post_triton(out, X, post, comb, extra)
-    return hc_post_ref(out, X, post, comb, extra)
+        if mix is not None:
+            return hc_post_triton(out, X, post, comb, extra, mix=mix)
+        return hc_post_triton(out, X, post, comb, extra), None
+    return hc_post_ref(out, X, post, comb, extra), None
 
 
 def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.act_quant import quant_buffers, quant_flags, quant_tile
+from ds4station.kernels.act_quant import act16_tile, quant_buffers, quant_flags, quant_tile, quantize_act16
 from ds4station.kernels.pdl import enter, pdl
 
 
@@ -155,8 +155,10 @@ def swiglu_ref(gu: torch.Tensor, clamp: float) -> torch.Tensor:
 
 
 @triton.jit
-def _swiglu_kernel(gu_ptr, y_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.constexpr, BLOCK: tl.constexpr,
-                   PDL: tl.constexpr = False):
+def _swiglu_kernel(gu_ptr, y_ptr, hi_ptr, lo_ptr, xs_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.constexpr,
+                   BLOCK: tl.constexpr, ACT16: tl.constexpr = False, PDL: tl.constexpr = False):
+    """y = silu(gate) * up over BLOCK values of one row; ACT16: y also stored quantised as quantize_act16 gives it
+    (BLOCK and F multiples of 32)."""
     enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -166,19 +168,31 @@ def _swiglu_kernel(gu_ptr, y_ptr, F, stride_gu, stride_y, clamp, CLAMP: tl.const
     if CLAMP:
         g = tl.minimum(g, clamp)
         u = tl.minimum(tl.maximum(u, -clamp), clamp)
-    tl.store(y_ptr + row * stride_y + offs, g / (1.0 + tl.exp(-g)) * u, mask=mask)
+    y = g / (1.0 + tl.exp(-g)) * u
+    tl.store(y_ptr + row * stride_y + offs, y, mask=mask)
+    if ACT16:
+        act16_tile(tl.reshape(y, (BLOCK // 32, 32)), row, tl.program_id(1) * (BLOCK // 32), F // 32, hi_ptr, lo_ptr,
+                   xs_ptr)
 
 
-def swiglu(gu: torch.Tensor, clamp: float) -> torch.Tensor:
-    """One launch on a GPU tensor (the shared expert's gate and up come from one fused matvec), else torch."""
+def swiglu(gu: torch.Tensor, clamp: float, act16: bool = False):  # noqa: ANN201
+    """One launch on a GPU tensor (the shared expert's gate and up come from one fused matvec), else torch.
+    act16 (GPU only: for the down projection's integer-dot matvec) -> (y, y quantised as quantize_act16 gives
+    it), in the same launch."""
     if not dispatch.use_triton(gu):
+        if act16:
+            raise ValueError("act16 is for the integer-dot kernels, which run on a GPU")
         return swiglu_ref(gu, clamp)
     if gu.dim() != 2 or gu.shape[1] % 2 or gu.stride(-1) != 1:
         raise ValueError(f"swiglu takes unit-stride [T, 2F] (gate | up), got {tuple(gu.shape)}")
     f = gu.shape[1] // 2
     y = torch.empty(gu.shape[0], f, dtype=torch.float32, device=gu.device)
     tiles = dispatch.row_tiles(min(f, 1024), dispatch.launch_backend(gu))
+    quant = act16 and tiles.block % 32 == 0 and f % 32 == 0
+    act = quant_buffers(gu.shape[0], f, "act16", gu.device) if quant else (y, y, y)
     _swiglu_kernel[(gu.shape[0], triton.cdiv(f, tiles.block))](
-        gu, y, f, gu.stride(0), y.stride(0), float(clamp), CLAMP=clamp > 0, BLOCK=tiles.block,
+        gu, y, *act, f, gu.stride(0), y.stride(0), float(clamp), CLAMP=clamp > 0, BLOCK=tiles.block, ACT16=quant,
         num_warps=tiles.num_warps, **pdl(gu))
-    return y
+    if not act16:
+        return y
+    return y, act if quant else quantize_act16(y)

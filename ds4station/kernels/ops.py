@@ -103,10 +103,10 @@ def dequantize(w: Packed) -> torch.Tensor:
 
 def linear_act16(x: torch.Tensor, w: Packed) -> bool:
     """Whether `linear` runs W over x's rows from their 16-bit quantisation (act_quant.quantize_act16): the
-    integer-dot Q8_0 matvec. Its producer can then emit x quantised (norm.rms_norm(quant="act16")) and pass it as
-    `act`, saving the quantiser's launch."""
+    integer-dot Q8_0 matvec, when its producer emits x quantised (norm.rms_norm(quant="act16"), swiglu, the decode
+    attention) and passes it as `act`, saving the quantiser's launch (dispatch.q8_0_route(quantised=True))."""
     return isinstance(w, PackedQ8_0) and dispatch.use_triton(x) and \
-        dispatch.q8_0_route(w.n, w.k, x.shape[0], dispatch.launch_backend(x)) == "int_dot"
+        dispatch.q8_0_route(w.n, w.k, x.shape[0], dispatch.launch_backend(x), quantised=True) == "int_dot"
 
 
 def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype | None = None,
@@ -131,7 +131,7 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             return ref(x, w, out_dtype=out_dtype)
         return torch.cat([ref(x, _row_block(w, r, r + rows), out_dtype=out_dtype) for r in range(0, w.n, rows)], -1)
     if isinstance(w, PackedQ8_0):
-        route = dispatch.q8_0_route(w.n, w.k, m, dispatch.launch_backend(x))
+        route = dispatch.q8_0_route(w.n, w.k, m, dispatch.launch_backend(x), quantised=act is not None)
         if route == "int_dot":
             return q8_0_matvec_q16(quantize_act16(x) if act is None else act, w, groups=groups,
                                    out_dtype=out_dtype or x.dtype,

@@ -222,38 +222,62 @@ def _q8_0_matvec_i8_kernel(
     M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Integer-dot form of _q8_0_matvec_kernel: weights read as int32 words, activations as two int8 digits
-    (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums."""
-    enter(PDL)
+    (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums. The first K step's weights
+    are loaded before the grid-dependency wait (pdl.py: the weights are no kernel's output), so with PDL their
+    reads overlap the previous kernel's tail."""
     pid = tl.program_id(0)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = offs_n.to(tl.int64)
+    q, s = _q8_0_words(qs_ptr, d_ptr, rows, n_mask, 0, K, BLOCK_K)
+    enter(PDL)
     group = (pid * BLOCK_N) // rows_per_group
-    KB: tl.constexpr = BLOCK_K // 32
-    offs_b = tl.arange(0, KB)
-    offs_w = tl.arange(0, 8)
-    cols = tl.arange(0, M_PAD)
     acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-    zero = tl.zeros([BLOCK_N, KB, 8], dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
-        wi = k0 // 4 + offs_b[:, None] * 8 + offs_w[None, :]  # [KB, 8] word index in the row
-        k_mask = wi < K // 4
-        q = tl.load(qs_ptr + rows[:, None, None] * (K // 4) + wi[None, :, :], mask=n_mask[:, None, None] & k_mask,
-                    other=0, eviction_policy="evict_first")
-        kb = k0 // 32 + offs_b
-        kb_mask = kb < K // 32
-        s = tl.load(d_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None] & kb_mask[None, :],
-                    other=0.0, eviction_policy="evict_first").to(tl.float32)
-        for m in tl.static_range(M):
-            xw = m * stride_xm + group * (K // 4) + wi
-            hi = tl.broadcast_to(tl.load(hi_ptr + xw, mask=k_mask, other=0)[None, :, :], (BLOCK_N, KB, 8))
-            lo = tl.broadcast_to(tl.load(lo_ptr + xw, mask=k_mask, other=0)[None, :, :], (BLOCK_N, KB, 8))
-            xs = tl.load(xs_ptr + m * (stride_xm // 8) + group * (K // 32) + kb, mask=kb_mask, other=0.0)
-            isum = tl.sum(_dp4a(q, hi, zero), axis=2) * 256 + tl.sum(_dp4a(q, lo, zero), axis=2)  # [BN, KB]
-            part = tl.sum(isum.to(tl.float32) * s * xs[None, :], axis=1)
-            acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+    acc = _q8_0_i8_step(acc, q, s, hi_ptr, lo_ptr, xs_ptr, group, 0, K, stride_xm, M, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        q, s = _q8_0_words(qs_ptr, d_ptr, rows, n_mask, k0, K, BLOCK_K)
+        acc = _q8_0_i8_step(acc, q, s, hi_ptr, lo_ptr, xs_ptr, group, k0, K, stride_xm, M, BLOCK_K)
+    cols = tl.arange(0, M_PAD)
     tl.store(y_ptr + cols[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
              mask=n_mask[:, None] & (cols[None, :] < M))
+
+
+@triton.jit
+def _q8_0_words(qs_ptr, d_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """One K step's weights of the integer-dot matvec: int32 words [BLOCK_N, BLOCK_K / 32, 8] and fp32 block
+    scales [BLOCK_N, BLOCK_K / 32] (zero past K)."""
+    KB: tl.constexpr = BLOCK_K // 32
+    offs_b = tl.arange(0, KB)
+    wi = k0 // 4 + offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]  # [KB, 8] word index in the row
+    q = tl.load(qs_ptr + rows[:, None, None] * (K // 4) + wi[None, :, :],
+                mask=n_mask[:, None, None] & (wi < K // 4)[None, :, :], other=0, eviction_policy="evict_first")
+    kb = k0 // 32 + offs_b
+    s = tl.load(d_ptr + rows[:, None] * (K // 32) + kb[None, :], mask=n_mask[:, None] & (kb < K // 32)[None, :],
+                other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return q, s
+
+
+@triton.jit
+def _q8_0_i8_step(acc, q, s, hi_ptr, lo_ptr, xs_ptr, group, k0, K, stride_xm, M: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """acc [BLOCK_N, M_PAD] plus the K step at k0 of every activation row (weights q, s from _q8_0_words)."""
+    KB: tl.constexpr = BLOCK_K // 32
+    offs_b = tl.arange(0, KB)
+    wi = k0 // 4 + offs_b[:, None] * 8 + tl.arange(0, 8)[None, :]
+    k_mask = wi < K // 4
+    kb = k0 // 32 + offs_b
+    kb_mask = kb < K // 32
+    cols = tl.arange(0, acc.shape[1])
+    zero = tl.zeros(q.shape, dtype=tl.int32)
+    for m in tl.static_range(M):
+        xw = m * stride_xm + group * (K // 4) + wi
+        hi = tl.broadcast_to(tl.load(hi_ptr + xw, mask=k_mask, other=0)[None, :, :], q.shape)
+        lo = tl.broadcast_to(tl.load(lo_ptr + xw, mask=k_mask, other=0)[None, :, :], q.shape)
+        xs = tl.load(xs_ptr + m * (stride_xm // 8) + group * (K // 32) + kb, mask=kb_mask, other=0.0)
+        isum = tl.sum(_dp4a(q, hi, zero), axis=2) * 256 + tl.sum(_dp4a(q, lo, zero), axis=2)  # [BN, KB]
+        part = tl.sum(isum.to(tl.float32) * s * xs[None, :], axis=1)
+        acc += tl.where(cols[None, :] == m, part[:, None], 0.0)
+    return acc
 
 
 def q8_0_matvec_q16(
