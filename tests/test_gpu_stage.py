@@ -3,6 +3,7 @@ static-shape decode. On a GPU the same test runs the Triton kernels and the CUDA
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -289,6 +290,37 @@ def test_kernel_path_end_to_end_in_the_interpreter(tiny: GGUFFile, tiny_q4: GGUF
     _close(got[1], want[12], 1e-3)  # fp32 decode kernels, over KV the fp16 prefill wrote
     _close(got[2], want[11], 2e-2)
     assert short.written == 16 and cache.written == 13
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d == "cuda" or dispatch.interpreting()])
+def test_padding_rows_stay_copies_of_the_last_row(tiny: GGUFFile, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verification step is padded to its row class with copies of its last real row (same token, position
+    and slot), which write that row's KV rows again: they must stay exact copies through every layer, or the
+    last row's KV is whatever the padding wrote last (a race between programs on a GPU). The integer-dot MoE
+    decode kernels skip the padding (zero rows out); hc_post gives it the last row's output. Kernel path (the
+    interpreter on the CPU), two sequences' 3 + 2 rows in a step of 8: after every hc_post the padding equals
+    row 4 bit for bit."""
+    cfg, layers = tiny.config, range(2, 4)
+    stage = GpuStage(cfg, load_tensors(tiny, layers), layers, device=device, round_trips=OFF, int_dot=True)
+    stage.graphs = False  # the step's launches eagerly, so each hc_post can be looked at
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(14))
+    states: list[torch.Tensor] = []
+    real = gpu.hc_k.hc_post
+
+    def hc_post(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        X, part = real(*a, **k)
+        states.append(X.clone())
+        return X, part
+
+    pool = stage.new_caches(2, 64, chunk=16)
+    with dispatch.interpreted_kernels() if device == "cpu" else contextlib.nullcontext():
+        for b, c in enumerate(pool):
+            stage.prefill(tokens[b, :9], c)
+        monkeypatch.setattr(gpu.hc_k, "hc_post", hc_post)
+        stage.verify_batch([tokens[0, 9:12].tolist(), tokens[1, 9:11].tolist()], pool, logits=False)
+    assert len(states) == 2 * len(layers)
+    for X in states:
+        assert X.shape[0] == 8 and all(torch.equal(X[r], X[4]) for r in range(5, 8))
 
 
 @pytest.mark.skipif(not dispatch.interpreting(), reason="the interpreter's case; on a GPU every decode test runs it")

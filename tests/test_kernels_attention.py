@@ -281,8 +281,9 @@ def test_several_queries_in_one_split_launch(poisoned_empty: None, backend: str,
 def test_output_rope_undone_in_the_combine(poisoned_empty: None, backend: str, block_dc: int | None) -> None:
     """`unrope`: the decode kernels rotate the output's last 2 * HALF dims back by the inverse RoPE at each query's
     position in their combine launch: bit for bit what the separate RoPE launch (norm.rope_) gives on the
-    output, for T queries, with the rotated tail inside one combine block or spread over several; an odd
-    combine block (no pairs in it) takes the separate launch. The reference does the same."""
+    output, for T queries, with the rotated tail inside one combine block or spread over several (on a GPU to
+    fp32 rounding: the two kernels' multiply-adds may contract differently); an odd combine block (no pairs in
+    it) takes the separate launch. The reference does the same."""
     from ds4station.kernels.norm import rope_triton_
 
     H, D, T, W, half = 5, 96, 3, 16, 16
@@ -298,7 +299,11 @@ def test_output_rope_undone_in_the_combine(poisoned_empty: None, backend: str, b
     plain = attention_decode_triton(q, ring, None, None, None, sinks, **common)
     got = attention_decode_triton(q, ring, None, None, None, sinks, **common, unrope=inv_freq)
     want = rope_triton_(plain.clone().view(T * H, D), pos, inv_freq, H, inverse=True).view(T, H, D)
-    assert torch.equal(got, want) and torch.equal(got[..., :D - 2 * half], plain[..., :D - 2 * half])
+    assert torch.equal(got[..., :D - 2 * half], plain[..., :D - 2 * half])
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # compiled, the two kernels may contract the rotation's products into FMAs differently
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     ref = attention_decode_ref(q.cpu(), ring.cpu(), None, None, None, sinks.cpu(), D ** -0.5, pos=pos.cpu(), window=W,
                                unrope=inv_freq.cpu())
     torch.testing.assert_close(ref, want.cpu(), **(TOL_DEFAULT if tiles.precision == "tf32" else TOL))

@@ -13,7 +13,7 @@ import torch
 from ds4station.engine.model import DS4Model
 from ds4station.kernels import hc
 from ds4station.kernels.dispatch import HcTiles, hc_tiles
-from ds4station.kernels.hc import hc_head_pre_triton, hc_post_triton, hc_pre_triton
+from ds4station.kernels.hc import hc_head_pre_triton, hc_post_ref, hc_post_triton, hc_pre_triton
 from ds4station.kernels.reference import HyperConnection, rms_norm, sinkhorn
 from ds4station.model.config import TINY
 
@@ -136,6 +136,31 @@ def test_hc_post_computes_the_next_mix_partials(poisoned_empty: None, T: int, di
         hc_post_triton(out, X, post, comb, mix=fn[:, :-1])
     with pytest.raises(ValueError, match="mix partials"):
         hc_pre_triton(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, 1, part=part[..., :-1])
+
+
+@pytest.mark.parametrize("mix", [False, True])
+def test_hc_post_padding_rows_take_the_last_real_rows_output(poisoned_empty: None, mix: bool) -> None:
+    """hc_post(last=...): in a padded static step the rows after the last real one are copies of it, but the MoE
+    kernels skip them (their rows of out are zero); hc_post gives them row last's out and extra, so they stay
+    copies (bit for bit, also their mix partials) and the KV rows they write are the last row's. The rows up to
+    last are the plain hc_post's; the reference does the same."""
+    T, C, dim, m, last = 6, 4, 96, 24, 3
+    gen = torch.Generator().manual_seed(31)
+    X1, fn, _, _ = _weights(1, C, dim, m, 5)
+    X = X1.expand(T, C, dim).contiguous()
+    out = (torch.randn(1, dim, generator=gen) * 2).to(DEVICE).expand(T, dim).contiguous()
+    extra = torch.randn(1, dim, generator=gen).to(DEVICE).expand(T, dim).contiguous()
+    out[last + 1:] = 0  # the skipped rows
+    post = (2 * torch.rand(1, C, generator=gen)).to(DEVICE).expand(T, C).contiguous()
+    comb = sinkhorn(torch.randn(1, C, C, generator=gen), 20, 1e-6).to(DEVICE).expand(T, C, C).contiguous()
+    at = torch.tensor([last], device=DEVICE)
+    got = hc_post_triton(out, X, post, comb, extra, mix=fn if mix else None, last=at)
+    Y, part = got if mix else (got, None)
+    for r in range(last + 1, T):
+        assert torch.equal(Y[r], Y[last]) and (part is None or torch.equal(part[r], part[last]))
+    plain = hc_post_triton(out, X, post, comb, extra)
+    assert torch.equal(Y[:last + 1], plain[:last + 1]) and not torch.equal(Y[-1], plain[-1])
+    torch.testing.assert_close(hc_post_ref(out, X, post, comb, extra, at), Y, **TOL)
 
 
 @pytest.mark.parametrize(("T", "dim", "seed", "tiles"), [(1, 96, 0, None), (3, 96, 1, SPLIT),

@@ -388,13 +388,15 @@ def _moe_i8_specs(gate_qtype: str, down_qtype: str, ptrs: dict[str, tuple[str, .
 
 
 def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
-    """Hyper-connection kernels (kernels/hc.py) at DS4's shape (4 streams x 4096), decode and a 2048 chunk."""
+    """Hyper-connection kernels (kernels/hc.py) at DS4's shape (4 streams x 4096): a decode step, a padded static
+    step of 16 rows and a 2048-row prefill chunk (static steps: hc_post computes the next mix partials)."""
     C, dim = 4, 4096
     k, m = C * dim, (2 + C) * C
     i32, p32 = "i32", "*fp32"
     out = []
-    for t in (1, 2048):
+    for t in (1, 16, 2048):
         tl_ = dispatch.hc_tiles(k, m, dim, t, backend)
+        static = t <= 16
         nblk = -(-k // tl_.chunk_k)
         out.append(KernelSpec(
             f"hc_mix_partial T{t}", hc._hc_mix_partial_kernel,
@@ -410,23 +412,25 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
                  "comb_ptr": p32, "NBLK": i32, "K": i32, "DIM": i32, "stride_xt": i32, "stride_xc": i32,
                  "stride_yt": i32, "rms_eps": "fp32", "hc_eps": "fp32", "iters": i32, "C": "constexpr",
                  "CP": "constexpr", "NBLK_P": "constexpr", "BLOCK_D": "constexpr", "HEAD": "constexpr"},
-                # the engine's hc_pre reads the partials hc_post computed (C * dim / block_dm), the head's its own
-                {"C": C, "CP": C, "NBLK_P": _pow2(nblk if head else C * -(-dim // tl_.block_dm)),
+                # a static step's hc_pre reads the partials hc_post computed (C * dim / block_dm), the rest their own
+                {"C": C, "CP": C, "NBLK_P": _pow2(C * -(-dim // tl_.block_dm) if static and not head else nblk),
                  "BLOCK_D": tl_.block_d, "HEAD": head},
                 ("x_ptr", "y_ptr", "DIM", "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_d, 1,
                 decode=t == 1))
         out.append(KernelSpec(
-            # the FFN's form: routed + shared experts summed in it, the next hc_pre's mix partials computed
+            # the FFN's form: routed + shared experts summed in it; in a static step the next hc_pre's mix partials
+            # computed, and a padded one's rows after the last real one reading its out (LAST)
             f"hc_post T{t}", hc._hc_post_kernel,
             {"o_ptr": p32, "e_ptr": p32, "x_ptr": p32, "post_ptr": p32, "comb_ptr": p32, "y_ptr": p32, "fn_ptr": p32,
-             "part_ptr": p32, "DIM": i32, "M": i32, "stride_ot": i32, "stride_et": i32, "stride_xt": i32,
-             "stride_xc": i32, "stride_yt": i32, "stride_yc": i32, "stride_fn": i32, "C": "constexpr",
-             "CP": "constexpr", "BLOCK_D": "constexpr", "EXTRA": "constexpr", "MIX": "constexpr",
-             "BLOCK_M": "constexpr"},
-            {"C": C, "CP": C, "BLOCK_D": tl_.block_dm, "EXTRA": True, "MIX": True, "BLOCK_M": _pow2(m + 1)},
+             "part_ptr": p32, "last_ptr": "*i64", "DIM": i32, "M": i32, "stride_ot": i32, "stride_et": i32,
+             "stride_xt": i32, "stride_xc": i32, "stride_yt": i32, "stride_yc": i32, "stride_fn": i32,
+             "C": "constexpr", "CP": "constexpr", "BLOCK_D": "constexpr", "EXTRA": "constexpr", "MIX": "constexpr",
+             "BLOCK_M": "constexpr", "LAST": "constexpr"},
+            {"C": C, "CP": C, "BLOCK_D": tl_.block_dm if static else tl_.block_d, "EXTRA": True, "MIX": static,
+             "BLOCK_M": _pow2(m + 1), "LAST": static and t > 1},
             ("o_ptr", "e_ptr", "x_ptr", "y_ptr", "fn_ptr", "part_ptr", "DIM", "stride_ot", "stride_et", "stride_xt",
              "stride_xc", "stride_yt", "stride_yc", "stride_fn"),
-            tl_.num_warps_m, 1, decode=t == 1))
+            tl_.num_warps_m if static else tl_.num_warps_d, 1, decode=t == 1))
     return out
 
 

@@ -53,11 +53,15 @@ def hc_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: floa
     return (pre.unsqueeze(-1) * Xf).sum(1), post, comb
 
 
-def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None) -> Tensor:
-    """HyperConnection.post of kernels/reference.py (of out + extra, when given)."""
+def hc_post_ref(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None,
+                last: Tensor | None = None) -> Tensor:
+    """HyperConnection.post of kernels/reference.py (of out + extra, when given; with `last`, rows after it read
+    row last's out and extra, as hc_post_triton's do)."""
     from ds4station.kernels.reference import HyperConnection
 
     out = out.float() if extra is None else out.float() + extra.float()
+    if last is not None:
+        out = out[torch.arange(out.shape[0], device=out.device).clamp(max=last.view(()))]
     return HyperConnection.post(out, X.float(), post.float(), comb.float())
 
 
@@ -170,24 +174,29 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
 
 
 @triton.jit
-def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, DIM, M, stride_ot, stride_et,
-                    stride_xt, stride_xc, stride_yt, stride_yc, stride_fn, C: tl.constexpr, CP: tl.constexpr,
-                    BLOCK_D: tl.constexpr, EXTRA: tl.constexpr, MIX: tl.constexpr = False, BLOCK_M: tl.constexpr = 1,
-                    PDL: tl.constexpr = False):
+def _hc_post_kernel(o_ptr, e_ptr, x_ptr, post_ptr, comb_ptr, y_ptr, fn_ptr, part_ptr, last_ptr, DIM, M, stride_ot,
+                    stride_et, stride_xt, stride_xc, stride_yt, stride_yc, stride_fn, C: tl.constexpr,
+                    CP: tl.constexpr, BLOCK_D: tl.constexpr, EXTRA: tl.constexpr, MIX: tl.constexpr = False,
+                    BLOCK_M: tl.constexpr = 1, LAST: tl.constexpr = False, PDL: tl.constexpr = False):
     """Y[t, k, d-block] = post[t, k] * out[t, d-block] + sum_j comb[t, j, k] * X[t, j, d-block], with EXTRA
     out + extra[t, d-block] in place of out (a sublayer's two parts summed here, not in a launch of their own).
     MIX: also the next hc_pre's mix partials of Y (what `_hc_mix_partial_kernel` computes, with K chunks of
     BLOCK_D): part[t, k * nd + d-block, :M] = fn[:, k * DIM + d-block] @ Y[t, k, d-block] and slot M the
-    chunk's sum of squares, nd = cdiv(DIM, BLOCK_D)."""
+    chunk's sum of squares, nd = cdiv(DIM, BLOCK_D).
+    LAST: a padded static step (its rows after *last_ptr copies of row last): those rows read row last's out and
+    extra, so they stay copies where the MoE kernels skipped them (their rows of out are zero)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
+    src = t
+    if LAST:
+        src = tl.minimum(t, tl.load(last_ptr))
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < DIM
     offs_c = tl.arange(0, CP)
     c_ok = offs_c < C
-    o = tl.load(o_ptr + t * stride_ot + d, mask=d_ok, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + src * stride_ot + d, mask=d_ok, other=0.0).to(tl.float32)
     if EXTRA:
-        o += tl.load(e_ptr + t * stride_et + d, mask=d_ok, other=0.0).to(tl.float32)
+        o += tl.load(e_ptr + src * stride_et + d, mask=d_ok, other=0.0).to(tl.float32)
     xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
                  mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)  # [CP(j), BLOCK_D]
     post = tl.load(post_ptr + t * C + offs_c, mask=c_ok, other=0.0)
@@ -302,11 +311,12 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
 
 def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None, *,
                    out_X: Tensor | None = None, tiles: dispatch.HcTiles | None = None,
-                   mix: Tensor | None = None):  # noqa: ANN201
+                   mix: Tensor | None = None, last: Tensor | None = None):  # noqa: ANN201
     """HyperConnection.post in one launch: out [T, dim] (plus `extra` [T, dim] when given), X [T, C, dim],
     post [T, C], comb [T, C, C] -> X' [T, C, dim] fp32. `out_X` is the destination (may be X itself: every
     program reads its whole [C, dim-block] of X before writing the same block). `mix` (the next hc_pre's fn
-    [M, C * dim]): -> (X', X''s mix partials for hc_pre_triton(part=...)), in the same launch."""
+    [M, C * dim]): -> (X', X''s mix partials for hc_pre_triton(part=...)), in the same launch. `last` ([1] on
+    the device: a padded static step's last real row): the rows after it take row last's out and extra."""
     _check_device(X)
     if X.dim() != 3:
         raise ValueError(f"X must be [T, C, dim], got {tuple(X.shape)}")
@@ -338,11 +348,11 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Te
         part = torch.empty(T, C * triton.cdiv(dim, block_d), m + 1, device=X.device, dtype=torch.float32)
     if T:
         _hc_post_kernel[(T, triton.cdiv(dim, block_d))](
-            out, out if extra is None else extra, X, post, comb, y, y if mix is None else mix, part, dim, m,
-            out.stride(0), 0 if extra is None else extra.stride(0), X.stride(0), X.stride(1), y.stride(0),
-            y.stride(1), 0 if mix is None else mix.stride(0), C=C, CP=triton.next_power_of_2(C), BLOCK_D=block_d,
-            EXTRA=extra is not None, MIX=mix is not None, BLOCK_M=triton.next_power_of_2(m + 1),
-            num_warps=num_warps, **pdl(out))
+            out, out if extra is None else extra, X, post, comb, y, y if mix is None else mix, part,
+            y if last is None else last, dim, m, out.stride(0), 0 if extra is None else extra.stride(0), X.stride(0),
+            X.stride(1), y.stride(0), y.stride(1), 0 if mix is None else mix.stride(0), C=C,
+            CP=triton.next_power_of_2(C), BLOCK_D=block_d, EXTRA=extra is not None, MIX=mix is not None,
+            BLOCK_M=triton.next_power_of_2(m + 1), LAST=last is not None, num_warps=num_warps, **pdl(out))
     return y if mix is None else (y, part)
 
 
@@ -360,14 +370,15 @@ def hc_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, h
 
 
 def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None,
-            mix: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+            mix: Tensor | None = None, last: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """HyperConnection.post of out (+ extra: e.g. the routed and the shared experts' outputs) -> (X' [T, C, dim],
-    with `mix` (the next hc_pre's fn) on a GPU X''s mix partials for it (hc_pre(part=...)), else None)."""
+    with `mix` (the next hc_pre's fn) on a GPU X''s mix partials for it (hc_pre(part=...)), else None). `last`:
+    a padded static step's last real row ([1] on the device); the padding rows take its out and extra."""
     if dispatch.use_triton(X):
         if mix is not None:
-            return hc_post_triton(out, X, post, comb, extra, mix=mix)
-        return hc_post_triton(out, X, post, comb, extra), None
-    return hc_post_ref(out, X, post, comb, extra), None
+            return hc_post_triton(out, X, post, comb, extra, mix=mix, last=last)
+        return hc_post_triton(out, X, post, comb, extra, last=last), None
+    return hc_post_ref(out, X, post, comb, extra, last), None
 
 
 def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:

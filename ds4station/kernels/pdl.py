@@ -69,7 +69,8 @@ else:
     @triton.jit
     def enter(PDL: tl.constexpr):
         """A kernel's first statement: with PDL, wait until the previous kernel on the stream has completed
-        (its writes visible), then allow the next one to launch. Nothing before it may touch memory."""
+        (its writes visible), then allow the next one to launch. Nothing before it may touch memory but the
+        weight loads the module docstring allows."""
         if PDL:
             tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False,
                                       pack=1)
