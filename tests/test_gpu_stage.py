@@ -327,11 +327,13 @@ def test_padding_rows_stay_copies_of_the_last_row(tiny: GGUFFile, device: str, m
 def test_producers_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where a projection or the experts read their input quantised (the integer-dot kernels: Q8_0 at one or two
     rows, the routed experts), the launch that makes the input emits it quantised too: the RMSNorms (attention
-    norm -> q_a + kv, q_a norm -> q_b, FFN norm -> shared and routed experts, output norm -> head), the decode
+    norm -> q_a + kv and FFN norm -> shared and routed experts, both in hc_pre's launch; q_a norm -> q_b; output
+    norm -> head, in hc_head_pre's), the decode
     attention's combine (-> the grouped output a) and the shared expert's swiglu (-> its down). Interpreter, every
     integer-dot route forced on: the same logits, bit for bit, as when each consumer quantises its input itself,
     and of the 7 quantiser launches that takes only output b's is left (its input is a matvec's output)."""
     from ds4station.kernels import act_quant
+    from ds4station.kernels import hc as hc_k
 
     cfg, layers = tiny.config, range(2, 3)
     real_route = dispatch.q8_0_route
@@ -344,10 +346,19 @@ def test_producers_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monk
     launched: list[str] = []
     real_norm, real_swiglu, real_attention, real_quantize = gpu._norm, gpu.swiglu, gpu.attention_decode, \
         act_quant._quantize
+    real_hc_pre, real_head_pre = hc_k.hc_pre, hc_k.hc_head_pre
 
     def norm(x, weight, eps, *quant):  # noqa: ANN001, ANN202
         quants.append(quant)
         return real_norm(x, weight, eps, *quant)
+
+    def hc_pre(*args, quant=(), part=None, keep=True):  # noqa: ANN001, ANN002, ANN202 (attention and FFN norms)
+        quants.append(tuple(quant))
+        return real_hc_pre(*args, quant if keep else [None] * len(quant), part)
+
+    def head_pre(*args, keep=True):  # noqa: ANN001, ANN002, ANN202 (the output norm)
+        quants.append(args[7:] or (None,))
+        return real_head_pre(*args[:7], *(args[7:] if keep else ()))
 
     def quantize(x, quant):  # noqa: ANN001, ANN202
         launched.append(quant)
@@ -363,15 +374,19 @@ def test_producers_quantise_for_their_integer_dot_consumers(tiny: GGUFFile, monk
                                 if act16 else real_swiglu(gu, clamp))
             monkeypatch.setattr(gpu, "attention_decode", lambda *a, act16=False, **k: (real_attention(*a, **k), None)
                                 if act16 else real_attention(*a, **k))
+            monkeypatch.setattr(hc_k, "hc_pre", lambda *a: hc_pre(*a[:8], quant=a[8], part=a[9], keep=False))
+            monkeypatch.setattr(hc_k, "hc_head_pre", lambda *a: head_pre(*a, keep=False))
         else:
             monkeypatch.setattr(gpu, "_norm", norm)
+            monkeypatch.setattr(hc_k, "hc_pre", lambda *a: hc_pre(*a[:8], quant=a[8], part=a[9]))
+            monkeypatch.setattr(hc_k, "hc_head_pre", head_pre)
         cache = stage.new_cache(64, chunk=32)
         stage.prefill(tokens[:18], cache)  # torch references
         quants.clear()
         launched.clear()
         with dispatch.interpreted_kernels():
             got.append(stage.decode(int(tokens[18]), cache, logits=True, graph=False))
-        if fused:  # the decode step's: attention norm, q_a norm, FFN norm of the layer, then the output norm
+        if fused:  # the decode step's: attention norm (in hc_pre), q_a norm, FFN norm (hc_pre), the output norm
             assert quants == [("act16",), ("act16",), ("act16", "iq2_xxs"), ("act16",)]
             assert [q for q in launched if q == "act16"] == ["act16"]  # output b's
         else:

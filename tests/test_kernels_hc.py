@@ -9,9 +9,11 @@ import dataclasses
 
 import pytest
 import torch
+from test_kernels_norm import _same_quant
 
 from ds4station.engine.model import DS4Model
 from ds4station.kernels import hc
+from ds4station.kernels.act_quant import quantize_act, quantize_act16
 from ds4station.kernels.dispatch import HcTiles, hc_tiles
 from ds4station.kernels.hc import hc_head_pre_triton, hc_post_ref, hc_post_triton, hc_pre_triton
 from ds4station.kernels.reference import HyperConnection, rms_norm, sinkhorn
@@ -35,6 +37,22 @@ def _weights(T: int, C: int, dim: int, m: int, seed: int) -> tuple[torch.Tensor,
     return tuple(t.to(DEVICE) for t in (X, fn, scale, base))
 
 
+def _norm_weight(dim: int) -> torch.Tensor:
+    """An RMSNorm weight for hc_pre's norm (attn_norm / ffn_norm): not all ones, so it is applied."""
+    return (torch.rand(dim, generator=torch.Generator().manual_seed(dim)) + 0.5).to(DEVICE)
+
+
+def _pre(X: torch.Tensor, *args, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # noqa: ANN002, ANN003
+    """hc_pre_triton with `_norm_weight` and no quantised forms -> (xn, post, comb)."""
+    xn, _, post, comb = hc_pre_triton(X, *args, _norm_weight(X.shape[-1]), **kw)
+    return xn, post, comb
+
+
+def _normed(pre: tuple[torch.Tensor, ...], w: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+    """The model's HyperConnection.pre (x, post, comb) with x through the RMSNorm after it."""
+    return (rms_norm(pre[0], w, eps), *pre[1:])
+
+
 @pytest.mark.parametrize(("T", "dim", "seed", "iters", "tiles"), [
     (1, 96, 0, 20, None), (3, 96, 1, 20, SPLIT), (3, 96, 2, 1, RAGGED_K), (1, 256, 3, 1, SPLIT),
     (3, 256, 4, 20, None), (1, 256, 5, 20, SPLIT)])
@@ -43,9 +61,9 @@ def test_hc_pre_matches_model(poisoned_empty: None, T: int, dim: int, seed: int,
     C = 4
     X, fn, scale, base = _weights(T, C, dim, (2 + C) * C, seed)
     cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C, hc_sinkhorn_iters=iters)
-    want = HyperConnection(fn, scale, base, cfg).pre(X)
-    got = hc_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, iters, tiles=tiles)
-    for g, w, name in zip(got, want, ("x", "post", "comb"), strict=True):
+    want = _normed(HyperConnection(fn, scale, base, cfg).pre(X), _norm_weight(dim), cfg.rms_eps)
+    got = _pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, iters, tiles=tiles)
+    for g, w, name in zip(got, want, ("xn", "post", "comb"), strict=True):
         assert g.shape == w.shape, name
         torch.testing.assert_close(g, w, **TOL, msg=lambda m, n=name: f"{n}: {m}")  # noqa: B023
     # Every Sinkhorn round ends with the column normalisation: columns sum to 1 (up to the eps terms).
@@ -59,7 +77,7 @@ def test_sinkhorn_iteration_count_matters() -> None:
     fn = fn * 5  # peaked logits: the row normalisation rounds move the matrix visibly
     combs = {}
     for iters in (1, 20):
-        _, _, combs[iters] = hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, iters)
+        _, _, combs[iters] = _pre(X, fn, scale, base, 1e-6, 1e-6, iters)
         cfg = dataclasses.replace(TINY, dim=96, hc_sinkhorn_iters=iters)
         torch.testing.assert_close(combs[iters], HyperConnection(fn, scale, base, cfg).pre(X)[2], **TOL)
     assert (combs[1] - combs[20]).abs().max() > 1e-3
@@ -72,9 +90,9 @@ def test_hc_pre_padded_streams(poisoned_empty: None) -> None:
     C, dim = 3, 40
     X, fn, scale, base = _weights(2, C, dim, (2 + C) * C, 8)
     cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C)
-    want = HyperConnection(fn, scale, base, cfg).pre(X)
-    got = hc_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
-                        tiles=HcTiles(block_k=32, chunk_k=64, block_d=16, num_warps=1, num_warps_d=1))
+    want = _normed(HyperConnection(fn, scale, base, cfg).pre(X), _norm_weight(dim), cfg.rms_eps)
+    got = _pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+               tiles=HcTiles(block_k=32, chunk_k=64, block_d=16, num_warps=1, num_warps_d=1))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **TOL)
 
@@ -128,14 +146,14 @@ def test_hc_post_computes_the_next_mix_partials(poisoned_empty: None, T: int, di
     torch.testing.assert_close(part[..., :m].sum(1), flat @ fn.T, **TOL)
     torch.testing.assert_close(part[..., m].sum(1), (flat * flat).sum(1), rtol=1e-5, atol=1e-3)
     cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C)
-    want = HyperConnection(fn, scale, base, cfg).pre(Y)
-    got = hc_pre_triton(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, part=part)
+    want = _normed(HyperConnection(fn, scale, base, cfg).pre(Y), _norm_weight(dim), cfg.rms_eps)
+    got = _pre(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, part=part)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, **TOL)
     with pytest.raises(ValueError, match="mix must be"):
         hc_post_triton(out, X, post, comb, mix=fn[:, :-1])
     with pytest.raises(ValueError, match="mix partials"):
-        hc_pre_triton(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, 1, part=part[..., :-1])
+        _pre(Y, fn, scale, base, cfg.rms_eps, cfg.hc_eps, 1, part=part[..., :-1])
 
 
 @pytest.mark.parametrize("mix", [False, True])
@@ -167,7 +185,7 @@ def test_hc_post_padding_rows_take_the_last_real_rows_output(poisoned_empty: Non
                                                          (3, 256, 2, None), (1, 256, 3, RAGGED_K)])
 def test_hc_head_pre_matches_model_head(poisoned_empty: None, T: int, dim: int, seed: int,
                                         tiles: HcTiles | None) -> None:
-    """DS4Model.head with an identity output matrix returns rms_norm(h) * output_norm, h = our hc_head_pre."""
+    """DS4Model.head with an identity output matrix returns rms_norm(h) * output_norm: our hc_head_pre."""
     C = 4
     X, fn, scale, base = _weights(T, C, dim, C, seed)
     scale = scale[:1]
@@ -177,9 +195,51 @@ def test_hc_head_pre_matches_model_head(poisoned_empty: None, T: int, dim: int, 
     weights = {"output_hc_fn.weight": fn, "output_hc_scale.weight": scale, "output_hc_base.weight": base,
                "output_norm.weight": norm, "output.weight": torch.eye(dim, device=DEVICE)}
     model = DS4Model(cfg, weights, range(0), embed=False, output=True)
-    h = hc_head_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, tiles=tiles)
-    torch.testing.assert_close(rms_norm(h, norm, cfg.rms_eps), model.head(X), **TOL)
-    torch.testing.assert_close(h, hc.hc_head_pre_ref(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps), **TOL)
+    h, acts = hc_head_pre_triton(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, norm, tiles=tiles)
+    assert acts == []
+    torch.testing.assert_close(h, model.head(X), **TOL)
+    torch.testing.assert_close(h, rms_norm(hc.hc_head_pre_ref(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps), norm,
+                                           cfg.rms_eps), **TOL)
+
+
+@pytest.mark.parametrize(("T", "dim", "seed", "quant", "part"), [
+    (1, 96, 0, (), False), (3, 256, 1, ("act16",), True), (2, 128, 2, ("act16", "iq2_xxs"), True),
+    (1, 256, 3, ("q2_k",), False), (3, 40, 4, (), False)])
+def test_hc_pre_quantises_its_normalised_rows(poisoned_empty: None, T: int, dim: int, seed: int,
+                                              quant: tuple[str, ...], part: bool) -> None:
+    """hc_pre's finalize also stores its normalised rows quantised for their integer-dot consumers (at most two
+    forms): the codes the quantiser's own launch gives on the stored rows (`_same_quant`), and the rows the same
+    with and without them; with the mix partials of the hc_post that made X too. The head's form likewise. 40
+    is a row that is no power of two."""
+    C, m = 4, 24
+    X, fn, scale, base = _weights(T, C, dim, m, seed)
+    w = _norm_weight(dim)
+    cfg = dataclasses.replace(TINY, dim=dim, hc_mult=C)
+    args = (X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    kw = {}
+    if part:
+        gen = torch.Generator().manual_seed(300 + seed)
+        post0 = (2 * torch.rand(T, C, generator=gen)).to(DEVICE)
+        comb0 = sinkhorn(torch.randn(T, C, C, generator=gen), 20, 1e-6).to(DEVICE)
+        X, kw["part"] = hc_post_triton(X[:, 0] * 0.5, X, post0, comb0, mix=fn)
+        args = (X, *args[1:])
+    xn, acts, post, comb = hc_pre_triton(*args, w, quant=quant, **kw)
+    xn0, acts0, post0, comb0 = hc_pre_triton(*args, w, **kw)
+    assert acts0 == [] and torch.equal(xn0, xn) and torch.equal(post0, post) and torch.equal(comb0, comb)
+    ref = _normed(HyperConnection(fn, scale, base, cfg).pre(X), w, cfg.rms_eps)
+    for got, want in zip((xn, post, comb), ref, strict=True):
+        torch.testing.assert_close(got, want, **TOL)
+    assert len(acts) == len(quant)
+    for got, q in zip(acts, quant, strict=True):
+        _same_quant(got, quantize_act16(xn) if q == "act16" else quantize_act(xn, q), q)
+    hq = ("act16",) if dim % 32 == 0 else ()
+    h, hacts = hc_head_pre_triton(X, fn[:C], scale[:1], base[:C], cfg.rms_eps, cfg.hc_eps, w, quant=hq)
+    for got in hacts:
+        _same_quant(got, quantize_act16(h), "act16")
+    with pytest.raises(ValueError, match="norm must be"):
+        hc_pre_triton(*args, w[:-1])
+    with pytest.raises(ValueError, match="at most two"):
+        hc_pre_triton(*args, w, quant=("act16",) * 3)
 
 
 def test_launches_per_call(count_launches) -> None:  # type: ignore[no-untyped-def]
@@ -191,15 +251,16 @@ def test_launches_per_call(count_launches) -> None:  # type: ignore[no-untyped-d
         return sum(c.launches for c in counters.values())
 
     X, fn, scale, base = _weights(1, 4, 32, 24, 9)
-    x, post, comb = hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 20, tiles=SPLIT)
-    assert total() == 2
+    w = _norm_weight(32)
+    x, _, post, comb = hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 20, w, quant=("act16", "q2_k"), tiles=SPLIT)
+    assert total() == 2  # the norm and both quantised forms in the finalize
     hc_post_triton(x, X, post, comb)
     assert total() == 3
-    hc_head_pre_triton(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6)
+    hc_head_pre_triton(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6, w, quant=("act16",))
     assert total() == 5
     assert counters["_hc_post_kernel"].launches == 1
     Y, part = hc_post_triton(x, X, post, comb, mix=fn)  # with the next hc_pre's partials: 2 launches for both
-    hc_pre_triton(Y, fn, scale, base, 1e-6, 1e-6, 20, part=part)
+    hc_pre_triton(Y, fn, scale, base, 1e-6, 1e-6, 20, w, part=part)
     assert total() == 7 and counters["_hc_mix_partial_kernel"].launches == 2
 
 
@@ -207,25 +268,33 @@ def test_public_ops_use_reference_on_cpu() -> None:
     X, fn, scale, base = (t.cpu() for t in _weights(2, 4, 32, 24, 10))
     cfg = dataclasses.replace(TINY, dim=32)
     want = HyperConnection(fn, scale, base, cfg).pre(X)
-    got = hc.hc_pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w)
-    post, part = hc.hc_post(got[0], X, got[1], got[2], mix=fn)
-    torch.testing.assert_close(post, HyperConnection.post(got[0], X, *got[1:]))
+    w = torch.rand(32) + 0.5
+    xn, acts, post, comb = hc.hc_pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, w,
+                                     (None, None))
+    torch.testing.assert_close(xn, rms_norm(want[0], w, cfg.rms_eps))
+    assert acts == [None, None]
+    torch.testing.assert_close(post, want[1])
+    torch.testing.assert_close(comb, want[2])
+    Y, part = hc.hc_post(want[0], X, post, comb, mix=fn)
+    torch.testing.assert_close(Y, HyperConnection.post(want[0], X, *want[1:]))
     assert part is None  # the mix partials are a GPU launch's: the reference hc_pre computes its own
-    assert hc.hc_head_pre(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6).shape == (2, 32)
+    h, act = hc.hc_head_pre(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6, w)
+    torch.testing.assert_close(h, rms_norm(hc.hc_head_pre_ref(X, fn[:4], scale[:1], base[:4], 1e-6, 1e-6), w, 1e-6))
+    assert act is None
+    with pytest.raises(ValueError, match="integer-dot kernels"):
+        hc.hc_pre(X, fn, scale, base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, w, ("act16",))
 
 
 def test_launchers_reject_bad_shapes() -> None:
     X, fn, scale, base = _weights(1, 4, 32, 24, 11)
     with pytest.raises(ValueError, match="fn must be"):
-        hc_pre_triton(X, fn[:, :-1], scale, base, 1e-6, 1e-6, 20)
+        _pre(X, fn[:, :-1], scale, base, 1e-6, 1e-6, 20)
     with pytest.raises(ValueError, match="sinkhorn_iters"):
-        hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 0)
+        _pre(X, fn, scale, base, 1e-6, 1e-6, 0)
     with pytest.raises(ValueError, match="shapes do not match"):
         hc_post_triton(X[:, 0], X, torch.ones(1, 3, device=DEVICE), torch.ones(1, 4, 4, device=DEVICE))
     with pytest.raises(ValueError, match="multiple of block_k"):
-        hc_pre_triton(X, fn, scale, base, 1e-6, 1e-6, 20, tiles=HcTiles(64, 96, 32, 1, 1))
+        _pre(X, fn, scale, base, 1e-6, 1e-6, 20, tiles=HcTiles(64, 96, 32, 1, 1))
 
 
 @pytest.mark.parametrize("backend", ["cuda", "hip64", "hip32", "cpu"])

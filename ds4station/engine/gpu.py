@@ -427,13 +427,14 @@ class GpuStage:
         return x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
 
     def head(self, X: Tensor) -> Tensor:
-        cfg, h = self.cfg, self.out_hc
-        x = hc_k.hc_head_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps)
-        return self._logits(x, self.output_norm)
+        return self._logits(X, self.out_hc, self.output_norm)
 
-    def _logits(self, x: Tensor, norm: Tensor) -> Tensor:
-        """The output matrix over RMSNorm(x) (quantised in the norm's launch when the head reads it so)."""
-        xn, (act,) = _norm(x, norm, self.cfg.rms_eps, "act16" if self.output.act16(x) else None)
+    def _logits(self, X: Tensor, h: HyperConnection, norm: Tensor) -> Tensor:
+        """The output matrix over RMSNorm of the HC state X's head stream sum (hc_head_pre; its rows quantised in
+        the same launch when the output matrix reads them so)."""
+        cfg = self.cfg
+        xn, act = hc_k.hc_head_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, norm,
+                                   "act16" if self.output.act16(X[:, 0]) else None)
         return self.output(xn, act)
 
     def _compress(self, c: CompressorW, proj: Tensor, st: Step, frontier: Frontier, rows: Tensor) -> None:
@@ -468,14 +469,15 @@ class GpuStage:
                           cfg.index_topk, fp16_dot=fp4, slots=st.slots,
                           w_scale=cfg.index_dim ** -0.5 * cfg.index_heads ** -0.5)
 
-    def _attention(self, L: GpuLayer, x: Tensor, st: Step, kv) -> Tensor:
-        """Attention of rows xn [T, dim]. `kv`: the layer's LayerKV of the sequence they extend, or for a
+    def _attention(self, L: GpuLayer, xn: Tensor, act: tuple[Tensor, Tensor, Tensor] | None, st: Step,
+                   kv) -> Tensor:
+        """Attention of rows xn [T, dim] (attn_norm's output; `act`: its rows quantised for q_kv's integer-dot
+        matvec where q_kv reads them so: `_to_router`). `kv`: the layer's LayerKV of the sequence they extend, or for a
         batched decode step (st.slots) the pool's (row b is one token of sequence slots[b]). The projections
         run over all rows at once (the weights are read once for the batch), and so does what touches the KV:
         each kernel reaches a row's sequence through its slot."""
-        cfg, T = self.cfg, x.shape[0]
+        cfg, T = self.cfg, xn.shape[0]
         H, D, eps = cfg.n_heads, cfg.head_dim, cfg.rms_eps
-        xn, (act,) = _norm(x, L.attn_norm, eps, "act16" if L.q_kv.act16(x) else None)
         with self._beside(st):  # the compressor / indexer projections need only xn: beside the query's
             proj = L.proj(xn) if L.comp is not None else None
         q_kv = L.q_kv(xn, act)
@@ -485,7 +487,7 @@ class GpuStage:
         q = finish_rows(L.q_b(qr, act).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
         self._join(st)
         # RoPE undone on its rotated dims; quantised for out_a's integer-dot matvec where it reads that
-        o, act = self._attend_kv(L, q_kv, q, proj, iq, st, kv, L.out_a.act16(x))
+        o, act = self._attend_kv(L, q_kv, q, proj, iq, st, kv, L.out_a.act16(xn))
         return L.out_b(L.out_a(o.reshape(T, -1), act))
 
     def _attend_kv(self, L: GpuLayer, q_kv: Tensor, q: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
@@ -644,13 +646,15 @@ class GpuStage:
         fused hyper-connection kernels: in a static step 2 launches per hc_post + hc_pre pair (hc_post computes
         the next mix partials; 3 for a stage's first hc_pre), else 3 (at a prefill chunk's rows the partials'
         own kernel is faster: H100, 12 layers, 2,048 rows: 16.4 ms in both against 31.4 ms fused)."""
-        eps, cfg = self.cfg.rms_eps, self.cfg
-        x, post, comb = self._hc_pre(L.hc_attn, X, part)
-        X, part = hc_k.hc_post(self._attention(L, x, st, kv), X, post, comb, mix=L.hc_ffn.fn if st.static else None)
-        x, post, comb = self._hc_pre(L.hc_ffn, X, part)
-        # quantised here for the shared expert's and the routed experts' integer-dot kernels
+        cfg, x = self.cfg, X[:, 0]  # (x: a row of the stream sum's shape, for the consumers' routes)
+        # attn_norm in hc_pre's launch, quantised there for q_kv's integer-dot matvec where it reads that
+        xn, (act,), post, comb = self._hc_pre(L.hc_attn, X, L.attn_norm, part, "act16" if L.q_kv.act16(x) else None)
+        X, part = hc_k.hc_post(self._attention(L, xn, act, st, kv), X, post, comb,
+                               mix=L.hc_ffn.fn if st.static else None)
+        # ffn_norm likewise, quantised for the shared expert's and the routed experts' integer-dot kernels
         shared_act = L.shared is not None and L.shared[0].act16(x)
-        xn, (x16, xq) = _norm(x, L.ffn_norm, eps, "act16" if shared_act else None, L.experts.act_layout(x))
+        xn, (x16, xq), post, comb = self._hc_pre(L.hc_ffn, X, L.ffn_norm, part, "act16" if shared_act else None,
+                                                 L.experts.act_layout(x))
         # router: sqrt-softplus, selection by p + bias (or the hash table), normalised weights
         ids, wts = router(L.gate_inp(xn), L.bias, L.tid2eid, tokens, cfg.n_experts_used, cfg.expert_weights_norm,
                           cfg.expert_weights_scale)
@@ -750,10 +754,9 @@ class GpuStage:
 
     def _mtp_head(self, X: Tensor) -> Tensor:
         """The MTP layer's own hyper-connection head and norm, then the stage's output matrix -> [T, vocab]."""
-        m, cfg = self.mtp, self.cfg
+        m = self.mtp
         assert m is not None
-        x = hc_k.hc_head_pre(X, m.hc.fn, m.hc.scale, m.hc.base, cfg.rms_eps, cfg.hc_eps)
-        return self._logits(x, m.norm)
+        return self._logits(X, m.hc, m.norm)
 
     def new_mtp_caches(self, n: int, ctx: int, chunk: int) -> list[KVCache]:
         """n caches of the MTP layer, the slots of one KVPool (one draft graph serves all of them)."""
@@ -761,9 +764,12 @@ class GpuStage:
         return pooled_caches(self.mtp.mcfg, range(self.cfg.n_layers, self.cfg.n_layers + 1), n, ctx, chunk=chunk,
                              device=self.device)
 
-    def _hc_pre(self, h: HyperConnection, X: Tensor, part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    def _hc_pre(self, h: HyperConnection, X: Tensor, norm: Tensor, part: Tensor | None,
+                *quant: str | None) -> tuple[Tensor, list, Tensor, Tensor]:
+        """hc_pre and the RMSNorm after it (hc_k.hc_pre) -> (xn, per entry of `quant` its quantised rows or None,
+        post, comb)."""
         cfg = self.cfg
-        return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, part)
+        return hc_k.hc_pre(X, h.fn, h.scale, h.base, cfg.rms_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, norm, quant, part)
 
     # ---- the backend interface (engine/stage.py drives it) ---------------------------------------------------
     @torch.inference_mode()

@@ -158,15 +158,13 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
          "QT": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
         {"QT": 1, "BLOCK_M": pt.block_m, "BLOCK_N": pt.block_n, "BLOCK_K": pt.block_k},
         ("h_ptr", "y_ptr", "grid_ptr", "d0", "d1", "d2", "F", "D"), pt.num_warps, pt.num_stages, wants_dot=True))
-    rt = dispatch.row_tiles(4096, backend)
-    def q_ptrs(quant: str | None) -> tuple[str, str, str]:
-        return ("*i32", "*i32", ptr32) if quant == "act16" else ("*i32", ptr32, ptr32) if quant else (ptr32,) * 3
-
-    for qa, qb in ((None, None), ("act16", None), ("q2_k", None), ("act16", "iq2_xxs")):  # FFN norm: both
-        a, b = q_ptrs(qa), q_ptrs(qb)
+    # the norms outside hc_pre: 4,096 wide (the MTP layer's input norms), the q_a norm quantised for q_b
+    for width, qa, qb in ((4096, None, None), (1024, "act16", None)):
+        rt = dispatch.row_tiles(width, backend)
+        a, b = _q_ptrs(qa), _q_ptrs(qb)
         fb = act_quant.quant_flags(qb)
         specs.append(KernelSpec(
-            f"rms_norm 4096{''.join(f' + {q}' for q in (qa, qb) if q)}", norm._rms_norm_kernel,
+            f"rms_norm {width}{''.join(f' + {q}' for q in (qa, qb) if q)}", norm._rms_norm_kernel,
             {"x_ptr": ptr32, "w_ptr": ptr32, "y_ptr": ptr32, "a0_ptr": a[0], "a1_ptr": a[1], "a2_ptr": a[2],
              "b0_ptr": b[0], "b1_ptr": b[1], "b2_ptr": b[2], "N": i32, "stride_x": i32, "stride_y": i32,
              "eps": "fp32", "HAS_WEIGHT": "constexpr", "BLOCK": "constexpr", "QUANT": "constexpr",
@@ -387,9 +385,16 @@ def _moe_i8_specs(gate_qtype: str, down_qtype: str, ptrs: dict[str, tuple[str, .
     ]
 
 
+def _q_ptrs(quant: str | None) -> tuple[str, str, str]:
+    """The three output pointer types of a quantised form (act_quant.quant_buffers), or unused fp32 ones."""
+    return ("*i32", "*i32", "*fp32") if quant == "act16" else ("*i32", "*fp32", "*fp32") if quant else ("*fp32",) * 3
+
+
 def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
     """Hyper-connection kernels (kernels/hc.py) at DS4's shape (4 streams x 4096): a decode step, a padded static
     step of 16 rows and a 2048-row prefill chunk (static steps: hc_post computes the next mix partials)."""
+    from ds4station.kernels import act_quant
+
     C, dim = 4, 4096
     k, m = C * dim, (2 + C) * C
     i32, p32 = "i32", "*fp32"
@@ -405,18 +410,28 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
             {"BLOCK_M": _pow2(m + 1), "BLOCK_K": tl_.block_k},
             ("x_ptr", "fn_ptr", "part_ptr", "K", "CHUNK", "stride_xt", "stride_fn"), tl_.num_warps, 1,
             decode=t == 1))
-        for head in (False, True):
+        # the RMSNorm after it quantised as the engine's consumers read it at these rows: attn_norm for
+        # q_kv (act16), ffn_norm for the shared expert (act16) and the routed experts (a layout), the head's norm
+        forms = [(False, None, None), (False, "act16", None), (False, "act16", "iq2_xxs"), (True, "act16", None)]
+        for head, qa, qb in forms if t == 1 else [(False, None, None), (True, None, None)]:
+            a, b = _q_ptrs(qa), _q_ptrs(qb)
+            fb = act_quant.quant_flags(qb)
             out.append(KernelSpec(
-                f"hc_finalize{' head' if head else ''} T{t}", hc._hc_finalize_kernel,
-                {"part_ptr": p32, "x_ptr": p32, "scale_ptr": p32, "base_ptr": p32, "y_ptr": p32, "post_ptr": p32,
-                 "comb_ptr": p32, "NBLK": i32, "K": i32, "DIM": i32, "stride_xt": i32, "stride_xc": i32,
-                 "stride_yt": i32, "rms_eps": "fp32", "hc_eps": "fp32", "iters": i32, "C": "constexpr",
-                 "CP": "constexpr", "NBLK_P": "constexpr", "BLOCK_D": "constexpr", "HEAD": "constexpr"},
+                f"hc_finalize{' head' if head else ''} T{t}{''.join(f' + {q}' for q in (qa, qb) if q)}",
+                hc._hc_finalize_kernel,
+                {"part_ptr": p32, "x_ptr": p32, "scale_ptr": p32, "base_ptr": p32, "w_ptr": p32, "y_ptr": p32,
+                 "post_ptr": p32, "comb_ptr": p32, "a0_ptr": a[0], "a1_ptr": a[1], "a2_ptr": a[2], "b0_ptr": b[0],
+                 "b1_ptr": b[1], "b2_ptr": b[2], "NBLK": i32, "K": i32, "DIM": i32, "stride_xt": i32,
+                 "stride_xc": i32, "stride_yt": i32, "rms_eps": "fp32", "hc_eps": "fp32", "iters": i32,
+                 "C": "constexpr", "CP": "constexpr", "NBLK_P": "constexpr",
+                 "BLOCK_D": "constexpr", "HEAD": "constexpr", "QUANT": "constexpr",
+                 "LAYOUT": "constexpr", "QUANT_B": "constexpr", "LAYOUT_B": "constexpr"},
                 # a static step's hc_pre reads the partials hc_post computed (C * dim / block_dm), the rest their own
                 {"C": C, "CP": C, "NBLK_P": _pow2(C * -(-dim // tl_.block_dm) if static and not head else nblk),
-                 "BLOCK_D": tl_.block_d, "HEAD": head},
-                ("x_ptr", "y_ptr", "DIM", "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_d, 1,
-                decode=t == 1))
+                 "BLOCK_D": _pow2(dim), "HEAD": head, **act_quant.quant_flags(qa),
+                 "QUANT_B": fb["QUANT"], "LAYOUT_B": fb["LAYOUT"]},
+                ("x_ptr", "y_ptr", "w_ptr", "a0_ptr", "a1_ptr", "a2_ptr", "b0_ptr", "b1_ptr", "b2_ptr", "DIM",
+                 "stride_xt", "stride_xc", "stride_yt"), tl_.num_warps_n, 1, decode=t == 1))
         out.append(KernelSpec(
             # the FFN's form: routed + shared experts summed in it; in a static step the next hc_pre's mix partials
             # computed, and a padded one's rows after the last real one reading its out (LAST)

@@ -505,11 +505,12 @@ def compressor_tiles(width: int, entries: int, backend: Backend) -> CompressorTi
 class HcTiles:
     block_k: int  # K elements of flatten(X) per step of the partial matvec
     chunk_k: int  # K elements per partial program (a multiple of block_k); nblk = cdiv(K, chunk_k)
-    block_d: int  # dim elements per step of the finalize's weighted sum and per hc_post program
+    block_d: int  # dim elements per hc_post program
     num_warps: int  # partial matvec
-    num_warps_d: int  # finalize and hc_post
+    num_warps_d: int  # hc_post
     block_dm: int = 0  # dim elements per hc_post program that also computes the next mix partials (K chunks)
     num_warps_m: int = 1  # that hc_post
+    num_warps_n: int = 1  # the finalize (with the RMSNorm after it): one program per token over the whole row
 
 
 def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
@@ -525,7 +526,7 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
         block_k = min(4096, _pow2_ceil(k))
         block_d = min(4096, _pow2_ceil(dim))
         return HcTiles(block_k=block_k, chunk_k=block_k * _cdiv(k, block_k), block_d=block_d, num_warps=1,
-                       num_warps_d=1, block_dm=block_d, num_warps_m=1)
+                       num_warps_d=1, block_dm=block_d, num_warps_m=1, num_warps_n=1)
     lanes = 64 if backend == "hip64" else 32
     block_k = min(256, _pow2_ceil(k))
     steps = _cdiv(k, block_k)
@@ -539,8 +540,12 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
     # two tokens: 64 programs per token for DS4's dim), each [block_m, block_dm] fn tile at ~32 fp32 per lane
     block_dm = min(block_d, max(64, _pow2_floor(max(64, k * t // 256))))
     num_warps_m = max(1, min(8, block_m * block_dm // (lanes * 32)))
+    # the finalize: the [C, dim] streams of one token at ~128 fp32 per lane (4 warps for DS4). H100,
+    # one token, us per launch with / without the Sinkhorn's 19 last rounds (this session's docs/PERFORMANCE.md):
+    # 2 warps 4.90 / 4.74, 4 warps 4.78 / 3.46, 8 warps 5.25 / 3.36 (its 4x4 reductions cross more warps)
+    num_warps_n = max(1, min(16, _pow2_ceil(k) // (lanes * 128)))
     return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d,
-                   block_dm=block_dm, num_warps_m=num_warps_m)
+                   block_dm=block_dm, num_warps_m=num_warps_m, num_warps_n=num_warps_n)
 
 
 @dataclass(frozen=True)

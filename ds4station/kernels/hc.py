@@ -4,16 +4,19 @@ Owns the Triton versions of engine/model.py's `HyperConnection.pre` / `.post` an
 `DS4Model.head` (DS4-MODEL.md "Forward pass" items 1, 2, 5). In torch each hc_pre is ~60 tiny launches
 (matvec, rsqrt, sigmoids, a 20-round Sinkhorn on a 4x4 matrix, the weighted stream sum); here it is two:
 
-- `hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters) -> (x [T, dim], post [T, C], comb [T, C, C])`
+- `hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm) -> (xn [T, dim], quantised forms,
+  post [T, C], comb [T, C, C])`, hc_pre and the RMSNorm that always follows it (DS4's attn_norm / ffn_norm):
   launch 1 (`_hc_mix_partial_kernel`, grid (T, nblk)): split-K partial matvec fn @ flatten(X[t]) over one K
   chunk plus that chunk's sum of squares -> partials [T, nblk, M + 1] (slot M holds the sum of squares);
-  launch 2 (`_hc_finalize_kernel`, grid (T,)): reduce the partials, scale by rsqrt(mean + rms_eps), the
-  pre / post sigmoids, Sinkhorn on the C x C comb logits in registers, and x = sum_j pre[j] * X[j].
+  launch 2 (`_hc_finalize_kernel`, grid (T, 2)): both programs reduce the partials and scale by
+  rsqrt(mean + rms_eps); one takes the pre sigmoids, x = sum_j pre[j] * X[j] over the whole row, its RMSNorm
+  and the quantised forms the norm's integer-dot consumers read; the other the post sigmoids and the Sinkhorn
+  on the C x C comb logits in registers. In a static step hc_post computes launch 1 (`mix=`).
 - `hc_post_triton(out, X, post, comb) -> X'`: X'[k] = post[k] * out + sum_j comb[j, k] * X[j], one launch
   (`_hc_post_kernel`, grid (T, dim blocks)); may write in place over X (`out_X=X`): each program reads all C
   streams of its dim block before it writes them.
-- `hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps) -> h [T, dim]`: the output head's weighted stream
-  sum (sigmoid weights, no Sinkhorn; the RMSNorm after it is not included), the same two launches.
+- `hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps, norm) -> (RMSNorm(h) [T, dim], quantised forms)`:
+  the output head's weighted stream sum (sigmoid weights, no Sinkhorn) and output_norm, the same two launches.
 
 Every buffer has a shape fixed by the input shapes (no host sync, no data-dependent allocation), so the
 launchers can be captured in a CUDA graph. Math is fp32 throughout (fn may be fp16/bf16 in memory; it is
@@ -28,6 +31,8 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.act_quant import quant_buffers, quant_flags, quant_tile
+from ds4station.kernels.norm import rms_norm_ref
 from ds4station.kernels.pdl import enter, pdl
 
 Tensor = torch.Tensor
@@ -107,14 +112,17 @@ def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M, CHUNK, stride_xt, stri
 
 
 @triton.jit
-def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, comb_ptr,
+def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, w_ptr, y_ptr, post_ptr, comb_ptr,
+                        a0_ptr, a1_ptr, a2_ptr, b0_ptr, b1_ptr, b2_ptr,
                         NBLK, K, DIM, stride_xt, stride_xc, stride_yt, rms_eps, hc_eps, iters,
                         C: tl.constexpr, CP: tl.constexpr, NBLK_P: tl.constexpr, BLOCK_D: tl.constexpr,
-                        HEAD: tl.constexpr, PDL: tl.constexpr = False):
-    """Per token and block of dim (grid (T, cdiv(DIM, BLOCK_D))): mix = sum of partials * rsqrt(mean(Xf^2) +
-    rms_eps); pre; y[d-block] = pre . X[:, d-block]; the programs of d-block 0 also write post and the Sinkhorn
-    of comb. Every program re-reduces the few partials it needs (cheaper than a second launch), so the weighted
-    sum over dim is spread over many programs instead of looping in one.
+                        HEAD: tl.constexpr, QUANT: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
+                        QUANT_B: tl.constexpr = 0, LAYOUT_B: tl.constexpr = 0, PDL: tl.constexpr = False):
+    """hc_pre's second half and the RMSNorm after it, grid (T, 2) (HEAD: (T, 1)), BLOCK_D >= DIM. Both programs
+    of a token reduce the partials they need: mix = sum of partials * rsqrt(mean(Xf^2) + rms_eps). Program 0:
+    pre, the whole row y = pre . X, and y / rms(y) * w stored (norm._rms_norm_kernel's math, eps rms_eps), with
+    QUANT / QUANT_B also quantised into a0-a2 / b0-b2 (act_quant.quant_tile). Program 1, beside it: post and the
+    Sinkhorn of comb (so the Sinkhorn does not delay the row).
     HEAD: the output head's variant (M = C, pre only, one scale, no post / comb)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -138,7 +146,7 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
     pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + tl.load(base_ptr + offs_c, mask=c_ok, other=0.0)) + hc_eps
     pre = tl.where(c_ok, pre, 0.0)
 
-    if not HEAD and tl.program_id(1) == 0:
+    if not HEAD and tl.program_id(1) == 1:
         mix_post = tl.sum(tl.load(rows[:, None] + C + offs_c[None, :], mask=b_ok[:, None] & c_ok[None, :],
                                   other=0.0), axis=0) * r
         post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1)
@@ -165,12 +173,19 @@ def _hc_finalize_kernel(part_ptr, x_ptr, scale_ptr, base_ptr, y_ptr, post_ptr, c
             cm = cm / (tl.sum(cm, axis=0)[None, :] + hc_eps)
         tl.store(comb_ptr + t * C * C + jk, cm, mask=ok)
 
-    # y = sum_j pre[j] * X[j] over this program's block of dim.
-    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_ok = d < DIM
-    xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
-                 mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * stride_yt + d, tl.sum(pre[:, None] * xt, axis=0), mask=d_ok)
+    if tl.program_id(1) == 0:  # y = sum_j pre[j] * X[j] (zero past DIM), then the norm
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < DIM
+        xt = tl.load(x_ptr + t * stride_xt + offs_c[:, None] * stride_xc + d[None, :],
+                     mask=c_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        y = tl.sum(pre[:, None] * xt, axis=0)
+        y = y * (1.0 / tl.sqrt(tl.sum(y * y, axis=0) / DIM + rms_eps))
+        y = y * tl.load(w_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + t * stride_yt + d, y, mask=d_ok)
+        if QUANT:
+            quant_tile(tl.reshape(y, (BLOCK_D // 32, 32)), t, 0, DIM // 32, a0_ptr, a1_ptr, a2_ptr, QUANT, LAYOUT)
+        if QUANT_B:
+            quant_tile(tl.reshape(y, (BLOCK_D // 32, 32)), t, 0, DIM // 32, b0_ptr, b1_ptr, b2_ptr, QUANT_B, LAYOUT_B)
 
 
 @triton.jit
@@ -255,11 +270,14 @@ def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: dispatch.HcTiles) -> Ten
 
 
 def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-                  sinkhorn_iters: int, *, tiles: dispatch.HcTiles | None = None,
-                  part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """HyperConnection.pre in two launches. X [T, C, dim], fn [(2+C)*C, C*dim], scale [3], base [(2+C)*C]
-    -> (x [T, dim], post [T, C], comb [T, C, C]), all fp32. `tiles` overrides hc_tiles (tests). `part`: the
-    mix partials of X with fn, as the hc_post that made X computed them (hc_post_triton(mix=fn)): one launch."""
+                  sinkhorn_iters: int, norm: Tensor, *, quant: tuple[str, ...] = (),
+                  tiles: dispatch.HcTiles | None = None,
+                  part: Tensor | None = None) -> tuple[Tensor, list, Tensor, Tensor]:
+    """HyperConnection.pre and the RMSNorm after it (weight `norm` [dim], eps rms_eps) in two launches. X [T, C,
+    dim], fn [(2+C)*C, C*dim], scale [3], base [(2+C)*C] -> (xn [T, dim], per entry of `quant`
+    (act_quant.QUANTS, at most two) xn's rows quantised so, post [T, C], comb [T, C, C]), fp32. `tiles`
+    overrides hc_tiles (tests). `part`: the mix partials of X with fn, as the hc_post that made X computed them
+    (hc_post_triton(mix=fn)): one launch."""
     _check_device(X)
     if sinkhorn_iters < 1:
         raise ValueError("sinkhorn_iters must be >= 1")
@@ -273,23 +291,18 @@ def hc_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: f
         part = _mix_partials(X, fn, m, tiles)
     elif part.dim() != 3 or part.shape[0] != T or part.shape[2] != m + 1:
         raise ValueError(f"part must be the [T={T}, blocks, {m + 1}] mix partials, got {tuple(part.shape)}")
-    y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
     post = torch.empty(T, C, device=X.device, dtype=torch.float32)
     comb = torch.empty(T, C, C, device=X.device, dtype=torch.float32)
-    if T:
-        nblk = part.shape[1]
-        _hc_finalize_kernel[(T, triton.cdiv(dim, tiles.block_d))](
-            part, X, scale.float().contiguous(), base.float().contiguous(), y, post, comb,
-            nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps),
-            int(sinkhorn_iters), C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk),
-            BLOCK_D=tiles.block_d, HEAD=False, num_warps=tiles.num_warps_d, **pdl(part))
-    return y, post, comb
+    xn, acts = _finalize(part, X, scale, base, norm, post, comb, rms_eps, hc_eps, sinkhorn_iters, tiles, quant)
+    return xn, acts, post, comb
 
 
 def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-                       *, tiles: dispatch.HcTiles | None = None) -> Tensor:
-    """The output head's pre in two launches: X [T, C, dim], fn [C, C*dim], scale [1], base [C] ->
-    h = sum_j (sigmoid(mix[j] * scale + base[j]) + hc_eps) * X[j]  [T, dim] (before output_norm)."""
+                       norm: Tensor, *, quant: tuple[str, ...] = (),
+                       tiles: dispatch.HcTiles | None = None) -> tuple[Tensor, list]:
+    """The output head's pre and output_norm (weight `norm`) in two launches: X [T, C, dim], fn [C, C*dim],
+    scale [1], base [C] -> (RMSNorm(h) [T, dim], its quantised forms as hc_pre_triton's), where
+    h = sum_j (sigmoid(mix[j] * scale + base[j]) + hc_eps) * X[j]."""
     _check_device(X)
     X = _streams(X)
     T, C, dim = X.shape
@@ -297,16 +310,34 @@ def hc_head_pre_triton(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_e
         raise ValueError(f"scale must have 1 entry and base {C}, got {scale.numel()} and {base.numel()}")
     tiles = tiles or dispatch.hc_tiles(C * dim, C, dim, T, dispatch.launch_backend(X))
     part = _mix_partials(X, fn, C, tiles)
+    return _finalize(part, X, scale, base, norm, None, None, rms_eps, hc_eps, 1, tiles, quant)
+
+
+def _finalize(part: Tensor, X: Tensor, scale: Tensor, base: Tensor, norm: Tensor, post: Tensor | None,
+              comb: Tensor | None, rms_eps: float, hc_eps: float, iters: int, tiles: dispatch.HcTiles,
+              quant: tuple[str, ...]) -> tuple[Tensor, list]:
+    """Launch 2 (`_hc_finalize_kernel`; the head's form when post is None) -> (xn [T, dim] fp32, the quantised
+    forms of it `quant` names, in order)."""
+    T, C, dim = X.shape
+    if len(quant) > 2:
+        raise ValueError(f"hc_pre emits at most two quantised forms, got {quant}")
+    if norm.shape != (dim,):
+        raise ValueError(f"norm must be a [{dim}] weight, got {tuple(norm.shape)}")
     y = torch.empty(T, dim, device=X.device, dtype=torch.float32)
+    acts = [quant_buffers(T, dim, q, X.device) for q in quant]
+    a, b = (*acts, (y,) * 3, (y,) * 3)[:2]
+    flags_b = quant_flags(quant[1] if len(quant) > 1 else None)
+    head = post is None
     if T:
         nblk = part.shape[1]
         # post / comb pointers are unused under HEAD; y stands in for them.
-        _hc_finalize_kernel[(T, triton.cdiv(dim, tiles.block_d))](
-            part, X, scale.float().contiguous(), base.float().contiguous(), y, y, y,
-            nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps), float(hc_eps), 1,
-            C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk), BLOCK_D=tiles.block_d, HEAD=True,
-            num_warps=tiles.num_warps_d, **pdl(part))
-    return y
+        _hc_finalize_kernel[(T, 1 if head else 2)](
+            part, X, scale.float().contiguous(), base.float().contiguous(), norm, y, y if head else post,
+            y if head else comb, *a, *b, nblk, C * dim, dim, X.stride(0), X.stride(1), y.stride(0), float(rms_eps),
+            float(hc_eps), int(iters), C=C, CP=triton.next_power_of_2(C), NBLK_P=triton.next_power_of_2(nblk),
+            BLOCK_D=triton.next_power_of_2(dim), HEAD=head, **quant_flags(quant[0] if quant else None),
+            QUANT_B=flags_b["QUANT"], LAYOUT_B=flags_b["LAYOUT"], num_warps=tiles.num_warps_n, **pdl(part))
+    return y, acts
 
 
 def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None, *,
@@ -361,12 +392,22 @@ def hc_post_triton(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Te
 
 
 def hc_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float,
-           sinkhorn_iters: int, part: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """HyperConnection.pre: X [T, C, dim] -> (x [T, dim], post [T, C], comb [T, C, C]); `part`: X's mix partials
-    from the hc_post that made it (GPU), or None."""
+           sinkhorn_iters: int, norm: Tensor, quant: tuple[str | None, ...] = (),
+           part: Tensor | None = None) -> tuple[Tensor, list, Tensor, Tensor]:
+    """HyperConnection.pre and the RMSNorm after it (weight `norm`, eps rms_eps): X [T, C, dim] -> (xn [T, dim],
+    per entry of `quant` xn's rows quantised in that form (act_quant.QUANTS; GPU only) or None where the entry is
+    None, post [T, C], comb [T, C, C]); `part`: X's mix partials from the hc_post that made it (GPU), or None."""
+    wanted = tuple(q for q in quant if q)
     if dispatch.use_triton(X):
-        return hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, part=part)
-    return hc_pre_ref(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+        xn, acts, post, comb = hc_pre_triton(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters, norm, quant=wanted,
+                                             part=part)
+    else:
+        if wanted:
+            raise ValueError("quantised rows are for the integer-dot kernels, which run on a GPU")
+        x, post, comb = hc_pre_ref(X, fn, scale, base, rms_eps, hc_eps, sinkhorn_iters)
+        xn, acts = rms_norm_ref(x, norm, rms_eps), []
+    it = iter(acts)
+    return xn, [next(it) if q else None for q in quant], post, comb
 
 
 def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | None = None,
@@ -381,8 +422,13 @@ def hc_post(out: Tensor, X: Tensor, post: Tensor, comb: Tensor, extra: Tensor | 
     return hc_post_ref(out, X, post, comb, extra, last), None
 
 
-def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float) -> Tensor:
-    """The output head's stream sum (before output_norm): X [T, C, dim] -> h [T, dim]."""
+def hc_head_pre(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps: float, hc_eps: float, norm: Tensor,
+                quant: str | None = None) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+    """The output head's stream sum and output_norm (weight `norm`): X [T, C, dim] -> (RMSNorm(h) [T, dim], with
+    `quant` (GPU only) its rows quantised so, else None)."""
     if dispatch.use_triton(X):
-        return hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps)
-    return hc_head_pre_ref(X, fn, scale, base, rms_eps, hc_eps)
+        xn, acts = hc_head_pre_triton(X, fn, scale, base, rms_eps, hc_eps, norm, quant=(quant,) if quant else ())
+        return xn, acts[0] if quant else None
+    if quant:
+        raise ValueError("quantised rows are for the integer-dot kernels, which run on a GPU")
+    return rms_norm_ref(hc_head_pre_ref(X, fn, scale, base, rms_eps, hc_eps), norm, rms_eps), None
