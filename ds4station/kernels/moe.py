@@ -248,8 +248,8 @@ def _moe_down_i8_kernel(
 
 
 def _ptrs(w: PackedExperts, words: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The four kernel pointers of an expert stack (unused ones repeat one); `words`: Q4_K's and Q8_0's quants
-    as int32 words (the decode dot) rather than bytes (the prefill tile)."""
+    """The four kernel pointers of an expert stack (unused ones repeat one); `words`: Q2_K's, Q4_K's and Q8_0's
+    quants as int32 words (the decode dot) rather than bytes (the prefill tile)."""
     if isinstance(w, PackedIQ2XXS):
         return w.qs.view(torch.int64), w.d, w.d, w.d
     if isinstance(w, PackedQ4K):
@@ -257,7 +257,7 @@ def _ptrs(w: PackedExperts, words: bool = True) -> tuple[torch.Tensor, torch.Ten
     if isinstance(w, PackedQ8_0):
         return w.qs.view(torch.int32) if words else w.qs, w.d, w.d, w.d
     dm = w.dm.view(torch.int32)
-    return w.qs.view(torch.int32), w.sc, dm, dm
+    return w.qs.view(torch.int32) if words else w.qs, w.sc, dm, dm
 
 
 def moe_decode(

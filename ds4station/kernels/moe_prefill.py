@@ -5,22 +5,29 @@ Schedule (`_schedule`, torch ops on the device, no host synchronisation, so it c
 the T x S (token, slot) pairs are sorted by expert; each expert's run of rows is cut into BLOCK_M-row
 tiles; the tile list has a fixed upper-bound length and unused tiles exit at once.
 Kernels: `_moe_prefill_gate_up_kernel` (per tile and block of F: gate and up dots on the gathered token
-rows, clamp, SiLU, routing weight -> h in sorted order), `_moe_prefill_down_kernel` (per tile and block of D:
-h @ down^T, written per (token, slot)); the S slot rows of a token are then summed in a fixed order (no
-atomics: reproducible). Supported: gate/up IQ2_XXS or Q2_K, down Q2_K or IQ2_XXS.
+rows, clamp, SiLU, routing weight -> h in sorted order, fp16), `_moe_prefill_down_kernel` (per tile and block
+of D: h @ down^T, written per (token, slot)); the S slot rows of a token are then summed in a fixed order (no
+atomics: reproducible). Supported: gate/up and down IQ2_XXS, Q2_K, Q4_K or Q8_0.
+
+At ~50 rows per expert (a 2,048-token chunk) the cost is the weight tiles' decode, not the dots: the 2-bit
+types decode from lookup tables in fp16 (`tables`: per 8 IQ2_XXS weights a gather of the grid entry's
+magnitudes and one of its signs, per 4 Q2_K weights one of the byte's codes; then packed fp16 multiplies),
+half the sm_90 instructions per K step of the fp32 bit-trick decode they replace (docs/PERFORMANCE.md).
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.iq2_xxs import _iq2_xxs_tile, grid_words
+from ds4station.kernels.iq2_xxs import _iq2_xxs_tile16, grid_halves
 from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs
 from ds4station.kernels.pdl import enter, pdl
-from ds4station.kernels.q2_k import _q2_k_tile
+from ds4station.kernels.q2_k import _q2_k_tile16, code_halves
 from ds4station.kernels.q4_k import _q4_k_tile
 from ds4station.kernels.q8_0 import _q8_0_tile
 
@@ -47,17 +54,35 @@ def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Te
     return order, expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
+Q2_K_CODES = tl.constexpr(3072)  # where code_halves starts in tables()
+
+
+@lru_cache(maxsize=8)
+def tables(device: torch.device) -> torch.Tensor:
+    """fp16 [4096] (8 KB, L1-resident): the IQ2_XXS grid magnitudes and sign factors (grid_halves, 3,072), then
+    Q2_K's byte codes (code_halves) from Q2_K_CODES: the lookups of the 2-bit prefill tiles."""
+    return torch.cat([grid_halves(), code_halves()]).to(device)
+
+
 @triton.jit
 def _dequant_tile(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     if QT == 0:
-        w = _iq2_xxs_tile(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
+        w = _iq2_xxs_tile16(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
     elif QT == 1:
-        w = _q2_k_tile(p0, p1, p2, rows, n_mask, k0, K, BLOCK_K)
+        w = _q2_k_tile16(p0, p1, p2, grid_ptr + Q2_K_CODES, rows, n_mask, k0, K, BLOCK_K)
     elif QT == 2:
         w = _q4_k_tile(p0, p1, p2, p3, rows, n_mask, k0, K, BLOCK_K)
     else:
         w = _q8_0_tile(p0, p1, rows, n_mask, k0, K, BLOCK_K)
     return w.to(tl.float16)
+
+
+@triton.jit
+def _rows_tile(ptr, rows, stride, m_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Columns k0 .. k0 + BLOCK_K of the gathered activation rows as fp16 [rows, BLOCK_K]."""
+    kk = k0 + tl.arange(0, BLOCK_K)
+    t = tl.load(ptr + rows[:, None] * stride + kk[None, :], mask=m_mask[:, None] & (kk < K)[None, :], other=0.0)
+    return t.to(tl.float16)
 
 
 @triton.jit
@@ -85,9 +110,7 @@ def _moe_prefill_gate_up_kernel(
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & (kk < D)[None, :],
-                     other=0.0).to(tl.float16)
+        xt = _rows_tile(x_ptr, tok, stride_xt, m_mask, k0, D, BLOCK_K)
         wg = _dequant_tile(QT, g0, g1, g2, g3, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
         acc_g = tl.dot(xt, tl.trans(wg), acc_g)
         wu = _dequant_tile(QT, u0, u1, u2, u3, grid_ptr, rows, n_mask, k0, D, BLOCK_K)
@@ -122,9 +145,7 @@ def _moe_prefill_down_kernel(
     rows = e * D + offs_n.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, F, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
-        ht = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * F + kk[None, :],
-                     mask=m_mask[:, None] & (kk < F)[None, :], other=0.0).to(tl.float16)
+        ht = _rows_tile(h_ptr, offs_m.to(tl.int64), F, m_mask, k0, F, BLOCK_K)
         w = _dequant_tile(QT, d0, d1, d2, d3, grid_ptr, rows, n_mask, k0, F, BLOCK_K)
         acc = tl.dot(ht, tl.trans(w), acc)
     tl.store(y_ptr + slot[:, None] * D + offs_n[None, :], acc, mask=m_mask[:, None] & n_mask[None, :])
@@ -155,9 +176,10 @@ def moe_prefill(
         x = x.contiguous()
     tiles = tiles or dispatch.moe_prefill_tiles(t_count * n_slots, dispatch.launch_backend(x))
     order, t_exp, t_start, t_end = _schedule(ids, n_experts, tiles.block_m)
-    grid_tab = grid_words(x.device)  # int64 words: 8 magnitudes per load
+    grid_tab = tables(x.device)
     weights = weights.reshape(-1).float().contiguous()
-    h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float32)
+    # fp16: what the down dot reads it as (the same rounding, at half the bytes)
+    h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float16)
     opts = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     _moe_prefill_gate_up_kernel[(t_exp.numel(), triton.cdiv(d_ff, tiles.block_n))](
         x, order, t_exp, t_start, t_end, weights, h, grid_tab, *_ptrs(gate, words=False), *_ptrs(up, words=False),

@@ -162,41 +162,33 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
     return tl.sum(acc, axis=1)
 
 
-@triton.jit
-def _q2_k_weight(word, e: tl.constexpr, dl, ml):
-    """Weight e (bits 2e, 2e + 1) of each 16-weight word as fp32 dl * code - ml (_uint_f32: no conversion
-    instruction)."""
-    return dl * _uint_f32((word >> (2 * e)) & 3) - ml
+def code_halves() -> torch.Tensor:
+    """fp16 [256 * 4]: the four 2-bit codes of each byte value (code i at bits 2i) as fp16, for _q2_k_tile16."""
+    b = torch.arange(256)
+    return ((b.unsqueeze(-1) >> (2 * torch.arange(4))) & 3).reshape(-1).to(torch.float16)
 
 
 @triton.jit
-def _q2_k_tile(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
-    """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand);
-    qs_ptr int32 words of 16 weights, sc_ptr scale bytes per word, dm_ptr int32 (d, dmin) per 256.
-    Decoded per word (16 weights): one load each of the word, its scale byte and its (d, dmin), then the
-    16 weights are 16 [rows, words] tensors made with constant shifts (_q2_k_weight), joined into K order in
-    registers (a [rows, words, 16] tile with per-element shifts and conversions cost more: docs/PERFORMANCE.md,
-    fifteenth session). BLOCK_K is a multiple of 16."""
+def _q2_k_tile16(qs_ptr, sc_ptr, dm_ptr, tab_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Dequantised [rows, BLOCK_K] fp16 tile (prefill tl.dot operand): qs_ptr the codes as bytes (4 weights
+    each), sc_ptr scale bytes per 16 weights, dm_ptr int32 (d, dmin) per 256, tab_ptr code_halves. Per byte one
+    8-byte gather of its 4 codes as fp16, per weight one fp16 multiply-add by the 16 weights' d * scale and
+    dmin * min (rounded to fp16 first). BLOCK_K is a multiple of 16."""
     W = K // 16
-    u = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    NW: tl.constexpr = BLOCK_K // 16
+    u = k0 // 16 + tl.arange(0, NW)
     mask = n_mask[:, None] & (u < W)[None, :]
-    word = tl.load(qs_ptr + rows[:, None] * W + u[None, :], mask=mask, other=0)
+    c4 = tl.arange(0, 4)
+    byte = tl.load(qs_ptr + (rows[:, None] * (K // 4) + u[None, :] * 4)[:, :, None] + c4[None, None, :],
+                   mask=mask[:, :, None], other=0).to(tl.int32)  # [rows, NW, 4]: the word's 4 bytes
+    q = tl.load(tab_ptr + (byte * 4)[:, :, :, None] + c4[None, None, None, :])  # [rows, NW, 4, 4] fp16
     sc = tl.load(sc_ptr + rows[:, None] * W + u[None, :], mask=mask, other=0).to(tl.int32)
     dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (u // 16)[None, :], mask=mask, other=0)
     d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dl = d * (sc & 15).to(tl.float32)
-    ml = dmin * (sc >> 4).to(tl.float32)
-    # [rows, words, a, b, c, d] = weight 8 a + 4 b + 2 c + d of the word (tl.join adds the minor axis)
-    j0 = tl.join(_q2_k_weight(word, 0, dl, ml), _q2_k_weight(word, 8, dl, ml))
-    j1 = tl.join(_q2_k_weight(word, 1, dl, ml), _q2_k_weight(word, 9, dl, ml))
-    j2 = tl.join(_q2_k_weight(word, 2, dl, ml), _q2_k_weight(word, 10, dl, ml))
-    j3 = tl.join(_q2_k_weight(word, 3, dl, ml), _q2_k_weight(word, 11, dl, ml))
-    j4 = tl.join(_q2_k_weight(word, 4, dl, ml), _q2_k_weight(word, 12, dl, ml))
-    j5 = tl.join(_q2_k_weight(word, 5, dl, ml), _q2_k_weight(word, 13, dl, ml))
-    j6 = tl.join(_q2_k_weight(word, 6, dl, ml), _q2_k_weight(word, 14, dl, ml))
-    j7 = tl.join(_q2_k_weight(word, 7, dl, ml), _q2_k_weight(word, 15, dl, ml))
-    w = tl.join(tl.join(tl.join(j0, j4), tl.join(j2, j6)), tl.join(tl.join(j1, j5), tl.join(j3, j7)))
+    dl = (d * (sc & 15).to(tl.float32)).to(tl.float16)
+    ml = (dmin * (sc >> 4).to(tl.float32)).to(tl.float16)
+    w = q * dl[:, :, None, None] - ml[:, :, None, None]
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 
