@@ -79,16 +79,22 @@ def grid_words(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(words).to(device)
 
 
-def grid_halves() -> torch.Tensor:
-    """fp16 [256 * 8 + 128 * 8]: the grid's 8 magnitudes of each entry, then for each 7-bit sign field its 8
-    signs as +-1 (the 8th from the field's parity), all exact in fp16: _iq2_xxs_tile16 gathers one 16-byte row
-    of each per 8 weights."""
+def _sign_bits() -> torch.Tensor:
+    """int64 [128, 8]: for each 7-bit sign field, its 8 sign bits (1 = negative; the 8th is the field's parity,
+    as the format defines)."""
     s7 = torch.arange(128)
     parity = s7.clone()
     for sh in (4, 2, 1):
         parity = parity ^ (parity >> sh)
     sign8 = s7 | ((parity & 1) << 7)
-    signs = 1.0 - 2.0 * ((sign8.unsqueeze(-1) >> torch.arange(8)) & 1).float()
+    return (sign8.unsqueeze(-1) >> torch.arange(8)) & 1
+
+
+def grid_halves() -> torch.Tensor:
+    """fp16 [256 * 8 + 128 * 8]: the grid's 8 magnitudes of each entry, then for each 7-bit sign field its 8
+    signs as +-1 (the 8th from the field's parity), all exact in fp16: _iq2_xxs_tile16 gathers one 16-byte row
+    of each per 8 weights."""
+    signs = 1.0 - 2.0 * _sign_bits().float()
     return torch.cat([torch.from_numpy(_grid_np()).reshape(-1), signs.reshape(-1)]).to(torch.float16)
 
 
@@ -132,12 +138,7 @@ def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
 def _signed_grid(device: torch.device) -> torch.Tensor:
     """fp32 [256 * 128, 8]: row g * 128 + s is grid entry g with the signs of 7-bit field s (the 8th sign is
     the field's parity, as the format defines), so dequantising is one gather per 8 weights."""
-    s7 = torch.arange(128)
-    parity = s7.clone()
-    for sh in (4, 2, 1):
-        parity = parity ^ (parity >> sh)
-    sign8 = s7 | ((parity & 1) << 7)
-    neg = ((sign8.unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # [128, 8]
+    neg = _sign_bits().bool()  # [128, 8]
     mags = torch.from_numpy(_grid_np())  # [256, 8]
     return torch.where(neg[None], -mags[:, None], mags[:, None]).reshape(256 * 128, 8).to(device)
 
