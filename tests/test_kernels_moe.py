@@ -107,16 +107,19 @@ def test_int_dot_numerics() -> None:
     assert rel_err(out[:1], quant[:1]) < 1e-5 and not out[1:].any()
 
 
-def test_moe_decode_rejects_mismatched_experts() -> None:
+@pytest.mark.parametrize("moe", [moe_decode, moe_prefill], ids=["decode", "prefill"])
+def test_moe_rejects_mismatched_experts(moe) -> None:
     gate = repack_iq2_xxs(raw_experts(Q.IQ2_XXS, 2, 256, 256, seed=0, scale=0.1), 256)
     down = repack_q2_k(raw_experts(Q.Q2_K, 2, 512, 256, seed=0, scale=0.1), 256)
+    fit = repack_q2_k(raw_experts(Q.Q2_K, 2, 256, 256, seed=0, scale=0.1), 256)
     x = torch.zeros(1, 256)
     ids = torch.zeros(1, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="do not fit"):
-        moe_decode(x, gate, gate, down, ids, torch.ones(1, 2))
+        moe(x, gate, gate, down, ids, torch.ones(1, 2))
     with pytest.raises(ValueError, match="must both be"):
-        moe_decode(x, gate, gate, repack_q2_k(raw_experts(Q.Q2_K, 2, 256, 256, seed=0, scale=0.1), 256),
-                   ids, torch.ones(1, 3))
+        moe(x, gate, gate, fit, ids, torch.ones(1, 3))
+    with pytest.raises(TypeError, match="same quant type"):
+        moe(x, gate, fit, fit, ids, torch.ones(1, 2))
 
 
 def test_moe_tiles_cover_the_real_shape() -> None:

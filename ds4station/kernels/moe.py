@@ -260,6 +260,19 @@ def _ptrs(w: PackedExperts, words: bool = True) -> tuple[torch.Tensor, torch.Ten
     return w.qs.view(torch.int32) if words else w.qs, w.sc, dm, dm
 
 
+def check_experts(x: torch.Tensor, gate: PackedExperts, up: PackedExperts, down: PackedExperts, ids: torch.Tensor,
+                  weights: torch.Tensor) -> None:
+    """Refuse experts whose types or shapes do not fit x [T, D] and routing ids / weights [T, S] (both MoE paths)."""
+    if type(gate) is not type(up):
+        raise TypeError("gate and up experts must have the same quant type")
+    t_count, d_model = x.shape
+    if gate.k != d_model or down.n != d_model or down.k != gate.n or up.n != gate.n:
+        raise ValueError(f"expert shapes gate [{gate.n},{gate.k}] up [{up.n},{up.k}] down [{down.n},{down.k}] "
+                         f"do not fit x of width {d_model}")
+    if ids.shape != weights.shape or ids.shape[0] != t_count:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={t_count}, S]")
+
+
 def moe_decode(
     x: torch.Tensor,
     gate: PackedExperts,
@@ -282,16 +295,9 @@ def moe_decode(
     last: the index of the last real token, [1] int64 on the device (a short prefill padded to its static
     row class): the integer-dot kernels skip the tokens after it, whose rows come out zero.
     """
-    if type(gate) is not type(up):
-        raise TypeError("gate and up experts must have the same quant type")
+    check_experts(x, gate, up, down, ids, weights)
     t_count, d_model = x.shape
-    d_ff = gate.n
-    if gate.k != d_model or down.n != d_model or down.k != d_ff or up.n != d_ff:
-        raise ValueError(f"expert shapes gate [{gate.n},{gate.k}] up [{up.n},{up.k}] down [{down.n},{down.k}] "
-                         f"do not fit x of width {d_model}")
-    if ids.shape != weights.shape or ids.shape[0] != t_count:
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={t_count}, S]")
-    n_slots = ids.shape[1]
+    d_ff, n_slots = gate.n, ids.shape[1]
     ids = ids.contiguous()
     weights = weights.contiguous()
     tiles = tiles or dispatch.moe_tiles(gate.qtype, down.qtype, d_model, d_ff, t_count * n_slots,

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import _iq2_xxs_tile16, grid_halves
-from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs
+from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs, check_experts
 from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.q2_k import _q2_k_tile16, code_halves
 from ds4station.kernels.q4_k import _q4_k_tile
@@ -162,16 +162,9 @@ def moe_prefill(
     tiles: dispatch.MatmulTiles | None = None,
 ) -> torch.Tensor:
     """Triton routed-expert FFN for many tokens: x [T, D], ids / weights [T, S] -> y [T, D] fp32."""
-    if type(gate) is not type(up):
-        raise TypeError("gate and up experts must have the same quant type")
+    check_experts(x, gate, up, down, ids, weights)
     t_count, d_model = x.shape
-    n_experts, d_ff = gate.qs.shape[0], gate.n
-    if gate.k != d_model or down.n != d_model or down.k != d_ff or up.n != d_ff:
-        raise ValueError(f"expert shapes gate [{gate.n},{gate.k}] up [{up.n},{up.k}] down [{down.n},{down.k}] "
-                         f"do not fit x of width {d_model}")
-    if ids.shape != weights.shape or ids.shape[0] != t_count:
-        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [T={t_count}, S]")
-    n_slots = ids.shape[1]
+    n_experts, d_ff, n_slots = gate.qs.shape[0], gate.n, ids.shape[1]
     if x.stride(1) != 1:
         x = x.contiguous()
     tiles = tiles or dispatch.moe_prefill_tiles(t_count * n_slots, dispatch.launch_backend(x))
