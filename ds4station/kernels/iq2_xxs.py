@@ -169,6 +169,14 @@ def _uint_f32(v):
 
 
 @triton.jit
+def _dm_f32(dmw):
+    """The two fp16 halves of int32 words (a K-quant block's d in the low half, dmin in the high) as fp32."""
+    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return d, dmin
+
+
+@triton.jit
 def _s8x4_f32(word):
     """The four int8 values of each int32 word as fp32, [..., 2, 2] (reshaped to [..., 4]: memory order), without a
     conversion instruction (I2F runs at a quarter of the FP32 rate on sm_80 / sm_90; in the Q8_0 kernels it

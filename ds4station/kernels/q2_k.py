@@ -21,7 +21,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import _uint_f32, matvec_launch, transpose_groups
+from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, matvec_launch, transpose_groups
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -118,8 +118,7 @@ def _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.const
                      eviction_policy="evict_first").to(tl.int32)
         dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
                       eviction_policy="evict_first")
-        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _dm_f32(dmw)
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         sx = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(16):
@@ -149,8 +148,7 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
                      eviction_policy="evict_first").to(tl.int32)
         dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
                       eviction_policy="evict_first")
-        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _dm_f32(dmw)
         isum = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
         for i in tl.static_range(4):
             xv = tl.broadcast_to(tl.load(xq_ptr + i * W + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
@@ -184,8 +182,7 @@ def _q2_k_tile16(qs_ptr, sc_ptr, dm_ptr, tab_ptr, rows, n_mask, k0, K, BLOCK_K: 
     q = tl.load(tab_ptr + (byte * 4)[:, :, :, None] + c4[None, None, None, :])  # [rows, NW, 4, 4] fp16
     sc = tl.load(sc_ptr + rows[:, None] * W + u[None, :], mask=mask, other=0).to(tl.int32)
     dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (u // 16)[None, :], mask=mask, other=0)
-    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    d, dmin = _dm_f32(dmw)
     dl = (d * (sc & 15).to(tl.float32)).to(tl.float16)
     ml = (dmin * (sc >> 4).to(tl.float32)).to(tl.float16)
     w = q * dl[:, :, None, None] - ml[:, :, None, None]

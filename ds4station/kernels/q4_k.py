@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import _uint_f32, transpose_groups
+from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, transpose_groups
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -122,8 +122,7 @@ def _q4_k_tile(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, k0, K, BLOCK_K: tl.
     sc = tl.load(sc_ptr + sub, mask=smask, other=0).to(tl.float32)
     mn = tl.load(mn_ptr + sub, mask=smask, other=0).to(tl.float32)
     dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (sb // 8)[None, :], mask=smask, other=0)
-    d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    d, dmin = _dm_f32(dmw)
     scale = tl.reshape(tl.broadcast_to((d * sc)[:, :, None], (BLOCK_N, KB, 32)), (BLOCK_N, BLOCK_K))
     shift = tl.reshape(tl.broadcast_to((dmin * mn)[:, :, None], (BLOCK_N, KB, 32)), (BLOCK_N, BLOCK_K))
     return q * scale - shift
@@ -149,8 +148,7 @@ def _q4_k_dot(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: 
         mn = tl.load(mn_ptr + sub, mask=wmask, other=0, eviction_policy="evict_first").to(tl.float32)
         dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (uu // 32)[None, :], mask=wmask, other=0,
                       eviction_policy="evict_first")
-        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _dm_f32(dmw)
         dot = tl.zeros([BLOCK_N, BLOCK_U], dtype=tl.float32)
         xsum = tl.zeros([BLOCK_U], dtype=tl.float32)
         for e in tl.static_range(8):
@@ -188,8 +186,7 @@ def _q4_k_dot_i8(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, x
         mn = tl.load(mn_ptr + sub, mask=wmask, other=0, eviction_policy="evict_first").to(tl.float32)
         dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (gg // 8)[None, :], mask=wmask, other=0,
                       eviction_policy="evict_first")
-        d = (dmw & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-        dmin = ((dmw >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        d, dmin = _dm_f32(dmw)
         xs = tl.load(xs_ptr + gg, mask=g_mask, other=0.0)
         xsum = tl.load(xsum_ptr + 2 * gg, mask=g_mask, other=0.0) + tl.load(xsum_ptr + 2 * gg + 1, mask=g_mask,
                                                                             other=0.0)
