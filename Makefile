@@ -9,6 +9,11 @@ TORCH ?= torch>=2.11
 # build brings none, and the kernels (the CPU interpreter in the tests) need it: installed only when missing,
 # so it never replaces the one a GPU build of torch brought.
 TRITON ?= triton>=3.6
+# The oldest Triton the kernels must compile with (torch 2.11's, what the GPU image runs), installed beside
+# the venv (not imported by it): tests/test_kernels_compile.py compiles every kernel with it too. Without the
+# package registry the test is skipped (CI sets DS4_TRITON_MIN_REQUIRED and fails instead).
+TRITON_MIN ?= triton==3.6.0
+TRITON_MIN_DIR ?= $(VENV)/triton-min
 
 $(BIN)/ds4station: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,15 +27,19 @@ $(BIN)/ds4station: pyproject.toml
 # .agents/; Node from the distribution's packages when the machine has none.
 AGENTS ?= .agents
 
+$(TRITON_MIN_DIR)/.installed: $(BIN)/ds4station
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(TRITON_MIN_DIR) "$(TRITON_MIN)" && touch $@ \
+		|| echo "make: $(TRITON_MIN) could not be installed into $(TRITON_MIN_DIR): its compile test is skipped" >&2
+
 .PHONY: setup run test lint clean agents
 setup: $(BIN)/ds4station
 
 run: setup
 	$(BIN)/ds4station $(ARGS)
 
-test: setup
+test: setup $(TRITON_MIN_DIR)/.installed
 	$(BIN)/ruff check ds4station tests
-	$(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
+	DS4_TRITON_MIN_DIR=$(TRITON_MIN_DIR) $(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check ds4station tests

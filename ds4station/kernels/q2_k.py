@@ -174,6 +174,7 @@ def _q2_k_tile16(qs_ptr, sc_ptr, dm_ptr, tab_ptr, rows, n_mask, k0, K, BLOCK_K: 
     dmin * min (rounded to fp16 first). BLOCK_K is a multiple of 16."""
     W = K // 16
     NW: tl.constexpr = BLOCK_K // 16
+    BN: tl.constexpr = rows.shape[0]
     u = k0 // 16 + tl.arange(0, NW)
     mask = n_mask[:, None] & (u < W)[None, :]
     c4 = tl.arange(0, 4)
@@ -185,8 +186,11 @@ def _q2_k_tile16(qs_ptr, sc_ptr, dm_ptr, tab_ptr, rows, n_mask, k0, K, BLOCK_K: 
     d, dmin = _dm_f32(dmw)
     dl = (d * (sc & 15).to(tl.float32)).to(tl.float16)
     ml = (dmin * (sc >> 4).to(tl.float32)).to(tl.float16)
-    w = q * dl[:, :, None, None] - ml[:, :, None, None]
-    return tl.reshape(w, (rows.shape[0], BLOCK_K))
+    # flattened before the multiply-add, and the factors broadcast to the flat tile: the 4-D product flattened
+    # after it made Triton 3.6's dot-operand pass fail on sm_90 ("Illegal shared layout")
+    dl = tl.reshape(tl.broadcast_to(dl[:, :, None], (BN, NW, 16)), (BN, BLOCK_K))
+    ml = tl.reshape(tl.broadcast_to(ml[:, :, None], (BN, NW, 16)), (BN, BLOCK_K))
+    return tl.reshape(q, (BN, BLOCK_K)) * dl - ml
 
 
 @triton.jit
