@@ -134,8 +134,8 @@ def test_moe_tiles_cover_the_real_shape() -> None:
 @pytest.mark.parametrize(("tokens", "slots", "clamp"), [(7, 2, 10.0), (3, 3, None), (30, 2, 10.0)])
 def test_moe_prefill_matches_float64(tokens: int, slots: int, clamp: float | None) -> None:
     """Prefill path: tokens grouped by expert into 16-row tiles (several tokens share an expert, some experts
-    get none; at 30 tokens every used expert gets more rows than a tile), fp16 dots on tiles decoded from the
-    fp16 lookup tables; against float64 from gguf-py's dequantisation."""
+    get none; at 30 tokens every used expert gets more rows than a tile), fp16 dots on decoded tiles (IQ2_XXS
+    from grid words, Q2_K from its fp16 code table); against float64 from gguf-py's dequantisation."""
     n_exp, d_model, d_ff = 4, 256, 256
     gate_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=21, scale=0.6)
     up_raw = raw_experts(Q.IQ2_XXS, n_exp, d_ff, d_model, seed=22, scale=0.6)

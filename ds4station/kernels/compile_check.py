@@ -133,7 +133,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "moe_prefill_gate_up iq2_xxs 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
         {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-         "wts_ptr": ptr32, "h_ptr": ptr16, "grid_ptr": ptr16, "g0": "*i64", "g1": ptr16, "g2": ptr16,
+         "wts_ptr": ptr32, "h_ptr": ptr16, "grid_ptr": "*i64", "g0": "*i64", "g1": ptr16, "g2": ptr16,
          "g3": ptr16, "u0": "*i64", "u1": ptr16, "u2": ptr16, "u3": ptr16, **common, "stride_xt": i32,
          "clamp": "fp32", "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr",
          "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"},
@@ -144,7 +144,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
     specs.append(KernelSpec(
         "moe_prefill_gate_up q4_k 2048x4096", moe_prefill._moe_prefill_gate_up_kernel,
         {"x_ptr": ptr16, "order_ptr": "*i32", "t_exp_ptr": "*i32", "t_start_ptr": "*i32", "t_end_ptr": "*i32",
-         "wts_ptr": ptr32, "h_ptr": ptr16, "grid_ptr": ptr16, **{f"g{i}": t for i, t in q4_bytes.items()},
+         "wts_ptr": ptr32, "h_ptr": ptr16, "grid_ptr": "*i64", **{f"g{i}": t for i, t in q4_bytes.items()},
          **{f"u{i}": t for i, t in q4_bytes.items()}, **common, "stride_xt": i32, "clamp": "fp32",
          "S": "constexpr", "QT": "constexpr", "CLAMP": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
          "BLOCK_K": "constexpr"},

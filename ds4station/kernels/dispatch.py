@@ -421,10 +421,11 @@ def matmul_tiles(qtype: str, m: int, n: int, k: int, backend: Backend,
 _MOE_PREFILL_TILES: dict[Backend, MatmulTiles] = {
     # Token tiles are short (a 2K-token prompt sends ~48 rows to each of 256 experts) and the 2-bit
     # dequantisation is element-wise work, so the tiles are smaller than the dense prefill matmul's.
-    # H200 sweep of 2026-11-29 (docs/PERFORMANCE.md; the per-unit tile decode): 64x64x64 with 4 warps and 1
-    # stage was the fastest of 24 (block_m 32/64/128, block_n 64/128, 4/8 warps, 1/2 stages): 16.8 ms per
-    # 2,048-token layer against 20.9 ms for 8 warps.
-    "cuda": MatmulTiles(block_m=64, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=1),
+    # H200 sweep of 2026-11-29 (the per-unit tile decode): 64x64x64 with 4 warps and 1 stage was the fastest of
+    # 24 (block_m 32/64/128, block_n 64/128, 4/8 warps, 1/2 stages): 16.8 ms per 2,048-token layer. Since the
+    # decodes got cheaper, 128 output columns per program are faster (docs/PERFORMANCE.md, twenty-eighth
+    # session, `docs/scripts/moe_prefill_tiles.py`): H200 8.16 -> 7.34 ms at 2,048 tokens, 28.0 -> 24.4 at 8,192.
+    "cuda": MatmulTiles(block_m=64, block_n=128, block_k=64, group_m=1, num_warps=4, num_stages=1),
     "hip64": MatmulTiles(block_m=32, block_n=64, block_k=32, group_m=1, num_warps=4, num_stages=1),
     "hip32": MatmulTiles(block_m=32, block_n=64, block_k=32, group_m=1, num_warps=4, num_stages=1),
     "cpu": MatmulTiles(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=1, num_stages=1),

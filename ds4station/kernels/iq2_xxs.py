@@ -11,8 +11,8 @@ The kernels read a grid entry as two words of 4 magnitude bytes (not 8 byte gath
 as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; integer path: byte permutes
 of a nibble-code grid, one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
 Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations; the signed bytes by
-byte permutes from a nibble-code grid table, `grid_codes`, gathered from shared memory), `_iq2_xxs_tile16`
-(dequantised fp16 tile for prefill tl.dot, from `grid_halves`), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8
+byte permutes from a nibble-code grid table, `grid_codes`, gathered from shared memory), `_iq2_xxs_tile`
+(dequantised fp32 tile for prefill tl.dot, from `grid_words`), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8
 rows).
 """
 
@@ -88,14 +88,6 @@ def _sign_bits() -> torch.Tensor:
         parity = parity ^ (parity >> sh)
     sign8 = s7 | ((parity & 1) << 7)
     return (sign8.unsqueeze(-1) >> torch.arange(8)) & 1
-
-
-def grid_halves() -> torch.Tensor:
-    """fp16 [256 * 8 + 128 * 8]: the grid's 8 magnitudes of each entry, then for each 7-bit sign field its 8
-    signs as +-1 (the 8th from the field's parity), all exact in fp16: _iq2_xxs_tile16 gathers one 16-byte row
-    of each per 8 weights."""
-    signs = 1.0 - 2.0 * _sign_bits().float()
-    return torch.cat([torch.from_numpy(_grid_np()).reshape(-1), signs.reshape(-1)]).to(torch.float16)
 
 
 # The grid's three magnitudes as bytes, and negated, for the byte-permute decode: selector nibble c picks
@@ -329,28 +321,46 @@ def _iq2_xxs_dot_i8(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xq_ptr, xs_ptr, K,
 
 
 @triton.jit
-def _iq2_xxs_tile16(qs_ptr, d_ptr, halves_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
-    """Dequantised [rows, BLOCK_K] fp16 tile (prefill tl.dot operand) from grid_halves: per unit of 8 weights
-    one 16-byte gather of the entry's magnitudes and one of its signs, then two packed fp16 multiplies per two
-    weights (sign, then the unit's scale, rounded to fp16 first). BLOCK_K is a multiple of 32."""
+def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
+    """Dequantised [rows, BLOCK_K] fp32 tile of weights k0 .. k0 + BLOCK_K (prefill tl.dot operand).
+
+    Decoded per unit of 8 weights (one grid entry): per unit one load of its 32-group's packed word, one
+    load of the grid entry as an int64 (8 magnitude bytes) and one of the block scale; the 8 weights are 8
+    [rows, units] tensors made with constant shifts of the entry's two int32 halves (the magnitude and sign
+    by bit tricks, _signed_mag), joined into K order in registers. (Element-wise loads, 3 per weight, made
+    the tile decode the bottleneck of the prefill MoE; a [rows, units, 8] tile with per-element shifts of
+    the int64 entry, integer-to-float conversions and selects cost 1.5x this one on the H200:
+    docs/PERFORMANCE.md, fifteenth session.) BLOCK_K is a multiple of 32."""
     G = K // 32
-    U: tl.constexpr = BLOCK_K // 8
-    u = k0 // 8 + tl.arange(0, U)  # unit index along the row
+    u = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # unit index along the row
     g = u // 4
     j = u % 4
     mask = n_mask[:, None] & (g < G)[None, :]
     q = tl.load(qs_ptr + rows[:, None] * G + g[None, :], mask=mask, other=0)
     w0 = q.to(tl.int32)
     w1 = (q >> 32).to(tl.int32)
-    e8 = tl.arange(0, 8)
-    idx = (w0 >> (8 * j)[None, :]) & 255
-    mag = tl.load(halves_ptr + (idx * 8)[:, :, None] + e8[None, None, :])  # [rows, U, 8] fp16
+    gw = tl.load(grid_ptr + ((w0 >> (8 * j)[None, :]) & 255))  # [rows, units] int64: 8 magnitudes
+    lo = gw.to(tl.int32)
+    hi = (gw >> 32).to(tl.int32)
     s7 = (w1 >> (7 * j)[None, :]) & 127
-    sgn = tl.load(halves_ptr + (2048 + s7 * 8)[:, :, None] + e8[None, None, :])
+    p = s7 ^ (s7 >> 4)
+    p = p ^ (p >> 2)
+    p = p ^ (p >> 1)
+    signs = s7 | ((p & 1) << 7)
     db = tl.load(d_ptr + rows[:, None] * (K // 256) + (g // 8)[None, :], mask=mask, other=0.0).to(tl.float32)
-    scale = (db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25).to(tl.float16)
-    w = mag * sgn * scale[:, :, None]
+    scale = db * (0.5 + ((w1 >> 28) & 15).to(tl.float32)) * 0.25
+    e0 = _signed_mag(lo, 0, signs, 0) * scale
+    e1 = _signed_mag(lo, 1, signs, 1) * scale
+    e2 = _signed_mag(lo, 2, signs, 2) * scale
+    e3 = _signed_mag(lo, 3, signs, 3) * scale
+    e4 = _signed_mag(hi, 0, signs, 4) * scale
+    e5 = _signed_mag(hi, 1, signs, 5) * scale
+    e6 = _signed_mag(hi, 2, signs, 6) * scale
+    e7 = _signed_mag(hi, 3, signs, 7) * scale
+    # [rows, units, a, b, c] = weight 4 a + 2 b + c of the unit (tl.join adds the minor axis)
+    w = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
+
 
 
 @triton.jit

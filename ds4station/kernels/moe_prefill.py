@@ -9,10 +9,11 @@ rows, clamp, SiLU, routing weight -> h in sorted order, fp16), `_moe_prefill_dow
 of D: h @ down^T, written per (token, slot)); the S slot rows of a token are then summed in a fixed order (no
 atomics: reproducible). Supported: gate/up and down IQ2_XXS, Q2_K, Q4_K or Q8_0.
 
-At ~50 rows per expert (a 2,048-token chunk) the cost is the weight tiles' decode, not the dots: the 2-bit
-types decode from lookup tables in fp16 (`tables`: per 8 IQ2_XXS weights a gather of the grid entry's
-magnitudes and one of its signs, per 4 Q2_K weights one of the byte's codes; then packed fp16 multiplies),
-half the sm_90 instructions per K step of the fp32 bit-trick decode they replace (docs/PERFORMANCE.md).
+At ~50 rows per expert (a 2,048-token chunk) the cost is the weight tiles' decode, not the dots. Q2_K (the
+down) decodes from a lookup table in fp16 (`tile_table`: per 4 weights one gather of the byte's 4 codes, then
+packed fp16 multiply-adds), 16% faster than its fp32 bit-trick decode on the H100; IQ2_XXS (gate + up) keeps
+the fp32 decode from grid words, which measured faster than the same table decode (docs/PERFORMANCE.md,
+twenty-eighth session).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.iq2_xxs import _iq2_xxs_tile16, grid_halves
+from ds4station.kernels.iq2_xxs import _iq2_xxs_tile, grid_words
 from ds4station.kernels.moe import _QT_CODE, PackedExperts, _ptrs, check_experts
 from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.q2_k import _q2_k_tile16, code_halves
@@ -54,22 +55,23 @@ def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Te
     return order, expert.to(torch.int32), start.to(torch.int32), end.to(torch.int32)
 
 
-Q2_K_CODES = tl.constexpr(3072)  # where code_halves starts in tables()
+def tile_table(qtype: str, device: torch.device) -> torch.Tensor:
+    """The lookup table a weight type's prefill tile reads: IQ2_XXS the grid words (int64 [256]), Q2_K its byte
+    codes (code_halves, fp16 [1024]); the other types read none (the grid words stand in)."""
+    return _code_halves(device) if qtype == "q2_k" else grid_words(device)
 
 
 @lru_cache(maxsize=8)
-def tables(device: torch.device) -> torch.Tensor:
-    """fp16 [4096] (8 KB, L1-resident): the IQ2_XXS grid magnitudes and sign factors (grid_halves, 3,072), then
-    Q2_K's byte codes (code_halves) from Q2_K_CODES: the lookups of the 2-bit prefill tiles."""
-    return torch.cat([grid_halves(), code_halves()]).to(device)
+def _code_halves(device: torch.device) -> torch.Tensor:
+    return code_halves().to(device)
 
 
 @triton.jit
 def _dequant_tile(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.constexpr):
     if QT == 0:
-        w = _iq2_xxs_tile16(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
+        w = _iq2_xxs_tile(p0, p1, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
     elif QT == 1:
-        w = _q2_k_tile16(p0, p1, p2, grid_ptr + Q2_K_CODES, rows, n_mask, k0, K, BLOCK_K)
+        w = _q2_k_tile16(p0, p1, p2, grid_ptr, rows, n_mask, k0, K, BLOCK_K)
     elif QT == 2:
         w = _q4_k_tile(p0, p1, p2, p3, rows, n_mask, k0, K, BLOCK_K)
     else:
@@ -169,19 +171,20 @@ def moe_prefill(
         x = x.contiguous()
     tiles = tiles or dispatch.moe_prefill_tiles(t_count * n_slots, dispatch.launch_backend(x))
     order, t_exp, t_start, t_end = _schedule(ids, n_experts, tiles.block_m)
-    grid_tab = tables(x.device)
     weights = weights.reshape(-1).float().contiguous()
     # fp16: what the down dot reads it as (the same rounding, at half the bytes)
     h = torch.empty((t_count * n_slots, d_ff), device=x.device, dtype=torch.float16)
     opts = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
     _moe_prefill_gate_up_kernel[(t_exp.numel(), triton.cdiv(d_ff, tiles.block_n))](
-        x, order, t_exp, t_start, t_end, weights, h, grid_tab, *_ptrs(gate, words=False), *_ptrs(up, words=False),
+        x, order, t_exp, t_start, t_end, weights, h, tile_table(gate.qtype, x.device), *_ptrs(gate, words=False),
+        *_ptrs(up, words=False),
         d_ff, d_model, x.stride(0), float(clamp or 0.0),
         S=n_slots, QT=_QT_CODE[gate.qtype], CLAMP=clamp is not None,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts, **pdl(x))
     y_slots = torch.empty((t_count * n_slots, d_model), device=x.device, dtype=torch.float32)
     _moe_prefill_down_kernel[(t_exp.numel(), triton.cdiv(d_model, tiles.block_n))](
-        h, order, t_exp, t_start, t_end, y_slots, grid_tab, *_ptrs(down, words=False), d_ff, d_model,
+        h, order, t_exp, t_start, t_end, y_slots, tile_table(down.qtype, x.device), *_ptrs(down, words=False),
+        d_ff, d_model,
         QT=_QT_CODE[down.qtype], BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, **opts, **pdl(h))
     return y_slots.view(t_count, n_slots, d_model).sum(1)
 
