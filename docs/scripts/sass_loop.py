@@ -1,6 +1,9 @@
 """Instructions in a kernel's hot loop, from the sm_90 SASS of the compile check's specs (Triton's bundled ptxas
 and cuobjdump: no GPU needed). The loop is the longest backward branch; the count is per thread per trip.
-usage: sass_loop.py NAME_SUBSTRING [CONSTEXPR=VALUE ...] (e.g. `sass_loop.py moe_prefill BLOCK_K=128`)"""
+usage: sass_loop.py NAME_SUBSTRING [CONSTEXPR=VALUE ...] (e.g. `sass_loop.py moe_prefill BLOCK_K=128`).
+Counts differ between Triton versions (the IQ2_XXS table tile: 326 with 3.9, 395 with 3.6): for the GPU image's,
+`PYTHONPATH=.venv/triton-min python docs/scripts/sass_loop.py ...` (make test installs Triton 3.6 there).
+A count is a proxy: the fp16 table decode of IQ2_XXS halved it and ran 4% slower (docs/PERFORMANCE.md)."""
 import collections
 import os
 import re
