@@ -79,17 +79,6 @@ def grid_words(device: torch.device) -> torch.Tensor:
     return torch.from_numpy(words).to(device)
 
 
-def _sign_bits() -> torch.Tensor:
-    """int64 [128, 8]: for each 7-bit sign field, its 8 sign bits (1 = negative; the 8th is the field's parity,
-    as the format defines)."""
-    s7 = torch.arange(128)
-    parity = s7.clone()
-    for sh in (4, 2, 1):
-        parity = parity ^ (parity >> sh)
-    sign8 = s7 | ((parity & 1) << 7)
-    return (sign8.unsqueeze(-1) >> torch.arange(8)) & 1
-
-
 # The grid's three magnitudes as bytes, and negated, for the byte-permute decode: selector nibble c picks
 # magnitude c (0: 8, 1: 25, 2: 43), c + 4 the negated one.
 MAGS = tl.constexpr(0x002B1908)
@@ -130,7 +119,12 @@ def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
 def _signed_grid(device: torch.device) -> torch.Tensor:
     """fp32 [256 * 128, 8]: row g * 128 + s is grid entry g with the signs of 7-bit field s (the 8th sign is
     the field's parity, as the format defines), so dequantising is one gather per 8 weights."""
-    neg = _sign_bits().bool()  # [128, 8]
+    s7 = torch.arange(128)
+    parity = s7.clone()
+    for sh in (4, 2, 1):
+        parity = parity ^ (parity >> sh)
+    sign8 = s7 | ((parity & 1) << 7)
+    neg = ((sign8.unsqueeze(-1) >> torch.arange(8)) & 1).bool()  # [128, 8]
     mags = torch.from_numpy(_grid_np())  # [256, 8]
     return torch.where(neg[None], -mags[:, None], mags[:, None]).reshape(256 * 128, 8).to(device)
 
@@ -360,7 +354,6 @@ def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.cons
     # [rows, units, a, b, c] = weight 4 a + 2 b + c of the unit (tl.join adds the minor axis)
     w = tl.join(tl.join(tl.join(e0, e4), tl.join(e2, e6)), tl.join(tl.join(e1, e5), tl.join(e3, e7)))
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
-
 
 
 @triton.jit

@@ -18,8 +18,6 @@ twenty-eighth session).
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import triton
 import triton.language as tl
@@ -58,12 +56,7 @@ def _schedule(ids: torch.Tensor, n_experts: int, block_m: int) -> tuple[torch.Te
 def tile_table(qtype: str, device: torch.device) -> torch.Tensor:
     """The lookup table a weight type's prefill tile reads: IQ2_XXS the grid words (int64 [256]), Q2_K its byte
     codes (code_halves, fp16 [1024]); the other types read none (the grid words stand in)."""
-    return _code_halves(device) if qtype == "q2_k" else grid_words(device)
-
-
-@lru_cache(maxsize=8)
-def _code_halves(device: torch.device) -> torch.Tensor:
-    return code_halves().to(device)
+    return code_halves(device) if qtype == "q2_k" else grid_words(device)
 
 
 @triton.jit

@@ -14,6 +14,7 @@ belongs to word w), dm fp16 [.., N, K/256, 2] (d, dmin). The bytes per weight ar
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import triton
@@ -160,10 +161,11 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
     return tl.sum(acc, axis=1)
 
 
-def code_halves() -> torch.Tensor:
+@lru_cache(maxsize=8)
+def code_halves(device: torch.device) -> torch.Tensor:
     """fp16 [256 * 4]: the four 2-bit codes of each byte value (code i at bits 2i) as fp16, for _q2_k_tile16."""
     b = torch.arange(256)
-    return ((b.unsqueeze(-1) >> (2 * torch.arange(4))) & 3).reshape(-1).to(torch.float16)
+    return ((b.unsqueeze(-1) >> (2 * torch.arange(4))) & 3).reshape(-1).to(torch.float16).to(device)
 
 
 @triton.jit
