@@ -19,6 +19,12 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 # The CUDA tiles use TF32 tensor-core dots (10-bit mantissa operands, fp32 accumulation); the interpreter and the
 # explicit FMA / "ieee" tiles are fp32-exact.
 TOL_DEFAULT = {"rtol": 3e-3, "atol": 3e-3} if DEVICE == "cuda" else TOL
+# The CUDA prefill tiles round the dots' operands to fp16 (the interpreter too): the TF32 bound, on any device.
+TOL_FP16 = {"rtol": 3e-3, "atol": 3e-3}
+
+
+def _tol(precision: str) -> dict:
+    return TOL_FP16 if precision == "fp16" else TOL_DEFAULT if precision == "tf32" else TOL
 # Several ragged key blocks (a block straddles window and compressed keys), head blocks smaller than H and a
 # ragged last head-dim step (96 = 64 + 32), and combine steps smaller than the split count.
 SPLIT = AttentionTiles(block_h=2, block_n=4, block_d=64, num_warps=1, block_s=4, block_dc=64, num_warps_c=1)
@@ -213,11 +219,13 @@ def test_positional_masks_need_the_position() -> None:
         attention_decode_triton(q, ring, None, None, None, torch.zeros(2, device=DEVICE), 1.0, window=4)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cuda", "hip64"])
+@pytest.mark.parametrize(("backend", "shared"), [("cpu", None), ("cuda", None), ("cuda", 101376), ("hip64", None)])
 @pytest.mark.parametrize("layer", ["indexed", "ratio", "window"])
-def test_prefill_attention_matches_per_query_reference(poisoned_empty: None, backend: str, layer: str) -> None:
+def test_prefill_attention_matches_per_query_reference(poisoned_empty: None, backend: str, shared: int | None,
+                                                       layer: str) -> None:
     """The prefill kernel (each query its own window from the ring, its own indexed rows or the causal share of
-    the compressed rows) against the decode reference run query by query, with each backend's tiles."""
+    the compressed rows) against the decode reference run query by query, with each backend's tiles (CUDA's for
+    a GPU with 99 KB of shared memory per program too)."""
     from ds4station.kernels.attention import attention_prefill_ref, attention_prefill_triton
     from ds4station.kernels.dispatch import attention_prefill_tiles
 
@@ -233,12 +241,64 @@ def test_prefill_attention_matches_per_query_reference(poisoned_empty: None, bac
     kw = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     args = (q.to(DEVICE), ring.to(DEVICE))
     common = dict(sinks=sinks.to(DEVICE), scale=D ** -0.5, pos=pos.to(DEVICE), window=W)
-    tiles = attention_prefill_tiles(H, D, backend)
+    tiles = attention_prefill_tiles(H, D, backend, shared)
     got = attention_prefill_triton(*args, **common, **kw, tiles=tiles)
     want = attention_prefill_ref(*args, **common, **kw)
     assert not got.isnan().any()
-    tol = TOL_DEFAULT if tiles.precision == "tf32" else TOL
-    assert torch.allclose(got.cpu(), want.cpu(), **tol), (got.cpu() - want.cpu()).abs().max()
+    assert torch.allclose(got.cpu(), want.cpu(), **_tol(tiles.precision)), (got.cpu() - want.cpu()).abs().max()
+
+
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("precision", ["ieee", "fp16"])
+@pytest.mark.parametrize("layer", ["indexed", "ratio"])
+def test_prefill_attention_skips_key_blocks_no_query_sees(poisoned_empty: None, resident: bool, precision: str,
+                                                           layer: str) -> None:
+    """Small key blocks, so that whole blocks are masked for some queries (a query with no indexed row, the
+    compressed rows of a ratio layer past a query's position, window slots below position 0): those blocks are
+    skipped or never visited, and every query still equals the reference, with the query held for the whole
+    key loop (block_d >= D) or re-read per head-dim step, in fp32 and with fp16 operands."""
+    from ds4station.kernels.attention import attention_prefill_ref, attention_prefill_triton
+
+    H, D, T, W = 3, 40, 6, 8
+    gen = torch.Generator().manual_seed(29)
+    q, sinks = torch.randn(T, H, D, generator=gen), torch.randn(H, generator=gen)
+    ring, comp = torch.randn(24, D, generator=gen), torch.randn(20, D, generator=gen)
+    pos = torch.tensor([0, 1, 5, 9, 12, 13])
+    ids, valid = torch.randint(0, 20, (T, 12), generator=gen), torch.zeros(T, 12, dtype=torch.bool)
+    valid[2, :3] = True
+    valid[3:] = torch.rand(3, 12, generator=gen) > 0.5
+    valid[4, 4:] = False  # its last two blocks of 4 rows are masked: skipped
+    kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:7], mask_c=None, ids=None, ratio=2)}
+    kw = kw[layer]
+    tiles = AttentionTiles(block_h=4, block_n=4, block_d=64 if resident else 16, num_warps=1, block_s=1, block_dc=1,
+                           num_warps_c=1, block_dv=16, precision=precision)
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    got = attention_prefill_triton(q.to(DEVICE), ring.to(DEVICE), sinks=sinks.to(DEVICE), scale=D ** -0.5,
+                                   pos=pos.to(DEVICE), window=W, **dev, tiles=tiles)
+    want = attention_prefill_ref(q, ring, sinks=sinks, scale=D ** -0.5, pos=pos, window=W, **kw)
+    torch.testing.assert_close(got.cpu(), want, **_tol(precision))
+
+
+@pytest.mark.parametrize("shared", [None, 101376])
+def test_prefill_attention_at_the_flash_shape_with_the_cuda_tiles(poisoned_empty: None, shared: int | None) -> None:
+    """The CUDA prefill tiles at DS4's attention shape (64 heads x 512, fp16 operands, 64-key blocks, the value
+    dims in two programs; the query's [64, 512] tile held, or re-read in 128-wide steps where a program gets 99 KB
+    of shared memory): window and 96 indexed rows of which some are masked, against the reference."""
+    from ds4station.kernels.attention import attention_prefill_ref, attention_prefill_triton
+    from ds4station.kernels.dispatch import attention_prefill_tiles
+
+    H, D, T, W = 64, 512, 2, 128
+    gen = torch.Generator().manual_seed(31)
+    q, sinks = torch.randn(T, H, D, generator=gen), torch.randn(H, generator=gen)
+    ring, comp = torch.randn(W + 8, D, generator=gen), torch.randn(200, D, generator=gen)
+    pos = torch.tensor([130, 300])
+    ids, valid = torch.randint(0, 200, (T, 96), generator=gen), torch.rand(T, 96, generator=gen) > 0.2
+    tiles = attention_prefill_tiles(H, D, "cuda", shared)
+    assert tiles.precision == "fp16" and (tiles.block_d >= D) == (shared is None)
+    args = dict(sinks=sinks, scale=D ** -0.5, window=W, kc=comp, mask_c=valid, ids=ids)
+    got = attention_prefill_triton(q.to(DEVICE), ring.to(DEVICE), pos=pos.to(DEVICE), tiles=tiles,
+                                   **{k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+    torch.testing.assert_close(got.cpu(), attention_prefill_ref(q, ring, pos=pos, **args), **TOL_FP16)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "hip64"])

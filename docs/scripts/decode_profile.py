@@ -2,7 +2,8 @@
 one sequence after P prompt tokens, the step's CUDA graph replayed under the torch profiler. Prints, per kernel
 family, launches and summed duration per step, then the step's span, the kernels' summed time and the gaps
 between them. Run it with DS4STATION_PDL=0 for each kernel's own time (with PDL a kernel's duration includes its
-wait for the one before). usage: decode_profile.py N [P]"""
+wait for the one before). With B > 1, B sequences of P prompt tokens each decode together (the batched step's
+graph, as serve runs B streams). usage: decode_profile.py N [P] [B]"""
 import collections
 import sys
 
@@ -14,29 +15,39 @@ from ds4station.engine.gpu import GpuStage, RandomWeights
 
 n = int(sys.argv[1])
 prompt = int(sys.argv[2]) if len(sys.argv) > 2 else 2048
+rows = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 cfg, recipe = benchmark.SHAPES["flash-q2"]
 cfg = cfg.replace(n_layers=n, compress_ratios=cfg.compress_ratios[:n], swiglu_clamp=cfg.swiglu_clamp[:n],
                   swiglu_clamp_shared=cfg.swiglu_clamp_shared[:n])
 dev = torch.device("cuda")
 stage = GpuStage(cfg, RandomWeights(cfg, recipe, device=dev, seed=0), device=dev)
-cache = stage.new_cache(prompt + 256, chunk=2048)
-stage.prefill(torch.randint(2, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0)), cache,
-              logits=True)
-token = 7
+caches = stage.new_caches(rows, prompt + 256, chunk=2048)
+for b, cache in enumerate(caches):
+    stage.prefill(torch.randint(2, cfg.vocab_size, (prompt,), generator=torch.Generator().manual_seed(b)), cache,
+                  logits=True)
+tokens = [7 + b for b in range(rows)]
+
+
+def step() -> torch.Tensor:
+    if rows == 1:
+        return stage.decode(tokens[0], caches[0], logits=True)[None]
+    return stage.decode_batch(tokens, caches, logits=True)
+
+
 for _ in range(8):  # capture and warm up
-    token = int(stage.decode(token, cache, logits=True).argmax())
+    tokens = step().argmax(-1).tolist()
 torch.cuda.synchronize()
 steps = 10
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 start.record()
 for _ in range(steps):
-    stage.decode(token, cache, logits=True)
+    step()
 end.record()
 torch.cuda.synchronize()
-print(f"{n} layers after {prompt}: {start.elapsed_time(end) / steps:.3f} ms/step queued (events)")
+print(f"{n} layers, {rows} row(s) after {prompt}: {start.elapsed_time(end) / steps:.3f} ms/step queued (events)")
 with profile(activities=[ProfilerActivity.CUDA]) as p:
     for _ in range(steps):
-        stage.decode(token, cache, logits=True)
+        step()
     torch.cuda.synchronize()
 kernels = sorted((e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA
                   and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()),

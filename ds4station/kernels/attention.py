@@ -477,16 +477,30 @@ def attention_prefill_ref(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Te
         for t in range(q.shape[0])])
 
 
+@triton.jit
+def _dot_operand(x, F16: tl.constexpr):
+    """x as a tl.dot operand: fp16 (F16: half the bytes per tensor-core operand, fp32 accumulation) or fp32."""
+    if F16:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
 @triton.jit(do_not_specialize=["NC", "stride_it"])  # the compressed rows seen grow with the position
 def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_ptr, out_ptr,
                          H, D, NW, NC, ring_len, stride_qt, stride_qh, stride_kw, stride_kc, stride_it,
                          stride_ot, stride_oh, scale,
                          INDEXED: tl.constexpr, RATIO: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         Q_ONCE: tl.constexpr = False, F16: tl.constexpr = False, PDL: tl.constexpr = False):
     """Grid (T, value-dim blocks): one query, all heads, its NW window keys (ring slots of positions
-    p - NW + 1 .. p) then its NC compressed rows, in BLOCK_N steps with an online softmax; the sink joins the
-    denominator at the end. Masked keys are never loaded."""
+    p - NW + 1 .. p) then its NC compressed rows, in BLOCK_N steps with an online softmax (base 2); the sink
+    joins the denominator at the end. Masked keys are never loaded, and a key block with none visible to the
+    query is skipped (the rows of a ratio layer past the query's position are not even visited). Q_ONCE
+    (BLOCK_K >= D): the query's [heads, D] tile is loaded once, before the key loop (held for every block's
+    scores), else once per BLOCK_K step of each block (AMD's register budget). F16: the dots' operands in fp16,
+    else fp32 at PRECISION."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     dv = tl.program_id(1)
@@ -495,37 +509,59 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
     p = tl.load(pos_ptr + t).to(tl.int64)
     d_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = d_v < D
+    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax in base 2
+    q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
+    if Q_ONCE:  # the whole query, once
+        d_all = tl.arange(0, BLOCK_K)
+        q_all = _dot_operand(tl.load(q_row + d_all[None, :], mask=h_ok[:, None] & (d_all < D)[None, :],
+                                     other=0.0).to(tl.float32) * qk_scale, F16)
+    n_end = NW + NC
+    if RATIO > 0:
+        n_end = NW + tl.minimum(NC, (p + 1) // RATIO)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     lsum = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for n0 in range(0, NW + NC, BLOCK_N):
+    for n0 in range(0, n_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         base_w, base_c, ok_w, ok_c = _key_block(n, p, NW, NC, ring_len, kw_ptr, kw_ptr, kc_ptr, mc_ptr + t * stride_it,
                                                 ids_ptr + t * stride_it, stride_kw, stride_kc, INDEXED, True, RATIO)
         ok = ok_w | ok_c
-        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_K):
-            d = d0 + tl.arange(0, BLOCK_K)
-            d_ok = d < D
-            qd = tl.load(q_ptr + t * stride_qt + offs_h[:, None] * stride_qh + d[None, :],
-                         mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z, input_precision=PRECISION)
-        z = tl.where(ok[None, :], z * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(z, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        e = tl.exp(z - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(e, axis=1)
-        v = _load_keys(base_w, base_c, ok_w, ok_c, d_v, dv_ok)
-        acc = acc * alpha[:, None] + tl.dot(e, v, input_precision=PRECISION)
-        m = m_new
-    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if tl.max(ok.to(tl.int32), axis=0) > 0:
+            if Q_ONCE:
+                keys = _load_keys(base_w, base_c, ok_w, ok_c, d_all, d_all < D)
+                z = tl.dot(q_all, tl.trans(_dot_operand(keys, F16)), input_precision=PRECISION)
+            else:
+                z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+                for d0 in range(0, D, BLOCK_K):
+                    d = d0 + tl.arange(0, BLOCK_K)
+                    d_ok = d < D
+                    qd = tl.load(q_row + d[None, :], mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                    keys = _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)
+                    z = tl.dot(_dot_operand(qd * qk_scale, F16), tl.trans(_dot_operand(keys, F16)), z,
+                               input_precision=PRECISION)
+            z = tl.where(ok[None, :], z, float("-inf"))
+            m_new = tl.maximum(m, tl.max(z, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            e = tl.exp2(z - m_safe[:, None])
+            lsum = lsum * alpha + tl.sum(e, axis=1)
+            v = _load_keys(base_w, base_c, ok_w, ok_c, d_v, dv_ok)
+            acc = acc * alpha[:, None] + tl.dot(_dot_operand(e, F16), _dot_operand(v, F16), input_precision=PRECISION)
+            m = m_new
+    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     big = tl.maximum(m, sink)
-    w = tl.exp(m - big)  # 0 when every key was masked (m = -inf)
-    total = lsum * w + tl.exp(sink - big)
+    w = tl.exp2(m - big)  # 0 when every key was masked (m = -inf)
+    total = lsum * w + tl.exp2(sink - big)
     out = acc * (w / total)[:, None]
     tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + d_v[None, :], out,
              mask=h_ok[:, None] & dv_ok[None, :])
+
+
+def prefill_dot_consts(tiles: dispatch.AttentionTiles, d: int) -> dict:
+    """The prefill kernel's dot constexprs for its tiles and head dim d: precision "fp16" = fp16 operands
+    (PRECISION unused); Q_ONCE when one head-dim step holds the whole query."""
+    f16 = tiles.precision == "fp16"
+    return {"PRECISION": "ieee" if f16 else tiles.precision, "F16": f16, "Q_ONCE": tiles.block_d >= d}
 
 
 def attention_prefill(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Tensor | None, sinks: Tensor,
@@ -557,7 +593,7 @@ def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c:
     out = torch.empty(T, H, D, dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    tiles = tiles or dispatch.attention_prefill_tiles(H, D, dispatch.launch_backend(q))
+    tiles = tiles or dispatch.attention_prefill_tiles(H, D, dispatch.launch_backend(q), dispatch.shared_limit(q))
     if kc is None:
         nc, kc_, mc, idx, stride_it = 0, ring, ring, ring, 0
     elif ids is not None:
@@ -571,6 +607,6 @@ def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c:
         q, ring, kc_, mc, idx, pos, sinks.float().contiguous(), out, H, D, window, nc, ring.shape[0],
         q.stride(0), q.stride(1), ring.stride(0), kc_.stride(0), stride_it, out.stride(0), out.stride(1),
         float(scale), INDEXED=ids is not None, RATIO=ratio if ids is None else 0, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, **prefill_dot_consts(tiles, D),
         num_warps=tiles.num_warps, **pdl(q))
     return out

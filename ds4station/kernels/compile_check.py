@@ -198,7 +198,7 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
         specs += _moe_i8_specs("q4_k", "q4_k", ptrs, dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend))
     specs += _hc_specs(hc, backend)
     specs += _router_specs(router, backend)
-    specs += _attention_specs(attention, backend)
+    specs += _attention_specs(attention, backend, target.shared_limit)
     specs += _row_specs(backend)
     return specs
 
@@ -467,7 +467,7 @@ def _router_specs(router, backend: dispatch.Backend) -> list[KernelSpec]:  # typ
     return out
 
 
-def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
+def _attention_specs(attention, backend: dispatch.Backend, shared: int) -> list[KernelSpec]:  # type: ignore[no-untyped-def]
     """Decode attention (kernels/attention.py) at DS4's shape, 64 heads x 512: window only (128 keys), an
     indexed ratio-4 layer (128 + 512 gathered rows) and a ratio-128 layer at 1M context (128 + 8192 rows);
     fp32 and fp16 KV."""
@@ -499,7 +499,7 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
                 fn = attention._attn_split_kernel
             out.append(KernelSpec(f"attn_split {label} {kv}{' batched' if slots else ''}", fn, sig, consts, aligned,
                                   t.num_warps, 1, decode=True))
-        tp = dispatch.attention_prefill_tiles(H, D, backend)
+        tp = dispatch.attention_prefill_tiles(H, D, backend, shared)
         out.append(KernelSpec(
             f"attn_prefill {label}", attention._attn_prefill_kernel,
             {"q_ptr": "*fp32", "kw_ptr": "*fp32", "kc_ptr": "*fp32", "mc_ptr": "*i1", "ids_ptr": "*i64",
@@ -507,9 +507,10 @@ def _attention_specs(attention, backend: dispatch.Backend) -> list[KernelSpec]: 
              "NC": "i32", "ring_len": "i32", "stride_qt": "i32", "stride_qh": "i32", "stride_kw": "i32",
              "stride_kc": "i32", "stride_it": "i32", "stride_ot": "i32", "stride_oh": "i32", "scale": "fp32",
              "INDEXED": "constexpr", "RATIO": "constexpr", "BLOCK_H": "constexpr", "BLOCK_N": "constexpr",
-             "BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr"},
+             "BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr", "F16": "constexpr",
+             "Q_ONCE": "constexpr"},
             {"INDEXED": indexed, "RATIO": 0 if indexed else 128, "BLOCK_H": tp.block_h, "BLOCK_N": tp.block_n,
-             "BLOCK_K": tp.block_d, "BLOCK_DV": tp.block_dv, "PRECISION": tp.precision},
+             "BLOCK_K": tp.block_d, "BLOCK_DV": tp.block_dv, **attention.prefill_dot_consts(tp, D)},
             ("q_ptr", "kw_ptr", "kc_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_kw", "stride_kc",
              "stride_ot", "stride_oh"), tp.num_warps, 1))
         out.append(KernelSpec(
@@ -657,7 +658,7 @@ def compile_all(targets: list[str] | None = None, only: str | tuple[str, ...] = 
 
 def problems(reports: list[Report]) -> list[str]:
     """What CI rejects: a compile error, bf16 in a gfx906 build, spills in a decode matvec, a PDL kernel that
-    touches memory before its grid-dependency wait."""
+    touches memory before its grid-dependency wait, more shared memory than the target gives a program."""
     out = []
     for r in reports:
         if not r.ok:
@@ -669,6 +670,10 @@ def problems(reports: list[Report]) -> list[str]:
             out.append(f"{r.kernel} on {r.target}: launched early (PDL), its grid-dependency wait is {r.extra['pdl']}")
         if r.decode and r.spill_bytes:
             out.append(f"{r.kernel} on {r.target}: {r.spill_bytes} bytes of register spills / scratch")
+        limit = next((t.shared_limit for t in dispatch.COMPILE_TARGETS if t.name == r.target), None)
+        if limit is not None and (r.shared_bytes or 0) > limit:
+            out.append(f"{r.kernel} on {r.target}: {r.shared_bytes} bytes of shared memory, over the {limit} a "
+                       "program may use there (it would not launch)")
     return out
 
 

@@ -35,6 +35,7 @@ class CompileTarget:
     backend: str  # triton's backend name: "cuda" or "hip"
     arch: int | str  # 90 / 86 for NVIDIA, "gfx906" etc. for AMD
     warp_size: int
+    shared_limit: int  # shared memory / LDS bytes one program may use (sm_90 227 KB, sm_86 99 KB, AMD 64 KB)
 
     @property
     def kernel_backend(self) -> Backend:
@@ -44,11 +45,11 @@ class CompileTarget:
 
 
 COMPILE_TARGETS: tuple[CompileTarget, ...] = (
-    CompileTarget("sm90", "cuda", 90, 32),
-    CompileTarget("sm86", "cuda", 86, 32),
-    CompileTarget("gfx906", "hip", "gfx906", 64),
-    CompileTarget("gfx1100", "hip", "gfx1100", 32),
-    CompileTarget("gfx1151", "hip", "gfx1151", 32),
+    CompileTarget("sm90", "cuda", 90, 32, 232448),
+    CompileTarget("sm86", "cuda", 86, 32, 101376),
+    CompileTarget("gfx906", "hip", "gfx906", 64, 65536),
+    CompileTarget("gfx1100", "hip", "gfx1100", 32, 65536),
+    CompileTarget("gfx1151", "hip", "gfx1151", 32, 65536),
 )
 
 
@@ -64,6 +65,15 @@ def device_backend(device: torch.device | str) -> Backend:
     if warp is None:  # older torch: gfx9 (GCN/CDNA) is wave64, gfx10+ (RDNA) runs wave32 kernels
         warp = 64 if str(getattr(props, "gcnArchName", "gfx9")).startswith("gfx9") else 32
     return "hip64" if warp == 64 else "hip32"
+
+
+def shared_limit(t: torch.Tensor) -> int | None:
+    """Shared memory bytes one program may use on this tensor's NVIDIA GPU (the opt-in maximum: 227 KB on
+    sm_90, 163 KB on sm_80, 99 KB on sm_86 / sm_89 / sm_120), or None elsewhere."""
+    if t.device.type != "cuda" or torch.version.hip is not None:
+        return None
+    props = torch.cuda.get_device_properties(t.device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
 def interpreting() -> bool:
@@ -461,26 +471,33 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def attention_prefill_tiles(h: int, d: int, backend: Backend) -> AttentionTiles:
+def attention_prefill_tiles(h: int, d: int, backend: Backend, shared: int | None = None) -> AttentionTiles:
     """Tiles for prefill attention (one program per query and block of output dims, all heads, an online
-    softmax over key blocks; block_dv > 0 always: the tl.dot form). TF32 operands on NVIDIA tensor cores;
-    exact fp32 dots elsewhere (no TF32 on AMD; gfx906 lowers them to FMAs)."""
+    softmax over key blocks; block_dv > 0 always: the tl.dot form).
+
+    CUDA: fp16 tensor-core dots (fp32 accumulation); every key block's scores over the whole head dim, its
+    values over block_dv of it (the scores are recomputed by each of the d / block_dv programs of a query).
+    Where a program may use >= 160 KB of shared memory (`shared`, the GPU's opt-in limit: sm_80, sm_90; None =
+    unknown, taken as such) the query's whole [heads, d] tile is loaded once and held (block_d >= d: 128 KB
+    at DS4's 64 x 512 with 64-key blocks); with less (sm_86 / sm_89 / sm_120: 99 KB) it is re-read in 128-wide
+    head-dim steps. AMD keeps exact fp32 dots (no TF32; gfx906 lowers them to FMAs) in 32-wide head-dim steps,
+    the query re-read at each (its register budget)."""
     hp = max(16, _pow2_ceil(max(1, h)))
     dp = _pow2_ceil(max(1, d))
     if backend == "cpu":
         return AttentionTiles(block_h=hp, block_n=64, block_d=min(128, max(16, dp)), num_warps=1, block_s=1,
                               block_dc=1, num_warps_c=1, block_dv=min(256, max(16, dp)))
+    if backend == "cuda":
+        block_d = max(16, dp) if shared is None or shared >= 160 * 1024 else min(128, max(16, dp))
+        return AttentionTiles(block_h=hp, block_n=64, block_d=block_d, num_warps=8, block_s=1, block_dc=1,
+                              num_warps_c=1, block_dv=min(256, max(16, dp)), precision="fp16")
     lanes = 64 if backend == "hip64" else 32
-    block_n, block_dv = 16 if backend == "hip64" else 32, min(128 if backend == "cuda" else 64, max(16, dp))
-    # The [heads, block_dv] accumulator at 32 fp32 per lane, leaving registers for the q / key / value tiles
-    # (at 64 per lane sm_90 needed 255 registers); AMD's FMA-lowered dots need more room: 16 per lane and
-    # 32-wide head-dim steps.
-    per_lane = 32 if backend == "cuda" else 16
-    num_warps = max(1, min(8, hp * block_dv // (lanes * per_lane)))
-    block_k = min(64 if backend == "cuda" else 32, max(16, dp))
-    return AttentionTiles(block_h=hp, block_n=block_n, block_d=block_k, num_warps=num_warps,
-                          block_s=1, block_dc=1, num_warps_c=1, block_dv=block_dv,
-                          precision="tf32" if backend == "cuda" else "ieee")
+    block_n, block_dv = 16 if backend == "hip64" else 32, min(64, max(16, dp))
+    # The [heads, block_dv] accumulator at 16 fp32 per lane, leaving registers for the q / key / value tiles
+    # of AMD's FMA-lowered dots, and 32-wide head-dim steps.
+    num_warps = max(1, min(8, hp * block_dv // (lanes * 16)))
+    return AttentionTiles(block_h=hp, block_n=block_n, block_d=min(32, max(16, dp)), num_warps=num_warps,
+                          block_s=1, block_dc=1, num_warps_c=1, block_dv=block_dv, precision="ieee")
 
 
 @dataclass(frozen=True)
@@ -576,7 +593,8 @@ class AttentionTiles:
     block_dc: int  # head-dim elements per combine program
     num_warps_c: int
     block_dv: int = 0  # > 0: the tl.dot split kernel (all heads per program, this many output dims each)
-    precision: str = "ieee"  # tl.dot input precision of that kernel ("tf32" on NVIDIA tensor cores)
+    precision: str = "ieee"  # tl.dot input precision of that kernel ("tf32" on NVIDIA tensor cores; prefill:
+    # "fp16", the operands rounded to fp16)
 
 
 def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionTiles:
