@@ -405,10 +405,9 @@ def _hc_specs(hc, backend: dispatch.Backend) -> list[KernelSpec]:  # type: ignor
         nblk = -(-k // tl_.chunk_k)
         out.append(KernelSpec(
             f"hc_mix_partial T{t}", hc._hc_mix_partial_kernel,
-            {"x_ptr": p32, "fn_ptr": p32, "part_ptr": p32, "T": i32, "K": i32, "M": i32, "CHUNK": i32,
-             "stride_xt": i32, "stride_fn": i32, "BLOCK_M": "constexpr", "BLOCK_K": "constexpr",
-             "BLOCK_T": "constexpr"},
-            {"BLOCK_M": _pow2(m + 1), "BLOCK_K": tl_.block_k, "BLOCK_T": tl_.block_t},
+            {"x_ptr": p32, "fn_ptr": p32, "part_ptr": p32, "K": i32, "M": i32, "CHUNK": i32, "stride_xt": i32,
+             "stride_fn": i32, "BLOCK_M": "constexpr", "BLOCK_K": "constexpr"},
+            {"BLOCK_M": _pow2(m + 1), "BLOCK_K": tl_.block_k},
             ("x_ptr", "fn_ptr", "part_ptr", "K", "CHUNK", "stride_xt", "stride_fn"), tl_.num_warps, 1,
             decode=t == 1))
         # the RMSNorm after it quantised as the engine's consumers read it at these rows: attn_norm for

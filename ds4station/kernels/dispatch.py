@@ -529,7 +529,6 @@ class HcTiles:
     block_dm: int = 0  # dim elements per hc_post program that also computes the next mix partials (K chunks)
     num_warps_m: int = 1  # that hc_post
     num_warps_n: int = 1  # the finalize (with the RMSNorm after it): one program per token over the whole row
-    block_t: int = 1  # tokens per partial program (> 1: one fp32 tl.dot per K step, each fn tile read once for all)
 
 
 def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
@@ -548,21 +547,12 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
                        num_warps_d=1, block_dm=block_d, num_warps_m=1, num_warps_n=1)
     lanes = 64 if backend == "hip64" else 32
     block_k = min(256, _pow2_ceil(k))
-    # From 256 tokens (prefill chunks) 32 tokens per partial program: a per-token program reads all of fn
-    # (1.5 MiB for DS4) for its token alone, 3 GiB of L2 reads at 2,048 tokens (0.48 ms per launch on the
-    # H100, thirtieth session's prefill profile). Those programs take 64-wide K steps and enough K chunks
-    # for ~512 programs.
-    block_t = 32 if t >= 256 else 1
-    if block_t > 1:
-        block_k = min(64, _pow2_ceil(k))
     steps = _cdiv(k, block_k)
-    programs = _cdiv(max(1, t), block_t)
-    nblk = max(1, min(steps, _pow2_ceil(_cdiv(256 if block_t == 1 else 512, programs))))
+    nblk = max(1, min(steps, _pow2_ceil(_cdiv(256, max(1, t)))))
     chunk_k = block_k * _cdiv(steps, nblk)
     block_d = min(256, _pow2_ceil(dim))
     # ~64 fp32 values of a [block_m, block_k] / [C, block_d] tile per lane, whatever the warp size.
-    # (the token-block form: 4 warps; 8 on RDNA, whose FMA-lowered fp32 dot spills at 4)
-    num_warps = max(1, min(8, block_m * block_k // (lanes * 64))) if block_t == 1 else 8 if backend == "hip32" else 4
+    num_warps = max(1, min(8, block_m * block_k // (lanes * 64)))
     num_warps_d = max(1, min(8, 4 * block_d // (lanes * 16)))
     # hc_post with the next mix partials: ~256 K chunks per step like the partial kernel's (64-wide at one or
     # two tokens: 64 programs per token for DS4's dim), each [block_m, block_dm] fn tile at ~32 fp32 per lane
@@ -573,7 +563,7 @@ def hc_tiles(k: int, m: int, dim: int, t: int, backend: Backend) -> HcTiles:
     # 2 warps 4.90 / 4.74, 4 warps 4.78 / 3.46, 8 warps 5.25 / 3.36 (its 4x4 reductions cross more warps)
     num_warps_n = max(1, min(16, _pow2_ceil(k) // (lanes * 128)))
     return HcTiles(block_k=block_k, chunk_k=chunk_k, block_d=block_d, num_warps=num_warps, num_warps_d=num_warps_d,
-                   block_dm=block_dm, num_warps_m=num_warps_m, num_warps_n=num_warps_n, block_t=block_t)
+                   block_dm=block_dm, num_warps_m=num_warps_m, num_warps_n=num_warps_n)
 
 
 @dataclass(frozen=True)

@@ -85,52 +85,30 @@ def hc_head_pre_ref(X: Tensor, fn: Tensor, scale: Tensor, base: Tensor, rms_eps:
 
 
 @triton.jit
-def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, T, K, M, CHUNK, stride_xt, stride_fn,
-                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr = 1,
-                           PDL: tl.constexpr = False):
-    """part[t, b, :M] = fn[:, chunk b] @ Xf[t, chunk b]; part[t, b, M] = sum(Xf[t, chunk b]^2), grid
-    (cdiv(T, BLOCK_T), nblk). BLOCK_T > 1 (a prefill chunk's rows): BLOCK_T tokens per program, one fp32 ("ieee")
-    tl.dot per K step, so each fn tile is read once per BLOCK_T tokens instead of once per token (1.5 MiB per
-    token for DS4: 3 GiB of L2 reads per launch at 2,048 tokens)."""
+def _hc_mix_partial_kernel(x_ptr, fn_ptr, part_ptr, K, M, CHUNK, stride_xt, stride_fn,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """part[t, b, :M] = fn[:, chunk b] @ Xf[t, chunk b]; part[t, b, M] = sum(Xf[t, chunk b]^2)."""
     enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     nblk = tl.num_programs(1)
     offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     row_ok = offs_m < M
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
     k0 = b * CHUNK
-    if BLOCK_T == 1:
-        t = tl.program_id(0).to(tl.int64)
-        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-        ssq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for s in range(0, CHUNK, BLOCK_K):
-            k = k0 + s + offs_k
-            k_ok = k < K
-            x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)
-            w = tl.load(fn_ptr + offs_m[:, None] * stride_fn + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :], axis=1)
-            ssq += x * x
-        # The sum of squares rides in slot M of the same row, so one store writes the whole partial.
-        vals = tl.where(offs_m == M, tl.sum(ssq, axis=0), acc)
-        tl.store(part_ptr + (t * nblk + b) * (M + 1) + offs_m, vals, mask=offs_m <= M)
-    else:
-        offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        acc2 = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
-        ssq2 = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for s in range(0, CHUNK, BLOCK_K):
-            k = k0 + s + offs_k
-            k_ok = k < K
-            x = tl.load(x_ptr + offs_t[:, None] * stride_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            w = tl.load(fn_ptr + offs_m[:, None] * stride_fn + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc2 = tl.dot(x, tl.trans(w), acc2, input_precision="ieee")
-            ssq2 += tl.sum(x * x, axis=1)
-        vals2 = tl.where(offs_m[None, :] == M, ssq2[:, None], acc2)
-        tl.store(part_ptr + (offs_t[:, None] * nblk + b) * (M + 1) + offs_m[None, :], vals2,
-                 mask=t_ok[:, None] & (offs_m <= M)[None, :])
+    for s in range(0, CHUNK, BLOCK_K):
+        k = k0 + s + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + t * stride_xt + k, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + offs_m[:, None] * stride_fn + k[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+        ssq += x * x
+    # The sum of squares rides in slot M of the same row, so one store writes the whole partial.
+    vals = tl.where(offs_m == M, tl.sum(ssq, axis=0), acc)
+    tl.store(part_ptr + (t * nblk + b) * (M + 1) + offs_m, vals, mask=offs_m <= M)
 
 
 @triton.jit
@@ -285,10 +263,9 @@ def _mix_partials(X: Tensor, fn: Tensor, m: int, tiles: dispatch.HcTiles) -> Ten
     nblk = triton.cdiv(k, tiles.chunk_k)
     part = torch.empty(T, nblk, m + 1, device=X.device, dtype=torch.float32)
     if T:
-        _hc_mix_partial_kernel[(triton.cdiv(T, tiles.block_t), nblk)](
-            X, fn, part, T, k, m, tiles.chunk_k, X.stride(0), fn.stride(0),
-            BLOCK_M=triton.next_power_of_2(m + 1), BLOCK_K=tiles.block_k, BLOCK_T=tiles.block_t,
-            num_warps=tiles.num_warps, **pdl(X))
+        _hc_mix_partial_kernel[(T, nblk)](
+            X, fn, part, k, m, tiles.chunk_k, X.stride(0), fn.stride(0),
+            BLOCK_M=triton.next_power_of_2(m + 1), BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, **pdl(X))
     return part
 
 
