@@ -475,22 +475,27 @@ def attention_prefill_tiles(h: int, d: int, backend: Backend, shared: int | None
     """Tiles for prefill attention (one program per query and block of output dims, all heads, an online
     softmax over key blocks; block_dv > 0 always: the tl.dot form).
 
-    CUDA: fp16 tensor-core dots (fp32 accumulation); every key block's scores over the whole head dim, its
-    values over block_dv of it (the scores are recomputed by each of the d / block_dv programs of a query).
-    Where a program may use >= 160 KB of shared memory (`shared`, the GPU's opt-in limit: sm_80, sm_90; None =
-    unknown, taken as such) the query's whole [heads, d] tile is loaded once and held (block_d >= d: 128 KB
-    at DS4's 64 x 512 with 64-key blocks); with less (sm_86 / sm_89 / sm_120: 99 KB) it is re-read in 128-wide
-    head-dim steps. AMD keeps exact fp32 dots (no TF32; gfx906 lowers them to FMAs) in 32-wide head-dim steps,
-    the query re-read at each (its register budget)."""
+    CUDA: fp16 tensor-core dots (fp32 accumulation). Where a program may use >= 160 KB of shared memory
+    (`shared`, the GPU's opt-in limit: sm_80, sm_90; None = unknown, taken as such) one program per query
+    holds the query's whole [heads, d] tile for the key loop and all d output dims, 32 keys per step; with
+    less (sm_86 / sm_89 / sm_120: 99 KB) the query is re-read in 128-wide head-dim steps, 64 keys per step and
+    two programs per query (each recomputes the scores). H100, thirtieth session (docs/PERFORMANCE.md,
+    `docs/scripts/attention_prefill_tiles.py --sweep`), ms per ratio-4 layer (2,048 queries x 128 + 512 rows)
+    at an 8K prompt's last chunk: 32 keys x whole d x 512 out 4.73, 64 x 128-wide steps x 256 out 5.19,
+    32 x whole x 256 6.48, 64 x whole x 512 10.89, 64 x whole x 256 21.69 (255 registers), 16 warps 23.61;
+    the TF32 tiles before 12.25. AMD keeps exact fp32 dots (no TF32; gfx906 lowers them to FMAs) in 32-wide
+    head-dim steps, the query re-read at each (its register budget)."""
     hp = max(16, _pow2_ceil(max(1, h)))
     dp = _pow2_ceil(max(1, d))
     if backend == "cpu":
         return AttentionTiles(block_h=hp, block_n=64, block_d=min(128, max(16, dp)), num_warps=1, block_s=1,
                               block_dc=1, num_warps_c=1, block_dv=min(256, max(16, dp)))
     if backend == "cuda":
-        block_d = max(16, dp) if shared is None or shared >= 160 * 1024 else min(128, max(16, dp))
-        return AttentionTiles(block_h=hp, block_n=64, block_d=block_d, num_warps=8, block_s=1, block_dc=1,
-                              num_warps_c=1, block_dv=min(256, max(16, dp)), precision="fp16")
+        if shared is None or shared >= 160 * 1024:
+            return AttentionTiles(block_h=hp, block_n=32, block_d=max(16, dp), num_warps=8, block_s=1, block_dc=1,
+                                  num_warps_c=1, block_dv=max(16, dp), precision="fp16")
+        return AttentionTiles(block_h=hp, block_n=64, block_d=min(128, max(16, dp)), num_warps=8, block_s=1,
+                              block_dc=1, num_warps_c=1, block_dv=min(256, max(16, dp)), precision="fp16")
     lanes = 64 if backend == "hip64" else 32
     block_n, block_dv = 16 if backend == "hip64" else 32, min(64, max(16, dp))
     # The [heads, block_dv] accumulator at 16 fp32 per lane, leaving registers for the q / key / value tiles
