@@ -267,11 +267,13 @@ def test_prefill_attention_skips_key_blocks_no_query_sees(poisoned_empty: None, 
     ids, valid = torch.randint(0, 20, (T, 12), generator=gen), torch.zeros(T, 12, dtype=torch.bool)
     valid[2, :3] = True
     valid[3:] = torch.rand(3, 12, generator=gen) > 0.5
-    valid[4, 4:] = False  # its last two blocks of 4 rows are masked: skipped
+    valid[4, 4:] = False  # its second key block (rows 8-11) is masked: skipped
     kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:7], mask_c=None, ids=None, ratio=2)}
     kw = kw[layer]
-    tiles = AttentionTiles(block_h=4, block_n=4, block_d=64 if resident else 16, num_warps=1, block_s=1, block_dc=1,
-                           num_warps_c=1, block_dv=16, precision=precision)
+    # 16 x 16 tiles (a GPU's tl.dot needs >= 16 per dim): keys 0-15 = the window's 8 + the first 8 rows, 16-31 the
+    # last 4 rows and padding
+    tiles = AttentionTiles(block_h=16, block_n=16, block_d=64 if resident else 16, num_warps=1, block_s=1,
+                           block_dc=1, num_warps_c=1, block_dv=16, precision=precision)
     dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     got = attention_prefill_triton(q.to(DEVICE), ring.to(DEVICE), sinks=sinks.to(DEVICE), scale=D ** -0.5,
                                    pos=pos.to(DEVICE), window=W, **dev, tiles=tiles)

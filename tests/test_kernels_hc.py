@@ -209,7 +209,7 @@ def test_hc_pre_quantises_its_normalised_rows(poisoned_empty: None, T: int, dim:
                                               quant: tuple[str, ...], part: bool) -> None:
     """hc_pre's finalize also stores its normalised rows quantised for their integer-dot consumers (at most two
     forms): the codes the quantiser's own launch gives on the stored rows (`_same_quant`), and the rows the same
-    with and without them; with the mix partials of the hc_post that made X too. The head's form likewise. 40
+    with and without them (bit for bit in the interpreter, to fp32 rounding compiled); with the mix partials of the hc_post that made X too. The head's form likewise. 40
     is a row that is no power of two."""
     C, m = 4, 24
     X, fn, scale, base = _weights(T, C, dim, m, seed)
@@ -225,7 +225,12 @@ def test_hc_pre_quantises_its_normalised_rows(poisoned_empty: None, T: int, dim:
         args = (X, *args[1:])
     xn, acts, post, comb = hc_pre_triton(*args, w, quant=quant, **kw)
     xn0, acts0, post0, comb0 = hc_pre_triton(*args, w, **kw)
-    assert acts0 == [] and torch.equal(xn0, xn) and torch.equal(post0, post) and torch.equal(comb0, comb)
+    assert acts0 == []
+    for a, b in ((xn0, xn), (post0, post), (comb0, comb)):
+        if DEVICE == "cpu":
+            assert torch.equal(a, b)
+        else:  # two kernels compiled with and without the quantiser may contract multiply-adds differently
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     ref = _normed(HyperConnection(fn, scale, base, cfg).pre(X), w, cfg.rms_eps)
     for got, want in zip((xn, post, comb), ref, strict=True):
         torch.testing.assert_close(got, want, **TOL)
