@@ -209,8 +209,8 @@ def test_hc_pre_quantises_its_normalised_rows(poisoned_empty: None, T: int, dim:
                                               quant: tuple[str, ...], part: bool) -> None:
     """hc_pre's finalize also stores its normalised rows quantised for their integer-dot consumers (at most two
     forms): the codes the quantiser's own launch gives on the stored rows (`_same_quant`), and the rows the same
-    with and without them (bit for bit in the interpreter, to fp32 rounding compiled); with the mix partials of the hc_post that made X too. The head's form likewise. 40
-    is a row that is no power of two."""
+    with and without them (bit for bit in the interpreter, to fp32 rounding compiled); with the mix partials of
+    the hc_post that made X too. The head's form likewise. 40 is a row that is no power of two."""
     C, m = 4, 24
     X, fn, scale, base = _weights(T, C, dim, m, seed)
     w = _norm_weight(dim)
