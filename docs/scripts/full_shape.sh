@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The full-shape measurements of docs/PERFORMANCE.md in device calls of <= 10 minutes, on a GPU that holds the
+# flash q2 file (an H200): the random-weight file in a tmpfs, then one part per call (chain the calls so the
+# machine, and the file on it, stay warm between them; a part re-makes the file when it is missing).
+#   bash docs/scripts/full_shape.sh bench [OLD_TREE]  engine bench of this tree (and of OLD_TREE, a `git archive`
+#                                                     of an older commit, in the same call)
+#   bash docs/scripts/full_shape.sh serve             `bench serve` with an 8K prompt (the user's path)
+#   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve
+#   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
+# Env: FILE (default /mnt/x/flash-q2.gguf). PYTHONPATH must reach this tree's dependencies.
+set -u
+part=${1:?usage: full_shape.sh bench|serve|streams|draft [OLD_TREE]}
+old=${2:-}
+file=${FILE:-/mnt/x/flash-q2.gguf}
+here=$(pwd)
+deps=${PYTHONPATH:-}
+if [ ! -f "$file" ]; then
+  mkdir -p "$(dirname "$file")"
+  mountpoint -q "$(dirname "$file")" || mount -t tmpfs -o size=100g tmpfs "$(dirname "$file")"
+  python3 -m ds4station.cli make-model --preset flash --device cuda --out "$file" 2>&1 | tail -1
+fi
+bench() {  # tree label
+  echo "=== bench $2"
+  (cd "$1" && PYTHONPATH="$1:$deps" python3 -m ds4station.cli bench --model "$file" --prompts 2048 \
+    --prefills 2048,8192 --runs 1 2>&1 | grep -v Warning | tail -9)
+}
+case $part in
+  bench) bench "$here" "new"; [ -n "$old" ] && bench "$(cd "$old" && pwd)" "old ($old)" ;;
+  serve) timeout 240 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench --prompt-tokens 8K \
+           --decode-tokens 64 --runs 2 2>&1 | tail -8 ;;
+  streams) TESTS=streams TEMPERATURE=0 timeout 400 python3 docs/scripts/batch_streams.py "$file" new --sessions 8 \
+             --ctx 40K 2>&1 | grep -E "steps|tok/s" | cut -c1-220 ;;
+  draft) timeout 300 python3 -m ds4station.cli bench draft --model "$file" --k 1,2,3 --prompt-tokens 512 \
+           --decode-tokens 32 2>&1 | tail -8 ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
