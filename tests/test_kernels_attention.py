@@ -22,12 +22,13 @@ TOL_DEFAULT = {"rtol": 3e-3, "atol": 3e-3} if DEVICE == "cuda" else TOL
 # The CUDA prefill tiles round the dots' operands to fp16 (the interpreter too): the TF32 bound, on any device.
 TOL_FP16 = {"rtol": 3e-3, "atol": 3e-3}
 
-
-def _tol(precision: str) -> dict:
-    return TOL_FP16 if precision == "fp16" else TOL_DEFAULT if precision == "tf32" else TOL
 # Several ragged key blocks (a block straddles window and compressed keys), head blocks smaller than H and a
 # ragged last head-dim step (96 = 64 + 32), and combine steps smaller than the split count.
 SPLIT = AttentionTiles(block_h=2, block_n=4, block_d=64, num_warps=1, block_s=4, block_dc=64, num_warps_c=1)
+
+
+def _tol(precision: str) -> dict:
+    return TOL_FP16 if precision == "fp16" else TOL_DEFAULT if precision == "tf32" else TOL
 
 
 def _case(H: int, D: int, nw: int, nc: int, indexed: bool, dtype: torch.dtype, seed: int,
@@ -186,11 +187,13 @@ def test_attention_tiles(backend: str, H: int, D: int, n: int) -> None:
             assert t.num_warps <= attention_tiles(H, D, n, "hip32").num_warps
 
 
-@pytest.mark.parametrize("dot", [False, True], ids=["fma", "tl.dot"])
+@pytest.mark.parametrize("form", ["fma", "tl.dot", "tl.dot fp16", "tl.dot fp16 whole"])
 @pytest.mark.parametrize("layer", ["indexed", "ratio", "window"])
-def test_positional_masks_from_the_ring_and_position(poisoned_empty: None, dot: bool, layer: str) -> None:
+def test_positional_masks_from_the_ring_and_position(poisoned_empty: None, form: str, layer: str) -> None:
     """Decode's masks derived in the kernel from the position: the window read from the raw ring (slots wrap,
-    positions below 0 masked) and shared compressed rows visible by ratio; both split kernels, odd heads."""
+    positions below 0 masked) and shared compressed rows visible by ratio; both split kernels, odd heads; the
+    tl.dot one in fp32, with fp16 operands in 32-wide head-dim steps, and with fp16 operands over the whole
+    head dim in one load and one dot (block_d >= D)."""
     H, D = 5, 96
     gen = torch.Generator().manual_seed(11)
     q, sinks = torch.randn(H, D, generator=gen), torch.randn(H, generator=gen)
@@ -200,8 +203,9 @@ def test_positional_masks_from_the_ring_and_position(poisoned_empty: None, dot: 
     kw = {"indexed": dict(kc=comp, mask_c=valid, ids=ids), "ratio": dict(kc=comp[:20], mask_c=None, ratio=4),
           "window": dict(kc=None, mask_c=None)}[layer]
     kc, mc = kw.pop("kc"), kw.pop("mask_c")
-    tiles = (AttentionTiles(block_h=16, block_n=16, block_d=32, num_warps=1, block_s=4, block_dc=64, num_warps_c=1,
-                            block_dv=64, precision="ieee") if dot else SPLIT)
+    tiles = SPLIT if form == "fma" else AttentionTiles(
+        block_h=16, block_n=16, block_d=128 if "whole" in form else 32, num_warps=1, block_s=4, block_dc=64,
+        num_warps_c=1, block_dv=64, precision="fp16" if "fp16" in form else "ieee")
     for p in (9, 57):  # early (window reaches below position 0) and wrapped around the 40-slot ring
         t = [x if x is None or x.dim() == 0 else x.to(DEVICE) for x in (q, ring, kc, mc, sinks)]
         pos = torch.tensor([p], device=DEVICE)
@@ -210,7 +214,7 @@ def test_positional_masks_from_the_ring_and_position(poisoned_empty: None, dot: 
                                       **extra)
         want = attention_decode_ref(t[0], t[1], None, t[2], t[3], t[4], D ** -0.5, pos=pos, window=16, **extra)
         assert not got.isnan().any()
-        assert torch.allclose(got.cpu(), want.cpu(), **TOL), (got.cpu() - want.cpu()).abs().max()
+        assert torch.allclose(got.cpu(), want.cpu(), **_tol(tiles.precision)), (got.cpu() - want.cpu()).abs().max()
 
 
 def test_positional_masks_need_the_position() -> None:

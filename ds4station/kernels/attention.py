@@ -139,6 +139,16 @@ def _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok):
 
 
 @triton.jit
+def _dot_operand(x, F16: tl.constexpr):
+    """x as a tl.dot operand: fp16 (F16: half the bytes per tensor-core operand, fp32 accumulation) or fp32."""
+    if F16:
+        y = x.to(tl.float16)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
 def _query_position(pos_ptr, NEEDED: tl.constexpr):
     if NEEDED:
         return tl.load(pos_ptr).to(tl.int64)
@@ -217,11 +227,14 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
                            stride_skc, scale,
                            INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr = False):
+                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, Q_ONCE: tl.constexpr = False,
+                           F16: tl.constexpr = False, PDL: tl.constexpr = False):
     """The split step on the matrix units: grid (key blocks, value-dim blocks); every program takes ALL heads
     (MQA: one key load serves them all), computes the logits z [BLOCK_H, BLOCK_N] = q . keys^T over the whole
     head dim with tl.dot, and writes acc for its BLOCK_DV slice of the output dims (programs of value block 0
-    also write m and l). Same partials as `_attn_split_kernel`."""
+    also write m and l). Same partials as `_attn_split_kernel`. Q_ONCE (BLOCK_K >= D): the query and the keys
+    over the whole head dim in one load each and one dot, else in BLOCK_K steps; F16: fp16 dot operands (as
+    the prefill kernel's), else fp32 at PRECISION."""
     enter(PDL)
     split = tl.program_id(0)
     dv = tl.program_id(1)
@@ -240,14 +253,22 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
         if dv == 0:
             tl.store(m_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
     else:
-        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_K):
-            d = d0 + tl.arange(0, BLOCK_K)
+        if Q_ONCE:
+            d = tl.arange(0, BLOCK_K)
             d_ok = d < D
             qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                          other=0.0).to(tl.float32)
-            z = tl.dot(qd, tl.trans(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok)), z,
-                       input_precision=PRECISION)
+            z = tl.dot(_dot_operand(qd, F16), tl.trans(_dot_operand(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok),
+                                                                    F16)), input_precision=PRECISION)
+        else:
+            z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for d0 in range(0, D, BLOCK_K):
+                d = d0 + tl.arange(0, BLOCK_K)
+                d_ok = d < D
+                qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
+                             other=0.0).to(tl.float32)
+                z = tl.dot(_dot_operand(qd, F16), tl.trans(_dot_operand(
+                    _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), F16)), z, input_precision=PRECISION)
         z = tl.where(ok[None, :], z * scale, float("-inf"))
         m = tl.max(z, axis=1)
         e = tl.exp(z - m[:, None])  # m is finite: the block has a visible key
@@ -256,7 +277,8 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
             tl.store(l_ptr + part, tl.sum(e, axis=1), mask=h_ok)
         d = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
         d_ok = d < D
-        o = tl.dot(e, _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), input_precision=PRECISION)
+        o = tl.dot(_dot_operand(e, F16), _dot_operand(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), F16),
+                   input_precision=PRECISION)
         tl.store(acc_ptr + part.to(tl.int64)[:, None] * D + d[None, :], o, mask=h_ok[:, None] & d_ok[None, :])
 
 
@@ -438,7 +460,7 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
             raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")
         _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d,
-            BLOCK_DV=tiles.block_dv, PRECISION=tiles.precision, num_warps=tiles.num_warps, **pdl(q))
+            BLOCK_DV=tiles.block_dv, **dot_consts(tiles, D), num_warps=tiles.num_warps, **pdl(q))
     else:
         _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
@@ -475,16 +497,6 @@ def attention_prefill_ref(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Te
                              None if ids is None else ids[t], pos=pos[t:t + 1], window=window,
                              ratio=0 if ids is not None else ratio)
         for t in range(q.shape[0])])
-
-
-@triton.jit
-def _dot_operand(x, F16: tl.constexpr):
-    """x as a tl.dot operand: fp16 (F16: half the bytes per tensor-core operand, fp32 accumulation) or fp32."""
-    if F16:
-        y = x.to(tl.float16)
-    else:
-        y = x.to(tl.float32)
-    return y
 
 
 @triton.jit(do_not_specialize=["NC", "stride_it"])  # the compressed rows seen grow with the position
@@ -557,9 +569,9 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
              mask=h_ok[:, None] & dv_ok[None, :])
 
 
-def prefill_dot_consts(tiles: dispatch.AttentionTiles, d: int) -> dict:
-    """The prefill kernel's dot constexprs for its tiles and head dim d: precision "fp16" = fp16 operands
-    (PRECISION unused); Q_ONCE when one head-dim step holds the whole query."""
+def dot_consts(tiles: dispatch.AttentionTiles, d: int) -> dict:
+    """The tl.dot kernels' (split and prefill) dot constexprs for their tiles and head dim d: precision "fp16" =
+    fp16 operands (PRECISION unused); Q_ONCE when one head-dim step holds the whole query."""
     f16 = tiles.precision == "fp16"
     return {"PRECISION": "ieee" if f16 else tiles.precision, "F16": f16, "Q_ONCE": tiles.block_d >= d}
 
@@ -607,6 +619,6 @@ def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c:
         q, ring, kc_, mc, idx, pos, sinks.float().contiguous(), out, H, D, window, nc, ring.shape[0],
         q.stride(0), q.stride(1), ring.stride(0), kc_.stride(0), stride_it, out.stride(0), out.stride(1),
         float(scale), INDEXED=ids is not None, RATIO=ratio if ids is None else 0, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, **prefill_dot_consts(tiles, D),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, **dot_consts(tiles, D),
         num_warps=tiles.num_warps, **pdl(q))
     return out
