@@ -3,17 +3,17 @@ window 128) for one query and for 4 queries at once (a verification's or a short
 ratio-4 layer (window + 512 indexed rows of 2,048), a ratio-128 layer at 8K and at 128K (64 / 1,024 rows) and a
 window-only layer; us per call at the dispatched tiles and, with `--sweep`, at others (fp16 operands, the whole
 head dim in one load and one dot, keys per split, output dims per program, warps), and one decode step's
-attention over 43 layers (21 ratio-4, 20 ratio-128 at 8K, 2 window-only). Each case a CUDA graph of 20 calls,
-median of 5 replays. Compares trees when run from each with its own PYTHONPATH (an older tree: dispatched tiles
+attention over 43 layers (21 ratio-4, 20 ratio-128 at 8K, 2 window-only). Each case a CUDA graph of 32 calls, its
+median replay. Compares trees when run from each with its own PYTHONPATH (an older tree: dispatched tiles
 only). usage: attention_decode_tiles.py [--sweep]"""
 import dataclasses
-import statistics
 import sys
 
 import torch
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.attention import attention_decode_triton
+from ds4station.kernels.benchmark import _graph_time_us
 
 H, D, W, TOPK, POS = 64, 512, 128, 512, 8191
 dev = torch.device("cuda")
@@ -39,24 +39,6 @@ def cases(t: int) -> dict:
     return out, q, pos
 
 
-def timed(fn, calls: int = 20, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    return statistics.median(ts)
-
-
 print(torch.cuda.get_device_name())
 for t in (1, 4):
     layers, q, pos = cases(t)
@@ -71,9 +53,9 @@ for t in (1, 4):
                     base, block_n=bn, block_d=bd, block_dv=dv, num_warps=w, precision=prec)))
         for name, tiles in variants:
             try:
-                us = timed(lambda kw=kw, tiles=tiles, q=q, pos=pos: attention_decode_triton(
+                us = _graph_time_us(lambda _, kw=kw, tiles=tiles, q=q, pos=pos: attention_decode_triton(
                     q, ring, None, kw["kc"], kw["mask_c"], sinks, D ** -0.5, ids=kw["ids"], pos=pos, window=W,
-                    ratio=kw.get("ratio", 0), tiles=tiles))
+                    ratio=kw.get("ratio", 0), tiles=tiles), 1)
                 print(f"T={t} {kind:18} {name:24} {us:8.2f} us  (x{n_layers} layers: {us * n_layers:8.1f} us)")
             except Exception as exc:  # a tile that does not compile or fit
                 print(f"T={t} {kind:18} {name:24} failed ({type(exc).__name__}: {str(exc)[:80]})")

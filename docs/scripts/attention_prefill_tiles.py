@@ -2,17 +2,17 @@
 2,048-query chunk: the last chunk of an 8K prompt (the ratio-4 layers' 512 indexed rows of 2,048, the ratio-128
 layers' 64 rows) and the first chunk of any prompt (position 0: 512 rows seen causally), ms per layer at the
 dispatched tiles, and with `--sweep` at others; then one chunk's attention over the 43 layers (21 ratio-4, 20
-ratio-128, 2 window-only). Each case a median of CUDA-event timings. Compares trees when run from each with its
-own PYTHONPATH (an older tree runs its dispatched tiles only).
+ratio-128, 2 window-only). Each case the median of `triton.testing.do_bench`. Compares trees when run from
+each with its own PYTHONPATH (an older tree runs its dispatched tiles only).
 usage: attention_prefill_tiles.py [--sweep] [--fp16-kv]"""
 import dataclasses
-import statistics
 import sys
 
 import torch
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.attention import attention_prefill_ref, attention_prefill_triton
+from ds4station.kernels.benchmark import _median_ms
 
 H, D, W, T, TOPK = 64, 512, 128, 2048, 512
 dev = torch.device("cuda")
@@ -38,20 +38,6 @@ def cases(start: int) -> dict:
             "window": (dict(kc=None, mask_c=None, ids=None), 2)}, pos
 
 
-def timed(fn, reps: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 base = dispatch.attention_prefill_tiles(H, D, "cuda")
 variants = [("dispatched", base)]
 if "--sweep" in sys.argv:
@@ -67,7 +53,7 @@ for start, label in ((6144, "last chunk of 8K"), (0, "first chunk")):
         total, line = 0.0, []
         for kind, (kw, n_layers) in layers.items():
             try:
-                ms = timed(lambda kw=kw, pos=pos, tiles=tiles: attention_prefill_triton(
+                ms = _median_ms(lambda kw=kw, pos=pos, tiles=tiles: attention_prefill_triton(
                     q, ring, sinks=sinks, scale=D ** -0.5, pos=pos, window=W, tiles=tiles, **kw))
             except Exception as exc:  # a tile that does not compile or fit
                 line.append(f"{kind} failed ({type(exc).__name__}: {str(exc)[:60]})")

@@ -138,6 +138,9 @@ def _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok):
     return k + tl.load(base_c[:, None] + d[None, :], mask=ok_c[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
 
 
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _dot_operand(x, F16: tl.constexpr):
     """x as a tl.dot operand: fp16 (F16: half the bytes per tensor-core operand, fp32 accumulation) or fp32."""
@@ -227,14 +230,13 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
                            stride_skc, scale,
                            INDEXED: tl.constexpr, RING: tl.constexpr, RATIO: tl.constexpr, SLOTS: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, Q_ONCE: tl.constexpr = False,
-                           F16: tl.constexpr = False, PDL: tl.constexpr = False):
+                           BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr, F16: tl.constexpr = False,
+                           PDL: tl.constexpr = False):
     """The split step on the matrix units: grid (key blocks, value-dim blocks); every program takes ALL heads
     (MQA: one key load serves them all), computes the logits z [BLOCK_H, BLOCK_N] = q . keys^T over the whole
     head dim with tl.dot, and writes acc for its BLOCK_DV slice of the output dims (programs of value block 0
-    also write m and l). Same partials as `_attn_split_kernel`. Q_ONCE (BLOCK_K >= D): the query and the keys
-    over the whole head dim in one load each and one dot, else in BLOCK_K steps; F16: fp16 dot operands (as
-    the prefill kernel's), else fp32 at PRECISION."""
+    also write m and l). Same partials as `_attn_split_kernel`. F16: fp16 dot operands (as the prefill
+    kernel's), else fp32 at PRECISION."""
     enter(PDL)
     split = tl.program_id(0)
     dv = tl.program_id(1)
@@ -253,22 +255,14 @@ def _attn_split_dot_kernel(q_ptr, kw_ptr, mw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_p
         if dv == 0:
             tl.store(m_ptr + part, tl.full([BLOCK_H], float("-inf"), tl.float32), mask=h_ok)
     else:
-        if Q_ONCE:
-            d = tl.arange(0, BLOCK_K)
+        z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_K):  # BLOCK_K >= D: the whole head dim in one load and one dot
+            d = d0 + tl.arange(0, BLOCK_K)
             d_ok = d < D
             qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
                          other=0.0).to(tl.float32)
             z = tl.dot(_dot_operand(qd, F16), tl.trans(_dot_operand(_load_keys(base_w, base_c, ok_w, ok_c, d, d_ok),
-                                                                    F16)), input_precision=PRECISION)
-        else:
-            z = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
-            for d0 in range(0, D, BLOCK_K):
-                d = d0 + tl.arange(0, BLOCK_K)
-                d_ok = d < D
-                qd = tl.load(q_ptr + offs_h[:, None] * stride_q + d[None, :], mask=h_ok[:, None] & d_ok[None, :],
-                             other=0.0).to(tl.float32)
-                z = tl.dot(_dot_operand(qd, F16), tl.trans(_dot_operand(
-                    _load_keys(base_w, base_c, ok_w, ok_c, d, d_ok), F16)), z, input_precision=PRECISION)
+                                                                    F16)), z, input_precision=PRECISION)
         z = tl.where(ok[None, :], z * scale, float("-inf"))
         m = tl.max(z, axis=1)
         e = tl.exp(z - m[:, None])  # m is finite: the block has a visible key
@@ -460,7 +454,7 @@ def attention_decode_triton(q: Tensor, kw: Tensor, mask_w: Tensor | None, kc: Te
             raise ValueError(f"the tl.dot split kernel takes all {H} heads per program, tiles have {tiles.block_h}")
         _attn_split_dot_kernel[(n_split, triton.cdiv(D, tiles.block_dv), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d,
-            BLOCK_DV=tiles.block_dv, **dot_consts(tiles, D), num_warps=tiles.num_warps, **pdl(q))
+            BLOCK_DV=tiles.block_dv, **dot_consts(tiles), num_warps=tiles.num_warps, **pdl(q))
     else:
         _attn_split_kernel[(n_split, triton.cdiv(H, tiles.block_h), T)](
             *args, **flags, BLOCK_H=tiles.block_h, BLOCK_N=tiles.block_n, BLOCK_D=tiles.block_d,
@@ -521,7 +515,7 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
     p = tl.load(pos_ptr + t).to(tl.int64)
     d_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = d_v < D
-    qk_scale = scale * 1.4426950408889634  # log2(e): the softmax in base 2
+    qk_scale = scale * _LOG2E  # the softmax in base 2
     q_row = q_ptr + t * stride_qt + offs_h[:, None] * stride_qh
     if Q_ONCE:  # the whole query, once
         d_all = tl.arange(0, BLOCK_K)
@@ -560,7 +554,7 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
             v = _load_keys(base_w, base_c, ok_w, ok_c, d_v, dv_ok)
             acc = acc * alpha[:, None] + tl.dot(_dot_operand(e, F16), _dot_operand(v, F16), input_precision=PRECISION)
             m = m_new
-    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    sink = tl.load(sinks_ptr + offs_h, mask=h_ok, other=0.0).to(tl.float32) * _LOG2E
     big = tl.maximum(m, sink)
     w = tl.exp2(m - big)  # 0 when every key was masked (m = -inf)
     total = lsum * w + tl.exp2(sink - big)
@@ -569,11 +563,11 @@ def _attn_prefill_kernel(q_ptr, kw_ptr, kc_ptr, mc_ptr, ids_ptr, pos_ptr, sinks_
              mask=h_ok[:, None] & dv_ok[None, :])
 
 
-def dot_consts(tiles: dispatch.AttentionTiles, d: int) -> dict:
-    """The tl.dot kernels' (split and prefill) dot constexprs for their tiles and head dim d: precision "fp16" =
-    fp16 operands (PRECISION unused); Q_ONCE when one head-dim step holds the whole query."""
+def dot_consts(tiles: dispatch.AttentionTiles) -> dict:
+    """The tl.dot kernels' (split and prefill) dot constexprs for their tiles: precision "fp16" = fp16
+    operands (PRECISION unused)."""
     f16 = tiles.precision == "fp16"
-    return {"PRECISION": "ieee" if f16 else tiles.precision, "F16": f16, "Q_ONCE": tiles.block_d >= d}
+    return {"PRECISION": "ieee" if f16 else tiles.precision, "F16": f16}
 
 
 def attention_prefill(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c: Tensor | None, sinks: Tensor,
@@ -619,6 +613,6 @@ def attention_prefill_triton(q: Tensor, ring: Tensor, kc: Tensor | None, mask_c:
         q, ring, kc_, mc, idx, pos, sinks.float().contiguous(), out, H, D, window, nc, ring.shape[0],
         q.stride(0), q.stride(1), ring.stride(0), kc_.stride(0), stride_it, out.stride(0), out.stride(1),
         float(scale), INDEXED=ids is not None, RATIO=ratio if ids is None else 0, BLOCK_H=tiles.block_h,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, **dot_consts(tiles, D),
-        num_warps=tiles.num_warps, **pdl(q))
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_d, BLOCK_DV=tiles.block_dv, Q_ONCE=tiles.block_d >= D,
+        **dot_consts(tiles), num_warps=tiles.num_warps, **pdl(q))
     return out

@@ -491,8 +491,8 @@ def _attention_specs(attention, backend: dispatch.Backend, shared: int) -> list[
                        "stride_kw", "stride_kc")
             if t.block_dv:  # the tl.dot form (all heads per program)
                 sig.update({"BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr",
-                            "Q_ONCE": "constexpr", "F16": "constexpr"})
-                consts.update({"BLOCK_K": t.block_d, "BLOCK_DV": t.block_dv, **attention.dot_consts(t, D)})
+                            "F16": "constexpr"})
+                consts.update({"BLOCK_K": t.block_d, "BLOCK_DV": t.block_dv, **attention.dot_consts(t)})
                 fn = attention._attn_split_dot_kernel
             else:
                 sig["BLOCK_D"] = "constexpr"
@@ -511,7 +511,8 @@ def _attention_specs(attention, backend: dispatch.Backend, shared: int) -> list[
              "BLOCK_K": "constexpr", "BLOCK_DV": "constexpr", "PRECISION": "constexpr", "F16": "constexpr",
              "Q_ONCE": "constexpr"},
             {"INDEXED": indexed, "RATIO": 0 if indexed else 128, "BLOCK_H": tp.block_h, "BLOCK_N": tp.block_n,
-             "BLOCK_K": tp.block_d, "BLOCK_DV": tp.block_dv, **attention.dot_consts(tp, D)},
+             "BLOCK_K": tp.block_d, "BLOCK_DV": tp.block_dv, "Q_ONCE": tp.block_d >= D,
+             **attention.dot_consts(tp)},
             ("q_ptr", "kw_ptr", "kc_ptr", "out_ptr", "D", "stride_qt", "stride_qh", "stride_kw", "stride_kc",
              "stride_ot", "stride_oh"), tp.num_warps, 1))
         out.append(KernelSpec(

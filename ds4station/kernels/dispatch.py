@@ -598,8 +598,8 @@ class AttentionTiles:
     block_dc: int  # head-dim elements per combine program
     num_warps_c: int
     block_dv: int = 0  # > 0: the tl.dot split kernel (all heads per program, this many output dims each)
-    precision: str = "ieee"  # tl.dot input precision of that kernel ("tf32" on NVIDIA tensor cores; prefill:
-    # "fp16", the operands rounded to fp16)
+    precision: str = "ieee"  # tl.dot input precision of that kernel ("tf32" on NVIDIA tensor cores; "fp16": the
+    # operands rounded to fp16)
 
 
 def attention_tiles(h: int, d: int, n_keys: int, backend: Backend) -> AttentionTiles:
