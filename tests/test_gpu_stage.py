@@ -585,8 +585,10 @@ def test_a_verification_gives_every_positions_logits(tiny: GGUFFile, reference, 
         # On a GPU the rows' projections take other kernels than one decode row's (the fp16 tensor-core matmul
         # past dispatch.q8_0_matvec_rows). Without the round trips the two agree to 2e-3; with them (FP8 KV rows,
         # the FP4 indexer: coarse steps that a small rounding difference can cross) they differed by 9.3e-2 of
-        # the largest logit on the H200 (not traced further), so there the bound is the reference's.
-        _close(rows, steps, 1e-5 if device == "cpu" else 2e-3 if rt == OFF else 0.3)
+        # the largest logit on the H200 (not traced further), so there the bound is the reference's. On the CPU
+        # the two agree to ~1e-6 (the rows' and one row's torch ops round differently); with the round trips
+        # such a difference crossed one FP8 step of a KV row at one torch thread (2.2e-4 of the largest logit).
+        _close(rows, steps, (1e-5 if rt == OFF else 1e-2) if device == "cpu" else 2e-3 if rt == OFF else 0.3)
         assert cache.truncate(92) and cache.length == 92  # two drafts rejected: their rows dropped
 
 

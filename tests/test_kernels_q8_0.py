@@ -282,17 +282,17 @@ def test_int_dot_matvec_at_the_routed_tiles(n: int, k: int, m: int, groups: int)
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS])
 def test_cpu_linear_dequantises_in_bounded_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, qtype: Q) -> None:
-    """On the CPU a quantised matrix is dequantised a block of rows at a time (ops.CPU_DEQUANT_BYTES of fp32),
-    giving the rows of the whole matrix's product."""
+    """On the CPU the activation rows past ops.CPU_MATVEC_ROWS (a prefill's) meet the matrix dequantised a block of
+    rows at a time (ops.CPU_DEQUANT_BYTES of fp32), giving the rows of the whole matrix's product."""
     from ds4station.kernels import ops
 
-    n, k = 300, 256
+    n, k, m = 300, 256, ops.CPU_MATVEC_ROWS + 3
     gen = torch.Generator().manual_seed(4)
     w = ops.repack(random_blocks(qtype, n * k, gen, 0.05).view(n, -1), qtype.name, k)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     whole = ops.linear(x, w, out_dtype=torch.float32)
     monkeypatch.setattr(ops, "CPU_DEQUANT_BYTES", 4 * k * 64)  # 64 rows per block: 5 blocks, the last short
     blocks = ops.linear(x, w, out_dtype=torch.float32)
-    assert blocks.shape == (3, n)
+    assert blocks.shape == (m, n)
     torch.testing.assert_close(blocks, whole, rtol=0, atol=1e-5)
     assert torch.equal(blocks[:, :64], (x @ ops.dequantize(w)[:64].T))

@@ -12,27 +12,25 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from ds4station.kernels import dispatch
+from ds4station.kernels import cpu, dispatch
 from ds4station.kernels.act_quant import quantize_act16
 from ds4station.kernels.iq2_xxs import (
     PackedIQ2XXS,
     dequantize_iq2_xxs,
     iq2_xxs_matvec,
-    iq2_xxs_matvec_ref,
     repack_iq2_xxs,
 )
-from ds4station.kernels.moe import _expert, int_dot_layout, moe_decode, moe_decode_ref
+from ds4station.kernels.moe import _expert, int_dot_layout, moe_decode
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
-from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
-from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, q4_k_matvec, q4_k_matvec_ref, repack_q4_k
+from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, repack_q2_k
+from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, q4_k_matvec, repack_q4_k
 from ds4station.kernels.q8_0 import (
     PackedQ8_0,
     dequantize_q8_0,
     q8_0_matmul,
     q8_0_matvec,
     q8_0_matvec_q16,
-    q8_0_matvec_ref,
     repack_q8_0,
 )
 from ds4station.kernels.quants import row_bytes
@@ -52,6 +50,10 @@ MAX_MATVEC_ROWS = 8
 # 64-row tiles run nearly empty. H200, one Flash layer (docs/PERFORMANCE.md): 22 tokens 6.6 ms in moe_prefill, 0.9
 # ms on the decode kernels; 256 tokens 14.7 against 10.6 ms; from 512 tokens the prefill kernel is faster.
 MOE_DECODE_ROWS = 256
+# On the CPU, up to this many activation rows run the native matvec (kernels/cpu.py), which reads each weight once
+# for every row; more take a dequantised block of rows and torch's matmul (this machine, 2 cores: a 2048 x 4096
+# IQ2_XXS matvec 0.8 ms at one row, 1.6 ms at four; its fp32 block dequantised ~10 ms before any matmul).
+CPU_MATVEC_ROWS = 16
 
 
 def _row_block(w: Packed, r0: int, r1: int) -> Packed:
@@ -101,6 +103,27 @@ def dequantize(w: Packed) -> torch.Tensor:
     return dequantize_q2_k(w)
 
 
+def _cpu_linear(x: torch.Tensor, w: Packed, groups: int) -> torch.Tensor:
+    """`linear` on the CPU, fp32 [M, N]: up to CPU_MATVEC_ROWS rows the native matvec (kernels/cpu.py: each weight
+    read once for all rows); more rows (prefill), blocks of rows dequantised to fp32 (CPU_DEQUANT_BYTES at a time,
+    natively where the library is built) and multiplied by torch's matmul. Without the native kernels, the torch
+    references."""
+    native = cpu.available()
+    x = x.float()
+    if native and x.shape[0] <= CPU_MATVEC_ROWS:
+        return cpu.matvec(x, w, groups)
+    per_group = w.n // groups
+    rows = min(per_group, max(1, CPU_DEQUANT_BYTES // (4 * w.k)))  # the fp32 copy of one block of rows at a time
+    out, r = [], 0
+    while r < w.n:
+        g, end = r // per_group, min(r + rows, (r // per_group + 1) * per_group)  # a block lies in one group
+        block = _row_block(w, r, end)
+        wf = cpu.dequantize(block) if native else dequantize(block)
+        out.append(x[:, g * w.k:(g + 1) * w.k] @ wf.T)
+        r = end
+    return torch.cat(out, -1)
+
+
 def linear_act16(x: torch.Tensor, w: Packed) -> bool:
     """Whether `linear` runs W over x's rows from their 16-bit quantisation (act_quant.quantize_act16): the
     integer-dot Q8_0 matvec, when its producer emits x quantised (norm.rms_norm(quant="act16"), swiglu, the decode
@@ -115,21 +138,14 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
 
     GPU: M <= 8 runs the fused dequant matvec (Q8_0: dispatch.q8_0_route picks the integer-dot matvec, the fp32
     one or the split-K matmul, measured); more rows run the Q8_0 / Q4_K tl.dot matmul (the 2-bit types, which
-    hold routed experts, are dequantised to fp16 and multiplied by torch here). CPU: torch reference.
+    hold routed experts, are dequantised to fp16 and multiplied by torch here). CPU: `_cpu_linear`.
     `act`: x as quantize_act16 gives it, where `linear_act16` says the route reads that (else ignored).
     """
     m = x.shape[0]
     if groups != 1 and not isinstance(w, PackedQ8_0):
         raise ValueError("grouped linear is implemented for Q8_0 weights only")
     if not dispatch.use_triton(x):
-        if isinstance(w, PackedQ8_0) and groups != 1:
-            return q8_0_matvec_ref(x, w, groups=groups, out_dtype=out_dtype)
-        ref = q8_0_matvec_ref if isinstance(w, PackedQ8_0) else iq2_xxs_matvec_ref \
-            if isinstance(w, PackedIQ2XXS) else q4_k_matvec_ref if isinstance(w, PackedQ4K) else q2_k_matvec_ref
-        rows = max(1, CPU_DEQUANT_BYTES // (4 * w.k))  # the fp32 copy of one block of rows at a time
-        if rows >= w.n:
-            return ref(x, w, out_dtype=out_dtype)
-        return torch.cat([ref(x, _row_block(w, r, r + rows), out_dtype=out_dtype) for r in range(0, w.n, rows)], -1)
+        return _cpu_linear(x, w, groups).to(out_dtype or x.dtype)
     if isinstance(w, PackedQ8_0):
         route = dispatch.q8_0_route(w.n, w.k, m, dispatch.launch_backend(x), quantised=act is not None)
         if route == "int_dot":
@@ -178,21 +194,23 @@ def moe(
 
     GPU: up to MOE_DECODE_ROWS tokens run the decode kernels (integer dot on CUDA unless `int_dot` is False;
     `last`: see moe_decode), more the prefill kernels (tokens grouped by expert, tl.dot); no host
-    synchronisation on either path. CPU: the torch reference for a few tokens; for more, each used expert
-    dequantised once and multiplied with all its tokens. Float experts (dense [E, N, K] tensors: files whose
-    experts are F32 / F16 / BF16) take that per-expert path on every device."""
+    synchronisation on either path. CPU: each used expert once over all of its tokens through `linear` (the native
+    matvec for a few tokens, a dequantised block and a matmul for many). Float experts (dense [E, N, K] tensors:
+    files whose experts are F32 / F16 / BF16) take that per-expert path on every device, multiplied by torch."""
     dense = isinstance(gate, torch.Tensor)
     if dispatch.use_triton(x) and not dense:
         if x.shape[0] <= MOE_DECODE_ROWS:
             return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last, xq=xq)
         return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
-    if x.shape[0] <= MAX_MATVEC_ROWS and not dense:
-        return moe_decode_ref(x, gate, up, down, ids, weights, clamp=clamp)
     y = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # [T, S, D]: the sum does not
     x = x.float()  # depend on the experts' order (numbers or cache slots), as on the GPU
-    for e in ids.unique().tolist():
+    for e in ids.unique().tolist():  # each used expert once, over all of its tokens
         t, slot = torch.where(ids == e)
-        g, u, d = (w[e].float() if dense else dequantize(_expert(w, e)) for w in (gate, up, down))
-        h = swiglu_pair(x[t] @ g.T, x[t] @ u.T, clamp or 0.0) * weights[t, slot, None]
-        y[t, slot] = h @ d.T
+        if dense:
+            g, u, d = (w[e].float() for w in (gate, up, down))
+            h = swiglu_pair(x[t] @ g.T, x[t] @ u.T, clamp or 0.0) * weights[t, slot, None]
+            y[t, slot] = h @ d.T
+        else:
+            h = swiglu_pair(linear(x[t], _expert(gate, e)), linear(x[t], _expert(up, e)), clamp or 0.0)
+            y[t, slot] = linear(h * weights[t, slot, None], _expert(down, e))
     return y.sum(1)

@@ -1,0 +1,171 @@
+"""Native kernels of a CPU stage: quantised matvecs and row dequantisation in C (cpu_kernels.c), compiled at first
+use with the system's C compiler and loaded through ctypes.
+
+A CPU stage keeps its weights in their file types (issue 18); its torch references dequantise each matrix to
+fp32 with a chain of tensor ops per use (~1 s per Flash layer per decoded token on two cores). These kernels
+read each quantised weight once per call for all activation rows (`matvec`, decode: up to MAX_ROWS rows), or
+write fp32 rows for a BLAS matmul (`dequantize`, prefill), over OpenMP threads.
+
+The library is built into cache_dir()/cpu-kernels/ (`cc -O3 -march=native -fopenmp`, keyed by the source, the
+compiler and the CPU's flags) the first time a CPU stage needs it; `CC` names the compiler. Where none can build
+it, or `DS4STATION_CPU_KERNELS=0`, `available()` is False (warned once) and the CPU stage runs the torch
+references as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from ds4station.cache import cache_dir
+from ds4station.kernels.iq2_xxs import PackedIQ2XXS, _grid_np
+from ds4station.kernels.q2_k import PackedQ2K
+from ds4station.kernels.q4_k import PackedQ4K
+from ds4station.kernels.q8_0 import PackedQ8_0
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+MAX_ROWS = 16  # DS4_MAX_ROWS in the source: activation rows per matvec call
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_i64 = ctypes.c_int64
+_p = ctypes.c_void_p
+# argument types after the weight pointers: matvec (x, ldx, y, ldy, N, K, M, rpg), dequant (out, N, K)
+_MATVEC = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64]
+_DEQUANT = [_p, _i64, _i64]
+_WEIGHT_PTRS = {"q8_0": 2, "iq2_xxs": 4, "q2_k": 3, "q4_k": 4}  # the IQ2_XXS tables count as weights here
+_lock = threading.Lock()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    return cc if cc else shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def build(out_dir: Path | None = None) -> Path:
+    """Compile the kernels (unless built already) and return the library's path; raises on failure."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang; or set CC)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + cc.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    out_dir = out_dir or cache_dir() / "cpu-kernels"
+    lib = out_dir / f"ds4cpu-{key}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built beside, then renamed: never a half-written one
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+        if r.returncode:
+            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-2000:]}")
+        os.replace(tmp, lib)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("DS4STATION_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except Exception as e:  # no compiler, a failed build, a library that does not load: the torch references
+        log.warning("CPU kernels unavailable (%s); CPU stages run the torch references (slower)", e)
+        return None
+    for qt, n in _WEIGHT_PTRS.items():
+        getattr(lib, f"ds4_{qt}_matvec").argtypes = [_p] * n + _MATVEC
+        getattr(lib, f"ds4_{qt}_dequant").argtypes = [_p] * n + _DEQUANT
+        getattr(lib, f"ds4_{qt}_matvec").restype = getattr(lib, f"ds4_{qt}_dequant").restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the native kernels are built and loaded (building them on the first call)."""
+    with _lock:
+        return _lib() is not None
+
+
+@lru_cache(maxsize=1)
+def _iq2_xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid's magnitudes (fp32 [256, 8]) and each 7-bit sign field's 8 signs as +-1 (fp32 [128, 8]; the 8th
+    sign is the field's parity, as the format defines)."""
+    s7 = torch.arange(128)
+    parity = s7.clone()
+    for sh in (4, 2, 1):
+        parity = parity ^ (parity >> sh)
+    bits = ((s7 | ((parity & 1) << 7)).unsqueeze(-1) >> torch.arange(8)) & 1
+    return torch.from_numpy(_grid_np()).contiguous(), (1.0 - 2.0 * bits.float()).contiguous()
+
+
+def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors whose pointers the C functions take, contiguous (kept alive by the caller), and those pointers."""
+    if isinstance(w, PackedQ8_0):
+        ts = [w.qs, w.d]
+    elif isinstance(w, PackedIQ2XXS):
+        ts = [w.qs, w.d, *_iq2_xxs_tables()]
+    elif isinstance(w, PackedQ2K):
+        ts = [w.qs, w.sc, w.dm]
+    elif isinstance(w, PackedQ4K):
+        ts = [w.qs, w.sc, w.mn, w.dm]
+    else:
+        raise TypeError(f"no CPU kernel for {type(w).__name__}")
+    if ts[0].dim() != 2 or ts[0].device.type != "cpu":
+        raise ValueError(f"CPU kernels take one 2-D weight on the CPU, got {w.qtype} qs {tuple(ts[0].shape)} on "
+                         f"{ts[0].device}")
+    ts = [t.contiguous() for t in ts]
+    return ts, [t.data_ptr() for t in ts]
+
+
+def matvec(x: torch.Tensor, w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K, groups: int = 1) -> torch.Tensor:
+    """y [M, N] fp32 = x [M, groups * K] @ W^T (groups > 1: weight rows split evenly, group g reading x's columns
+    g*K .. (g+1)*K), any M (calls of MAX_ROWS rows). Needs `available()`."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("CPU kernels are not available")
+    n, k = w.n, w.k
+    if x.dim() != 2 or x.shape[1] != groups * k or n % groups:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight [{n}, {k}] in {groups} groups")
+    x = x.float().contiguous()
+    ts, ptrs = _weights(w)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    fn = getattr(lib, f"ds4_{w.qtype}_matvec")
+    for m0 in range(0, x.shape[0], MAX_ROWS):
+        m = min(MAX_ROWS, x.shape[0] - m0)
+        fn(*ptrs, x[m0].data_ptr(), x.stride(0), y[m0].data_ptr(), y.stride(0), n, k, m, n // groups)
+    del ts
+    return y
+
+
+def dequantize(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> torch.Tensor:
+    """fp32 [N, K] values of a 2-D repacked weight (the same values as its torch dequantize_*). Needs `available()`."""
+    lib = _lib()
+    if lib is None:
+        raise RuntimeError("CPU kernels are not available")
+    ts, ptrs = _weights(w)
+    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    getattr(lib, f"ds4_{w.qtype}_dequant")(*ptrs, out.data_ptr(), w.n, w.k)
+    del ts
+    return out
