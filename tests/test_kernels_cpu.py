@@ -117,6 +117,18 @@ def test_linear_on_the_cpu_matches_the_reference(m: int, groups: int, monkeypatc
     assert rel_err(ops.linear(x, w, groups=groups, out_dtype=torch.float32), want) < 1e-6
 
 
+def test_prefill_rows_dequantise_into_one_kept_buffer() -> None:
+    """Past CPU_MATVEC_ROWS the blocks of rows are dequantised into the thread's one scratch buffer (a fresh
+    allocation per block costs more in page faults than the decode), which later calls reuse."""
+    w = packed("iq2_xxs", 96, 512, seed=8, edges=False)
+    x = torch.randn(ops.CPU_MATVEC_ROWS + 1, 512, generator=torch.Generator().manual_seed(8))
+    first = ops.linear(x, w, out_dtype=torch.float32)
+    buf = ops._scratch.buf
+    assert buf.numel() * 4 == ops.CPU_DEQUANT_BYTES
+    assert torch.equal(ops.linear(x, w, out_dtype=torch.float32), first) and ops._scratch.buf is buf
+    assert rel_err(first, x @ ops.dequantize(w).T) < 1e-6
+
+
 def test_moe_on_the_cpu_matches_the_reference() -> None:
     """Routed experts (IQ2_XXS gate / up, Q2_K down) of 3 and 30 tokens, each used expert once over its tokens."""
     e, d, f = 8, 256, 512

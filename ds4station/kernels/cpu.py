@@ -36,7 +36,7 @@ from ds4station.kernels.q8_0 import PackedQ8_0
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
-MAX_ROWS = 16  # DS4_MAX_ROWS in the source: activation rows per matvec call
+MAX_ROWS = 8  # DS4_MAX_ROWS in the source: activation rows per matvec call
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64 = ctypes.c_int64
@@ -159,13 +159,18 @@ def matvec(x: torch.Tensor, w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
     return y
 
 
-def dequantize(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> torch.Tensor:
-    """fp32 [N, K] values of a 2-D repacked weight (the same values as its torch dequantize_*). Needs `available()`."""
+def dequantize(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [N, K] values of a 2-D repacked weight (the same values as its torch dequantize_*), written into `out`
+    (a contiguous fp32 buffer of at least N * K values, reused: a fresh 32 MiB tensor costs ~10x the decode in
+    page faults) when given, as a view of it. Needs `available()`."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("CPU kernels are not available")
     ts, ptrs = _weights(w)
-    out = torch.empty(w.n, w.k, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(w.n * w.k, dtype=torch.float32)
+    elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < w.n * w.k:
+        raise ValueError(f"out must be a contiguous fp32 buffer of >= {w.n * w.k} values")
     getattr(lib, f"ds4_{w.qtype}_dequant")(*ptrs, out.data_ptr(), w.n, w.k)
     del ts
-    return out
+    return out.view(-1)[:w.n * w.k].view(w.n, w.k)

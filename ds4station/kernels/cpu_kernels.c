@@ -13,7 +13,7 @@
 #include <math.h>
 #include <string.h>
 
-#define DS4_MAX_ROWS 16
+#define DS4_MAX_ROWS 8
 
 static inline float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
@@ -35,7 +35,7 @@ static inline float h2f(uint16_t h) {
    then accumulates v * x into 32 lanes per activation row (no horizontal sum inside the K loop): y[m, n] is
    the sum of row m's lanes at the end. */
 
-static inline void rows_fma(float *restrict acc, const float *restrict v, const float *restrict x, int64_t ldx,
+static inline __attribute__((always_inline)) void rows_fma(float *restrict acc, const float *restrict v, const float *restrict x, int64_t ldx,
                             int64_t M) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * ldx;
@@ -45,7 +45,7 @@ static inline void rows_fma(float *restrict acc, const float *restrict v, const 
     }
 }
 
-static inline void rows_store(float *y, int64_t ldy, int64_t n, const float *acc, int64_t M) {
+static inline __attribute__((always_inline)) void rows_store(float *y, int64_t ldy, int64_t n, const float *acc, int64_t M) {
     for (int64_t m = 0; m < M; m++) {
         float sum = 0.0f;
         for (int j = 0; j < 32; j++) sum += acc[32 * m + j];
@@ -54,19 +54,31 @@ static inline void rows_store(float *y, int64_t ldy, int64_t n, const float *acc
 }
 
 /* One kernel pair per weight type: DECODE(n, b, v) fills v with the 32 values of row n's weights 32 b .. 32 b + 31
-   (the type's pointers and K in scope). */
-#define DS4_KERNELS(NAME, PARAMS, DECODE)                                                                          \
+   (the type's pointers and K in scope; ARGS names those pointers). The matvec is compiled once per row count
+   (1 .. DS4_MAX_ROWS), so that the rows' accumulators stay in registers. */
+#define DS4_ROWS_CASE(NAME, C, ...)                                                                                \
+    case C:                                                                                                         \
+        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                              \
+            NAME##_row(__VA_ARGS__, x + (n / rpg) * K, ldx, y, ldy, n, K, C);                                              \
+        break;
+#define DS4_KERNELS(NAME, PARAMS, ARGS, DECODE)                                                                    \
+    static inline __attribute__((always_inline)) void NAME##_row(PARAMS, const float *xr, int64_t ldx, float *y,   \
+                                                                 int64_t ldy, int64_t n, int64_t K, int64_t M) {   \
+        float acc[32 * DS4_MAX_ROWS], v[32];                                                                       \
+        for (int64_t j = 0; j < 32 * M; j++) acc[j] = 0.0f;                                                        \
+        for (int64_t b = 0; b < K / 32; b++) {                                                                     \
+            DECODE(n, b, v);                                                                                       \
+            rows_fma(acc, v, xr + 32 * b, ldx, M);                                                                 \
+        }                                                                                                          \
+        rows_store(y, ldy, n, acc, M);                                                                             \
+    }                                                                                                              \
     void ds4_##NAME##_matvec(PARAMS, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K,    \
                              int64_t M, int64_t rpg) {                                                            \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                            \
-            const float *xr = x + (n / rpg) * K;                                                                   \
-            float acc[32 * DS4_MAX_ROWS], v[32];                                                                   \
-            memset(acc, 0, sizeof(float) * 32 * (size_t)M);                                                        \
-            for (int64_t b = 0; b < K / 32; b++) {                                                                 \
-                DECODE(n, b, v);                                                                                   \
-                rows_fma(acc, v, xr + 32 * b, ldx, M);                                                             \
-            }                                                                                                      \
-            rows_store(y, ldy, n, acc, M);                                                                         \
+        switch (M) {                                                                                               \
+            DS4_ROWS_CASE(NAME, 1, ARGS) DS4_ROWS_CASE(NAME, 2, ARGS) DS4_ROWS_CASE(NAME, 3, ARGS)                 \
+            DS4_ROWS_CASE(NAME, 4, ARGS) DS4_ROWS_CASE(NAME, 5, ARGS) DS4_ROWS_CASE(NAME, 6, ARGS)                 \
+            DS4_ROWS_CASE(NAME, 7, ARGS) DS4_ROWS_CASE(NAME, 8, ARGS)                                              \
+            default: break;                                                                                        \
         }                                                                                                          \
     }                                                                                                              \
     void ds4_##NAME##_dequant(PARAMS, float *out, int64_t N, int64_t K) {                                          \
@@ -82,7 +94,7 @@ static inline void q8_0_decode(const int8_t *restrict q, float s, float *restric
     for (int j = 0; j < 32; j++) v[j] = (float)q[j] * s;
 }
 #define Q8_0_DECODE(n, b, v) q8_0_decode(qs + (n) * K + 32 * (b), h2f(d[(n) * (K / 32) + (b)]), v)
-DS4_KERNELS(q8_0, const int8_t *qs COMMA const uint16_t *d, Q8_0_DECODE)
+DS4_KERNELS(q8_0, const int8_t *qs COMMA const uint16_t *d, qs COMMA d, Q8_0_DECODE)
 
 /* IQ2_XXS: qs uint32 [N, K/16] (two words per 32 weights), d fp16 [N, K/256]; grid fp32 [256, 8] magnitudes,
    signs fp32 [128, 8] (+-1 of each 7-bit sign field, the 8th by parity).
@@ -100,7 +112,7 @@ static inline void iq2_xxs_decode(const uint32_t *restrict words, const float *r
 #define IQ2_XXS_DECODE(n, b, v) \
     iq2_xxs_decode(qs + (n) * (K / 16) + 2 * (b), grid, signs, h2f(d[(n) * (K / 256) + (b) / 8]), v)
 DS4_KERNELS(iq2_xxs, const uint32_t *qs COMMA const uint16_t *d COMMA const float *grid COMMA const float *signs,
-            IQ2_XXS_DECODE)
+            qs COMMA d COMMA grid COMMA signs, IQ2_XXS_DECODE)
 
 static inline uint32_t word(const uint8_t *p) {
     uint32_t w;
@@ -122,7 +134,7 @@ static inline void q2_k_decode(const uint8_t *restrict q, const uint8_t *restric
 }
 #define Q2_K_DECODE(n, b, v) \
     q2_k_decode(qs + (n) * (K / 4) + 8 * (b), sc + (n) * (K / 16) + 2 * (b), dm + (n) * (K / 128) + 2 * ((b) / 8), v)
-DS4_KERNELS(q2_k, const uint8_t *qs COMMA const uint8_t *sc COMMA const uint16_t *dm, Q2_K_DECODE)
+DS4_KERNELS(q2_k, const uint8_t *qs COMMA const uint8_t *sc COMMA const uint16_t *dm, qs COMMA sc COMMA dm, Q2_K_DECODE)
 
 /* Q4_K: qs uint8 [N, K/2] (weight 2j low nibble of byte j, 2j + 1 high: a word holds 8 consecutive weights),
    sc / mn uint8 [N, K/32], dm fp16 [N, K/256, 2] (d, dmin). value = d * sc * q - dmin * mn */
@@ -138,4 +150,4 @@ static inline void q4_k_decode(const uint8_t *restrict q, float dl, float ml, fl
                 h2f(dm[(n) * (K / 128) + 2 * ((b) / 8)]) * (float)sc[(n) * (K / 32) + (b)],                        \
                 h2f(dm[(n) * (K / 128) + 2 * ((b) / 8) + 1]) * (float)mn[(n) * (K / 32) + (b)], v)
 DS4_KERNELS(q4_k, const uint8_t *qs COMMA const uint8_t *sc COMMA const uint8_t *mn COMMA const uint16_t *dm,
-            Q4_K_DECODE)
+            qs COMMA sc COMMA mn COMMA dm, Q4_K_DECODE)

@@ -7,6 +7,7 @@ Each op runs the Triton kernel for a GPU tensor and the family's torch reference
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 from gguf import GGML_QUANT_SIZES
@@ -50,10 +51,11 @@ MAX_MATVEC_ROWS = 8
 # 64-row tiles run nearly empty. H200, one Flash layer (docs/PERFORMANCE.md): 22 tokens 6.6 ms in moe_prefill, 0.9
 # ms on the decode kernels; 256 tokens 14.7 against 10.6 ms; from 512 tokens the prefill kernel is faster.
 MOE_DECODE_ROWS = 256
-# On the CPU, up to this many activation rows run the native matvec (kernels/cpu.py), which reads each weight once
-# for every row; more take a dequantised block of rows and torch's matmul (this machine, 2 cores: a 2048 x 4096
-# IQ2_XXS matvec 0.8 ms at one row, 1.6 ms at four; its fp32 block dequantised ~10 ms before any matmul).
-CPU_MATVEC_ROWS = 16
+# On the CPU, up to this many activation rows run the native matvec (kernels/cpu.py, 8 rows a call), which reads
+# each weight once per call; more take a dequantised block of rows and torch's matmul. This machine (2 cores,
+# docs/PERFORMANCE.md): at 64 rows the matvec still won (Q8_0 4096 x 4096 27.7 against 35.8 ms, IQ2_XXS 2048 x
+# 4096 15.9 / 21.9, Q2_K 4096 x 2048 12.7 / 18.2), at 256 the matmul by 2-3x.
+CPU_MATVEC_ROWS = 64
 
 
 def _row_block(w: Packed, r0: int, r1: int) -> Packed:
@@ -103,11 +105,23 @@ def dequantize(w: Packed) -> torch.Tensor:
     return dequantize_q2_k(w)
 
 
+_scratch = threading.local()
+
+
+def _dequant_scratch() -> torch.Tensor:
+    """This thread's CPU_DEQUANT_BYTES of fp32 for the blocks `_cpu_linear` dequantises (allocated once: the planner
+    counts it, model/footprint.cpu_dequant_bytes)."""
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() * 4 != CPU_DEQUANT_BYTES:
+        buf = _scratch.buf = torch.empty(CPU_DEQUANT_BYTES // 4, dtype=torch.float32)
+    return buf
+
+
 def _cpu_linear(x: torch.Tensor, w: Packed, groups: int) -> torch.Tensor:
     """`linear` on the CPU, fp32 [M, N]: up to CPU_MATVEC_ROWS rows the native matvec (kernels/cpu.py: each weight
     read once for all rows); more rows (prefill), blocks of rows dequantised to fp32 (CPU_DEQUANT_BYTES at a time,
-    natively where the library is built) and multiplied by torch's matmul. Without the native kernels, the torch
-    references."""
+    natively into a reused buffer where the library is built) and multiplied by torch's matmul. Without the native
+    kernels, the torch references."""
     native = cpu.available()
     x = x.float()
     if native and x.shape[0] <= CPU_MATVEC_ROWS:
@@ -118,7 +132,7 @@ def _cpu_linear(x: torch.Tensor, w: Packed, groups: int) -> torch.Tensor:
     while r < w.n:
         g, end = r // per_group, min(r + rows, (r // per_group + 1) * per_group)  # a block lies in one group
         block = _row_block(w, r, end)
-        wf = cpu.dequantize(block) if native else dequantize(block)
+        wf = cpu.dequantize(block, _dequant_scratch()) if native else dequantize(block)
         out.append(x[:, g * w.k:(g + 1) * w.k] @ wf.T)
         r = end
     return torch.cat(out, -1)

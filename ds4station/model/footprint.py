@@ -46,8 +46,8 @@ DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
 # and the experts per staging buffer of a streaming stage (engine/experts.py STAGING_EXPERTS; tests check both).
 INDEXER_SCRATCH_BYTES = 256 * MiB
 STAGING_EXPERTS = 8
-# On the CPU the kernel stage dequantises a quantised matrix to fp32 in blocks of rows of at most this many
-# bytes (kernels/ops.py linear), and one routed expert's gate, up and down at a time (ops.moe).
+# On the CPU the kernel stage's prefill dequantises a quantised matrix to fp32 in blocks of rows of at most this
+# many bytes, into one buffer it keeps (kernels/ops.py _cpu_linear); decode reads the quantised weights directly.
 CPU_DEQUANT_BYTES = 64 * MiB
 
 
@@ -352,9 +352,9 @@ def stage_mtp_bytes(model: ModelShape, ctx: int, settings: FootprintSettings, *,
 
 
 def cpu_dequant_bytes(cfg: ModelConfig) -> int:
-    """A CPU stage's dequantisation scratch: one block of rows of a matrix and one expert's three matrices,
-    in fp32."""
-    return CPU_DEQUANT_BYTES + 3 * 4 * cfg.expert_ffn * cfg.dim
+    """A CPU stage's dequantisation scratch: the one buffer of fp32 rows its prefill matmuls dequantise into
+    (kernels/ops.py; the routed experts go through the same), whatever the model."""
+    return CPU_DEQUANT_BYTES
 
 
 def expert_cache_device_bytes(model: ModelShape, layers: range, capacity: int, device_kind: str = "gpu") -> int:

@@ -125,13 +125,15 @@ def chat_text(tokenizer: Any, n_tokens: int, seed: int) -> str:
     return " ".join(words[:lo])
 
 
-def stream_turn(client: Any, text: str, max_tokens: int, temperature: float = 0.0) -> Turn:
+def stream_turn(client: Any, text: str, max_tokens: int, temperature: float = 0.0,
+                logit_bias: dict[str, int] | None = None) -> Turn:
     """One streamed chat request with the official client (greedy unless `temperature`); times measured on this
-    side of the wire."""
+    side of the wire. `logit_bias`: e.g. the end-of-text token's at -100, so that the answer runs to max_tokens."""
     t0 = time.perf_counter()
     stream = client.chat.completions.create(model="ds4", messages=[{"role": "user", "content": text}],
                                             max_tokens=max_tokens, temperature=temperature, stream=True,
-                                            stream_options={"include_usage": True})
+                                            stream_options={"include_usage": True},
+                                            **({"logit_bias": logit_bias} if logit_bias else {}))
     first = last = None
     usage, timings = None, {}
     for chunk in stream:
@@ -219,7 +221,11 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
         del b
         gc.collect()
         torch.cuda.empty_cache()  # the server below needs the card's memory
-    tok = Tokenizer.from_metadata(GGUFFile.open(model).metadata)
+    gguf = GGUFFile.open(model)
+    tok = Tokenizer.from_metadata(gguf.metadata)
+    # every request decodes the tokens it asks for (as llama-bench or vLLM's ignore_eos): a model that ends its
+    # answers early, as the demo model does, would leave nothing to time
+    no_eos = {str(gguf.config.eos_id): -100}
     texts = [chat_text(tok, prompt_tokens, seed) for seed in range(runs)]
     shorts = [chat_text(tok, short_tokens, 100 + seed) for seed in range(1 + short_runs)]
     ctx = prompt_tokens + decode_tokens + 256
@@ -234,11 +240,11 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
         res.ready_s = time.monotonic() - t0
         client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
         _warm_client(client)
-        res.first = stream_turn(client, shorts[0], 16)
+        res.first = stream_turn(client, shorts[0], 16, logit_bias=no_eos)
         log(f"first request after ready: TTFT {1000 * res.first.ttft_s:.1f} ms")
-        res.short = [stream_turn(client, text, 16) for text in shorts[1:]]
+        res.short = [stream_turn(client, text, 16, logit_bias=no_eos) for text in shorts[1:]]
         for i, text in enumerate(texts):
-            turn = stream_turn(client, text, decode_tokens)
+            turn = stream_turn(client, text, decode_tokens, logit_bias=no_eos)
             res.long.append(turn)
             log(f"long request {i}: prefill {turn.prefill_tps:,.1f} tok/s, decode {turn.decode_tps:.1f} tok/s")
         _attach_server_records(url, [res.first, *res.short, *res.long])
