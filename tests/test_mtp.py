@@ -307,10 +307,20 @@ def _scratch_drafts(engine: Engine, seq: list[int], token: int, k: int) -> list[
     return out
 
 
-def test_drafts_from_the_incremental_state_equal_drafts_from_scratch(engine: Engine) -> None:
+@pytest.fixture(scope="module")
+def exact_engine(mtp_model: Path) -> Iterator[Engine]:
+    """The engine without the FP8 KV / FP4 indexer round trips: two passes that group the rows differently then
+    agree to fp32 rounding, where with them a ~1e-7 difference can cross one FP8 step of a KV row and move a logit
+    by percents (seen: a draft 4% below the from-scratch maximum once the CPU matvecs rounded differently)."""
+    with Engine.load(mtp_model, CTX, device="cpu", chunk=CHUNK, sessions=1, mtp="model", round_trips=OFF) as e:
+        yield e
+
+
+def test_drafts_from_the_incremental_state_equal_drafts_from_scratch(exact_engine: Engine) -> None:
     """The session's MTP state, caught up lazily after prefills, verifications, truncations and a rewind, gives
     the drafts a from-scratch pass over the sequence gives (the pairs older than one window are never read, so
     skipping them changes nothing)."""
+    engine = exact_engine
     gen = torch.Generator().manual_seed(4)
     seq = torch.randint(2, 500, (300,), generator=gen).tolist()  # longer than the window
     s = engine.new_session()

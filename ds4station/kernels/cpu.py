@@ -46,6 +46,10 @@ _MATVEC = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64]
 _DEQUANT = [_p, _i64, _i64]
 _WEIGHT_PTRS = {"q8_0": 2, "iq2_xxs": 4, "q2_k": 3, "q4_k": 4}  # the IQ2_XXS tables count as weights here
 _lock = threading.Lock()
+# the packed fields' dtypes the C functions read
+_DTYPES = {"q8_0": (torch.int8, torch.float16), "iq2_xxs": (torch.int32, torch.float16),
+           "q2_k": (torch.uint8, torch.uint8, torch.float16),
+           "q4_k": (torch.uint8, torch.uint8, torch.uint8, torch.float16)}
 
 
 def _cpu_flags() -> str:
@@ -135,6 +139,9 @@ def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> tuple[list
     if ts[0].dim() != 2 or ts[0].device.type != "cpu":
         raise ValueError(f"CPU kernels take one 2-D weight on the CPU, got {w.qtype} qs {tuple(ts[0].shape)} on "
                          f"{ts[0].device}")
+    want = _DTYPES[w.qtype]
+    if tuple(t.dtype for t in ts[:len(want)]) != want:
+        raise TypeError(f"{w.qtype} fields are {[t.dtype for t in ts[:len(want)]]}, the CPU kernels read {list(want)}")
     ts = [t.contiguous() for t in ts]
     return ts, [t.data_ptr() for t in ts]
 
