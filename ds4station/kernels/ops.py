@@ -52,10 +52,10 @@ MAX_MATVEC_ROWS = 8
 # ms on the decode kernels; 256 tokens 14.7 against 10.6 ms; from 512 tokens the prefill kernel is faster.
 MOE_DECODE_ROWS = 256
 # On the CPU, up to this many activation rows run the native matvec (kernels/cpu.py, 8 rows a call), which reads
-# each weight once per call; more take a dequantised block of rows and torch's matmul. This machine (2 cores,
-# docs/PERFORMANCE.md): at 64 rows the matvec still won (Q8_0 4096 x 4096 27.7 against 35.8 ms, IQ2_XXS 2048 x
-# 4096 15.9 / 21.9, Q2_K 4096 x 2048 12.7 / 18.2), at 256 the matmul by 2-3x.
-CPU_MATVEC_ROWS = 64
+# each weight once per call; more take a dequantised block of rows and torch's matmul. Two cores
+# (docs/scripts/cpu_matvec.py, docs/PERFORMANCE.md): even at 32 rows (q_b 29.2 against 43.7 ms, output b 28.1 /
+# 29.7, an IQ2_XXS expert 7.6 / 7.6, a Q2_K one 6.7 / 8.0), the blocks ahead from 64 rows and by 2x at 256.
+CPU_MATVEC_ROWS = 32
 
 
 def _row_block(w: Packed, r0: int, r1: int) -> Packed:
