@@ -178,3 +178,25 @@ def test_build_is_cached_and_keyed_by_the_compiler(tmp_path, monkeypatch) -> Non
     with pytest.raises(RuntimeError, match="false failed"):
         cpu.build(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [first.name]
+
+
+def test_a_compiler_without_openmp_builds_them_single_threaded(tmp_path, monkeypatch, caplog) -> None:
+    """A compiler that refuses -fopenmp (clang without libomp) still builds the kernels, on one thread, with a
+    warning; they compute the same as the OpenMP build."""
+    real = cpu._compiler()
+    wrapper = tmp_path / "cc-no-openmp"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && echo "no -fopenmp" >&2 && exit 1; '
+                       f'done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    with caplog.at_level(logging.WARNING, logger="ds4station.kernels.cpu"):
+        path = cpu.build(tmp_path / "out")
+    assert "could not build the CPU kernels with OpenMP (no -fopenmp)" in caplog.text
+    lib = cpu.ctypes.CDLL(str(path))
+    w = packed("q8_0", 40, 256, seed=9)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    ts, ptrs = cpu._weights(w)
+    y = torch.empty(3, 40)
+    lib.ds4_q8_0_matvec.argtypes = [cpu._p] * 2 + cpu._MATVEC
+    lib.ds4_q8_0_matvec(*ptrs, x.data_ptr(), 256, y.data_ptr(), 40, 40, 256, 3, 40)
+    assert torch.equal(y, cpu.matvec(x, w))

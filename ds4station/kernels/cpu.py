@@ -66,7 +66,8 @@ def _compiler() -> str | None:
 
 
 def build(out_dir: Path | None = None) -> Path:
-    """Compile the kernels (unless built already) and return the library's path; raises on failure."""
+    """Compile the kernels (unless built already) and return the library's path; raises on failure. A compiler
+    without OpenMP (clang without libomp) builds them single-threaded, with a warning."""
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang; or set CC)")
@@ -80,14 +81,20 @@ def build(out_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)  # built beside, then renamed: never a half-written one
     os.close(fd)
     try:
-        r = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
-        if r.returncode:
-            raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-2000:]}")
-        os.replace(tmp, lib)
+        errors = []
+        for flags in (FLAGS, tuple(f for f in FLAGS if f != "-fopenmp")):
+            r = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300)
+            if r.returncode == 0:
+                if "-fopenmp" not in flags:
+                    log.warning("%s could not build the CPU kernels with OpenMP (%s); they run on one thread", cc,
+                                errors[0][-300:])
+                os.replace(tmp, lib)
+                return lib
+            errors.append((r.stderr or r.stdout).strip())
+        raise RuntimeError(f"{cc} failed: {errors[-1][-2000:]}")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return lib
 
 
 @lru_cache(maxsize=1)
