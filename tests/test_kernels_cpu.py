@@ -198,5 +198,5 @@ def test_a_compiler_without_openmp_builds_them_single_threaded(tmp_path, monkeyp
     ts, ptrs = cpu._weights(w)
     y = torch.empty(3, 40)
     lib.ds4_q8_0_matvec.argtypes = [cpu._p] * 2 + cpu._MATVEC
-    lib.ds4_q8_0_matvec(*ptrs, x.data_ptr(), 256, y.data_ptr(), 40, 40, 256, 3, 40)
+    lib.ds4_q8_0_matvec(*ptrs, x.data_ptr(), 256, y.data_ptr(), 40, 40, 256, 3, 40, 2)
     assert torch.equal(y, cpu.matvec(x, w))

@@ -4,7 +4,8 @@ use with the system's C compiler and loaded through ctypes.
 A CPU stage keeps its weights in their file types (issue 18); its torch references dequantise each matrix to
 fp32 with a chain of tensor ops per use (~1 s per Flash layer per decoded token on two cores). These kernels
 read each quantised weight once per call for all activation rows (`matvec`, decode: up to MAX_ROWS rows), or
-write fp32 rows for a BLAS matmul (`dequantize`, prefill), over OpenMP threads.
+write fp32 rows for a BLAS matmul (`dequantize`, prefill), over as many OpenMP threads as torch uses
+(torch.get_num_threads(): the stage's `threads`).
 
 The library is built into cache_dir()/cpu-kernels/ (`cc -O3 -march=native -fopenmp`, keyed by the source, the
 compiler and the CPU's flags) the first time a CPU stage needs it; `CC` names the compiler. Where none can build
@@ -41,9 +42,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
 _i64 = ctypes.c_int64
 _p = ctypes.c_void_p
-# argument types after the weight pointers: matvec (x, ldx, y, ldy, N, K, M, rpg), dequant (out, N, K)
-_MATVEC = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64]
-_DEQUANT = [_p, _i64, _i64]
+# argument types after the weight pointers: matvec (x, ldx, y, ldy, N, K, M, rpg, threads), dequant (out, N, K,
+# threads)
+_MATVEC = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_int]
+_DEQUANT = [_p, _i64, _i64, ctypes.c_int]
 _WEIGHT_PTRS = {"q8_0": 2, "iq2_xxs": 4, "q2_k": 3, "q4_k": 4}  # the IQ2_XXS tables count as weights here
 _lock = threading.Lock()
 # the packed fields' dtypes the C functions read
@@ -168,7 +170,8 @@ def matvec(x: torch.Tensor, w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K
     fn = getattr(lib, f"ds4_{w.qtype}_matvec")
     for m0 in range(0, x.shape[0], MAX_ROWS):
         m = min(MAX_ROWS, x.shape[0] - m0)
-        fn(*ptrs, x[m0].data_ptr(), x.stride(0), y[m0].data_ptr(), y.stride(0), n, k, m, n // groups)
+        fn(*ptrs, x[m0].data_ptr(), x.stride(0), y[m0].data_ptr(), y.stride(0), n, k, m, n // groups,
+           torch.get_num_threads())
     del ts
     return y
 
@@ -185,6 +188,6 @@ def dequantize(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K, out: torch.
         out = torch.empty(w.n * w.k, dtype=torch.float32)
     elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < w.n * w.k:
         raise ValueError(f"out must be a contiguous fp32 buffer of >= {w.n * w.k} values")
-    getattr(lib, f"ds4_{w.qtype}_dequant")(*ptrs, out.data_ptr(), w.n, w.k)
+    getattr(lib, f"ds4_{w.qtype}_dequant")(*ptrs, out.data_ptr(), w.n, w.k, torch.get_num_threads())
     del ts
     return out.view(-1)[:w.n * w.k].view(w.n, w.k)

@@ -4,7 +4,8 @@
    repacked forms of kernels/{q8_0,iq2_xxs,q2_k,q4_k}.py (each weight byte read once for all rows), and the
    same weights dequantised to fp32 rows (the prefill path multiplies those with BLAS). fp32 math; each
    output is summed by one thread in a fixed order, so results do not depend on the thread count.
-   Rows are split over OpenMP threads (the process's libgomp: torch's, where torch loaded one).
+   Rows are split over `nt` OpenMP threads (torch's thread count; the process's libgomp: torch's, where torch
+   loaded one).
 
    Grouped projections: weight row n reads x columns (n / rpg) * K .. + K (rpg = rows per group; rpg = N for
    a plain projection). M <= DS4_MAX_ROWS. */
@@ -58,7 +59,7 @@ static inline __attribute__((always_inline)) void rows_store(float *y, int64_t l
    (1 .. DS4_MAX_ROWS), so that the rows' accumulators stay in registers. */
 #define DS4_ROWS_CASE(NAME, C, ...)                                                                                \
     case C:                                                                                                         \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++)                              \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)") for (int64_t n = 0; n < N; n++)              \
             NAME##_row(__VA_ARGS__, x + (n / rpg) * K, ldx, y, ldy, n, K, C);                                              \
         break;
 #define DS4_KERNELS(NAME, PARAMS, ARGS, DECODE)                                                                    \
@@ -73,7 +74,7 @@ static inline __attribute__((always_inline)) void rows_store(float *y, int64_t l
         rows_store(y, ldy, n, acc, M);                                                                             \
     }                                                                                                              \
     void ds4_##NAME##_matvec(PARAMS, const float *x, int64_t ldx, float *y, int64_t ldy, int64_t N, int64_t K,    \
-                             int64_t M, int64_t rpg) {                                                            \
+                             int64_t M, int64_t rpg, int nt) {                                                    \
         switch (M) {                                                                                               \
             DS4_ROWS_CASE(NAME, 1, ARGS) DS4_ROWS_CASE(NAME, 2, ARGS) DS4_ROWS_CASE(NAME, 3, ARGS)                 \
             DS4_ROWS_CASE(NAME, 4, ARGS) DS4_ROWS_CASE(NAME, 5, ARGS) DS4_ROWS_CASE(NAME, 6, ARGS)                 \
@@ -81,8 +82,8 @@ static inline __attribute__((always_inline)) void rows_store(float *y, int64_t l
             default: break;                                                                                        \
         }                                                                                                          \
     }                                                                                                              \
-    void ds4_##NAME##_dequant(PARAMS, float *out, int64_t N, int64_t K) {                                          \
-        _Pragma("omp parallel for schedule(static)") for (int64_t n = 0; n < N; n++) {                            \
+    void ds4_##NAME##_dequant(PARAMS, float *out, int64_t N, int64_t K, int nt) {                                  \
+        _Pragma("omp parallel for schedule(static) num_threads(nt)") for (int64_t n = 0; n < N; n++) {            \
             for (int64_t b = 0; b < K / 32; b++) DECODE(n, b, (out + n * K + 32 * b));                             \
         }                                                                                                          \
     }
