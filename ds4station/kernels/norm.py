@@ -88,8 +88,7 @@ def rope_ref(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, heads: 
     """Torch reference of `rope_` (returns a new tensor)."""
     rd = 2 * inv_freq.numel()
     ang = pos.float()[:, None] * inv_freq.float()  # [T, rd/2]
-    ang = ang.repeat_interleave(heads, dim=0)  # [T * heads, rd/2]
-    cos, sin = ang.cos(), ang.sin()
+    cos, sin = (f.repeat_interleave(heads, dim=0) for f in (ang.cos(), ang.sin()))  # [T * heads, rd/2]: once a row
     if inverse:
         sin = -sin
     tail = x[:, -rd:].float().unflatten(-1, (-1, 2))
