@@ -16,7 +16,13 @@ from ds4station.commands import plan as plan_cmd
 from ds4station.hardware import detect
 from ds4station.model.footprint import FootprintSettings, named_shape, stage_footprint
 from ds4station.model.route import parse_route
-from ds4station.planner.devices import DeviceBudget, budgets_from_gpus, nominal_bandwidth, parse_gpu_spec
+from ds4station.planner.devices import (
+    CPU_BANDWIDTH,
+    DeviceBudget,
+    budgets_from_gpus,
+    nominal_bandwidth,
+    parse_gpu_spec,
+)
 from ds4station.planner.presets import PresetError, is_host_profile, load_host_profile, load_preset
 from ds4station.planner.propose import PlanError, _Planner, evaluate, propose
 
@@ -239,6 +245,19 @@ def test_speed_gives_a_faster_card_more_layers() -> None:
     assert nominal_bandwidth("Mystery", "gfx1151") == 256 and nominal_bandwidth("Mystery", "gfx000") == 0
 
 
+def test_a_cpu_stage_takes_only_what_the_cards_cannot_hold() -> None:
+    """A CPU stage reads its weights far slower than a card (devices.CPU_BANDWIDTH against a card's hundreds of
+    GB/s): the speed preset leaves it the layers the card has no room for, not half the model (before the CPU had
+    a bandwidth it counted as fast as the card: 23 of 43 layers beside an 80 GiB card with 38 GiB spare)."""
+    plan = propose(FLASH_Q2, parse_gpu_spec("80GiB,cpu:128GiB"), load_preset("speed"))
+    card, cpu = plan.layer_counts
+    assert card + cpu == 43 and cpu <= 6
+    assert plan.stages[0].spare_bytes < 8 * GiB  # the card is filled first
+    assert plan.stages[1].budget.bandwidth_gbs == CPU_BANDWIDTH
+    as_fast = propose(FLASH_Q2, parse_gpu_spec("80GiB:bw=600,cpu:128GiB:bw=600"), load_preset("speed"))
+    assert as_fast.layer_counts[1] > 15  # a CPU as fast as the card: the stages balanced again
+
+
 def test_spec_parsing() -> None:
     d = parse_gpu_spec("32GiB, 16GiB:desktop, 16GiBx4")
     assert [x.device for x in d] == [f"cuda:{i}" for i in range(6)]
@@ -246,8 +265,12 @@ def test_spec_parsing() -> None:
     assert parse_gpu_spec("96GiB:apu:desktop", host_ram=64 * GiB)[0].total_bytes == 56 * GiB
     fast = parse_gpu_spec("16GiB:bw=1024x2")
     assert len(fast) == 2 and fast[1].bandwidth_gbs == 1024
+    cpu = parse_gpu_spec("cpu:64GiB:bw=90,cpu:32GiB")
+    assert [(c.kind, c.total_bytes, c.bandwidth_gbs) for c in cpu] == [("cpu", 56 * GiB, 90), ("cpu", 24 * GiB,
+                                                                                              CPU_BANDWIDTH)]
     for bad, msg in [("16GiB:fast", "unknown flag"), ("lots", "not a size"), ("cpu", "--host-ram"), ("", "empty"),
-                     ("16GiB:bw=quick", "not a bandwidth")]:
+                     ("16GiB:bw=quick", "not a bandwidth"), ("cpu:64GiB:bw=0", "positive"),
+                     ("cpu:64GiB:32GiB", "cpu\\[:SIZE\\]")]:
         with pytest.raises(ValueError, match=msg):
             parse_gpu_spec(bad)
 

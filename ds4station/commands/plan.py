@@ -17,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "flash-q2-q4, flash-q4, demo-q2 (the built-in demo model), tiny-q2, flash-f16, tiny-f16")
     p.add_argument("--gpus", default="auto", metavar="auto|SPEC|PROFILE",
                    help="auto (detected GPUs), a SPEC of cards in stage order such as 32GiB,16GiB:desktop,16GiBx4 "
-                        "(flags :desktop, :apu; cpu adds a CPU stage), or a host profile name from presets/")
+                        "(flags :desktop, :apu, :bw=GBPS; cpu[:SIZE][:bw=GBPS] adds a CPU stage), or a host profile "
+                        "name from presets/")
     p.add_argument("--host-ram", metavar="SIZE", help="system RAM (for CPU stages and APU GTT); auto: this machine's")
     p.add_argument("--preset", default="speed", metavar="speed|context|PATH", help="planner preset (default speed)")
     p.add_argument("--ctx", metavar="N", type=token_count, help="context length in tokens (e.g. 32768, 32K, 1M)")

@@ -4,7 +4,8 @@ SPEC describes cards for planning ahead of buying or wiring them, in the order t
 comma-separated `SIZE[:FLAG...][xN]` entries, e.g. `32GiB,16GiB:desktop,16GiBx4`. Flags: `desktop` (the
 card drives the display and keeps the desktop headroom), `apu` (SIZE is the GTT the integrated GPU may map,
 i.e. system RAM shared with the CPU), `bw=GBPS` (memory bandwidth, so the speed preset gives a faster card more
-layers). `cpu` (optionally `cpu:SIZE`) adds a CPU stage using host RAM.
+layers). `cpu` (optionally `cpu:SIZE`, `cpu:bw=GBPS`) adds a CPU stage using host RAM; it counts with
+CPU_BANDWIDTH unless given its own.
 
 What a device offers a stage (`DeviceBudget.available`): its total (VRAM; GTT for an APU, not the small
 VRAM carve-out; host RAM minus a reserve for the CPU), less what other processes already use (detected cards
@@ -25,6 +26,12 @@ if TYPE_CHECKING:
 
 DEFAULT_DESKTOP_HEADROOM = 3 * GiB // 2
 DEFAULT_HOST_RESERVE = 8 * GiB  # the OS, the server process and some page cache for the GGUF
+# What the speed preset assumes a CPU stage reads its weights at, in the cards' nominal GB/s: a dual-channel
+# DDR5 desktop's memory is ~60-90 GB/s against a few hundred to thousands on a card (_BANDWIDTH_BY_NAME), and a
+# CPU stage's kernels are compute-bound on few cores (docs/PERFORMANCE.md: ~13 GB/s on two). `cpu:bw=GBPS`.
+CPU_BANDWIDTH = 60.0
+# ... and a card whose bandwidth is unknown, beside such a CPU stage (when no card's is known to compare with)
+CARD_BANDWIDTH = 600.0
 
 
 @dataclass(frozen=True)
@@ -77,24 +84,29 @@ def parse_gpu_spec(spec: str, host_ram: int | None = None) -> list[DeviceBudget]
         if count < 1:
             raise ValueError(f"--gpus entry {entry!r}: the repeat count must be >= 1")
         head, *flags = [p.strip().lower() for p in m.group("body").split(":")]
-        if head == "cpu":
-            size = parse_size(flags[0]) if flags else host_ram
-            if size is None:
-                raise ValueError("--gpus has a cpu stage: give its memory as cpu:SIZE or with --host-ram SIZE")
-            for _ in range(count):
-                out.append(DeviceBudget("cpu", "CPU", "cpu", max(size - DEFAULT_HOST_RESERVE, 0)))
-            continue
-        try:
-            size = parse_size(head)
-        except ValueError as e:
-            raise ValueError(f"--gpus entry {entry!r}: {e}") from None
         bw = 0.0
         for f in [f for f in flags if f.startswith("bw=")]:
             try:
                 bw = float(f[3:])
             except ValueError:
                 raise ValueError(f"--gpus entry {entry!r}: {f} is not a bandwidth in GB/s") from None
+            if bw <= 0:
+                raise ValueError(f"--gpus entry {entry!r}: {f}: a bandwidth is a positive number of GB/s")
             flags.remove(f)
+        if head == "cpu":
+            if len(flags) > 1:
+                raise ValueError(f"--gpus entry {entry!r}: a cpu stage takes cpu[:SIZE][:bw=GBPS]")
+            size = parse_size(flags[0]) if flags else host_ram
+            if size is None:
+                raise ValueError("--gpus has a cpu stage: give its memory as cpu:SIZE or with --host-ram SIZE")
+            for _ in range(count):
+                out.append(DeviceBudget("cpu", "CPU", "cpu", max(size - DEFAULT_HOST_RESERVE, 0),
+                                        bandwidth_gbs=bw or CPU_BANDWIDTH))
+            continue
+        try:
+            size = parse_size(head)
+        except ValueError as e:
+            raise ValueError(f"--gpus entry {entry!r}: {e}") from None
         unknown = set(flags) - {"desktop", "apu"}
         if unknown:
             raise ValueError(f"--gpus entry {entry!r}: unknown flag(s) {', '.join(sorted(unknown))} "
@@ -152,5 +164,6 @@ def _int(v: object) -> int:
     return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0
 
 
-__all__ = ["DEFAULT_DESKTOP_HEADROOM", "DEFAULT_HOST_RESERVE", "DeviceBudget", "budgets_from_gpus",
+__all__ = ["CARD_BANDWIDTH", "CPU_BANDWIDTH", "DEFAULT_DESKTOP_HEADROOM", "DEFAULT_HOST_RESERVE", "DeviceBudget",
+           "budgets_from_gpus",
            "nominal_bandwidth", "parse_gpu_spec"]

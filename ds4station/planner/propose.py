@@ -37,7 +37,7 @@ from ds4station.model.footprint import (
 from ds4station.model.route import Route, Stage
 from ds4station.model.sizes import MiB, format_size, gib
 
-from .devices import DEFAULT_HOST_RESERVE, DeviceBudget
+from .devices import CARD_BANDWIDTH, DEFAULT_HOST_RESERVE, DeviceBudget
 from .presets import PlanSettings
 
 # Device memory (~1 TB/s on Vega 20, ~4 TB/s on an H200) over the host link an expert miss crosses
@@ -137,11 +137,15 @@ class _Planner:
         self.head = model.embed_bytes + model.output_bytes
         # the MTP layer's weights and state (window-only: the same at any context)
         self.mtp = stage_mtp_bytes(model, cfg.window, settings.footprint, embed=True)
-        # Decode time ~ bytes read / bandwidth. Unknown bandwidths count as the mean of the known ones (all equal
-        # when none is known), and costs are scaled back to "bytes at the mean bandwidth".
-        known = [d.bandwidth_gbs for d in devices if d.bandwidth_gbs > 0]
-        mean = sum(known) / len(known) if known else 1.0
-        self.speed = [mean / (d.bandwidth_gbs or mean) for d in devices]
+        # Decode time ~ bytes read / bandwidth. A card of unknown bandwidth counts as the mean of the cards' known
+        # ones; with none known, as CARD_BANDWIDTH beside a CPU stage (which always has one: devices.CPU_BANDWIDTH)
+        # and all alike otherwise. Costs are scaled back to "bytes at the mean bandwidth".
+        cards = [d.bandwidth_gbs for d in devices if d.bandwidth_gbs > 0 and d.kind != "cpu"]
+        card = sum(cards) / len(cards) if cards else CARD_BANDWIDTH if any(d.bandwidth_gbs > 0 for d in devices) \
+            else 1.0
+        bws = [d.bandwidth_gbs or card for d in devices]
+        mean = sum(bws) / len(bws)
+        self.speed = [mean / bw for bw in bws]
         self.min_cache = model.min_expert_cache(range(self.L))
         self._kv_ctx = -1
         self._kv: list[int] = []
