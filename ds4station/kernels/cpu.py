@@ -2,15 +2,16 @@
 use with the system's C compiler and loaded through ctypes.
 
 A CPU stage keeps its weights in their file types (issue 18); its torch references dequantise each matrix to
-fp32 with a chain of tensor ops per use (~1 s per Flash layer per decoded token on two cores). These kernels
+fp32 with a chain of tensor ops per use (~1.2 s per Flash layer per decoded token on two cores; these kernels
+24-35x less, docs/PERFORMANCE.md). These kernels
 read each quantised weight once per call for all activation rows (`matvec`, decode: up to MAX_ROWS rows), or
 write fp32 rows for a BLAS matmul (`dequantize`, prefill), over as many OpenMP threads as torch uses
 (torch.get_num_threads(): the stage's `threads`).
 
 The library is built into cache_dir()/cpu-kernels/ (`cc -O3 -march=native -fopenmp`, keyed by the source, the
-compiler and the CPU's flags) the first time a CPU stage needs it; `CC` names the compiler. Where none can build
-it, or `DS4STATION_CPU_KERNELS=0`, `available()` is False (warned once) and the CPU stage runs the torch
-references as before.
+compiler and the CPU's flags) the first time a CPU stage needs it; `CC` names the compiler; one without OpenMP
+builds it single-threaded (warned). Where none can build it (warned once), or with `DS4STATION_CPU_KERNELS=0`,
+`available()` is False and the CPU stage runs the torch references as before.
 """
 
 from __future__ import annotations
