@@ -7,13 +7,19 @@
 #   bash docs/scripts/full_shape.sh serve             `bench serve` with an 8K prompt (the user's path)
 #   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve
 #   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
+#   bash docs/scripts/full_shape.sh cpu [N]           a CPU stage of the flash shape cut to N layers (default 8) on
+#                                                     the host's cores (kernels/cpu.py; no GPU, no file needed)
 # Env: FILE (default /mnt/x/flash-q2.gguf). PYTHONPATH must reach this tree's dependencies.
 set -u
-part=${1:?usage: full_shape.sh bench|serve|streams|draft [OLD_TREE]}
+part=${1:?usage: full_shape.sh bench|serve|streams|draft|cpu [OLD_TREE|N]}
 old=${2:-}
 file=${FILE:-/mnt/x/flash-q2.gguf}
 here=$(pwd)
 deps=${PYTHONPATH:-}
+if [ "$part" = cpu ]; then
+  timeout 580 python3 docs/scripts/cpu_layers.py "${2:-8}" 64 2>&1 | tail -3
+  exit
+fi
 if [ ! -f "$file" ]; then
   mkdir -p "$(dirname "$file")"
   mountpoint -q "$(dirname "$file")" || mount -t tmpfs -o size=100g tmpfs "$(dirname "$file")"
