@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ds4station.cache import cache_dir
-from ds4station.kernels.iq2_xxs import PackedIQ2XXS, _grid_np
+from ds4station.kernels.iq2_xxs import PackedIQ2XXS, _grid_np, _signed_grid
 from ds4station.kernels.q2_k import PackedQ2K
 from ds4station.kernels.q4_k import PackedQ4K
 from ds4station.kernels.q8_0 import PackedQ8_0
@@ -124,14 +124,9 @@ def available() -> bool:
 
 @lru_cache(maxsize=1)
 def _iq2_xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """The grid's magnitudes (fp32 [256, 8]) and each 7-bit sign field's 8 signs as +-1 (fp32 [128, 8]; the 8th
-    sign is the field's parity, as the format defines)."""
-    s7 = torch.arange(128)
-    parity = s7.clone()
-    for sh in (4, 2, 1):
-        parity = parity ^ (parity >> sh)
-    bits = ((s7 | ((parity & 1) << 7)).unsqueeze(-1) >> torch.arange(8)) & 1
-    return torch.from_numpy(_grid_np()).contiguous(), (1.0 - 2.0 * bits.float()).contiguous()
+    """The grid's magnitudes (fp32 [256, 8]) and each 7-bit sign field's 8 signs as +-1 (fp32 [128, 8]): the
+    signed grid's first 128 rows (entry 0, whose magnitudes are all non-zero, under every sign field)."""
+    return torch.from_numpy(_grid_np()).contiguous(), _signed_grid(torch.device("cpu"))[:128].sign().contiguous()
 
 
 def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> tuple[list[torch.Tensor], list[int]]:

@@ -110,7 +110,7 @@ _scratch = threading.local()
 
 def _dequant_scratch() -> torch.Tensor:
     """This thread's CPU_DEQUANT_BYTES of fp32 for the blocks `_cpu_linear` dequantises (allocated once: the planner
-    counts it, model/footprint.cpu_dequant_bytes)."""
+    counts it, model/footprint.CPU_DEQUANT_BYTES)."""
     buf = getattr(_scratch, "buf", None)
     if buf is None or buf.numel() * 4 != CPU_DEQUANT_BYTES:
         buf = _scratch.buf = torch.empty(CPU_DEQUANT_BYTES // 4, dtype=torch.float32)

@@ -47,7 +47,8 @@ DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
 INDEXER_SCRATCH_BYTES = 256 * MiB
 STAGING_EXPERTS = 8
 # On the CPU the kernel stage's prefill dequantises a quantised matrix to fp32 in blocks of rows of at most this
-# many bytes, into one buffer it keeps (kernels/ops.py _cpu_linear); decode reads the quantised weights directly.
+# many bytes, into one buffer it keeps (kernels/ops.py _cpu_linear; the routed experts go through the same): a CPU
+# stage's dequantisation scratch. Decode reads the quantised weights directly.
 CPU_DEQUANT_BYTES = 64 * MiB
 
 
@@ -333,7 +334,7 @@ def stage_footprint(model: ModelShape, layers: range, ctx: int, settings: Footpr
     cache = expert_cache_device_bytes(model, layers, expert_cache_bytes, device_kind) if streaming else 0
     scratch = scratch_bytes(cfg, layers, ctx, settings, output=output)
     if device_kind == "cpu":
-        scratch += cpu_dequant_bytes(cfg)
+        scratch += CPU_DEQUANT_BYTES
     stage = staging_bytes(model.expert_slot_bytes(layers)) if streaming and device_kind != "cpu" else 0
     extra = stage_mtp_bytes(model, ctx, settings, embed=embed) if output else 0
     return StageFootprint(weights, kv, scratch, settings.runtime_overhead, cache, stage, extra)
@@ -349,12 +350,6 @@ def stage_mtp_bytes(model: ModelShape, ctx: int, settings: FootprintSettings, *,
                          "own GGUF (--mtp FILE) or plan without --draft mtp")
     specs = [*model.mtp_specs, *([] if embed else [s for s in model.specs if s.role == "token_embd"])]
     return mtp_bytes(model.cfg, specs, ctx, settings.prefill_chunk, settings.sessions)
-
-
-def cpu_dequant_bytes(cfg: ModelConfig) -> int:
-    """A CPU stage's dequantisation scratch: the one buffer of fp32 rows its prefill matmuls dequantise into
-    (kernels/ops.py; the routed experts go through the same), whatever the model."""
-    return CPU_DEQUANT_BYTES
 
 
 def expert_cache_device_bytes(model: ModelShape, layers: range, capacity: int, device_kind: str = "gpu") -> int:
@@ -383,7 +378,7 @@ __all__ = [
     "CHECKPOINT_MARGIN", "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "DEMO_SHAPE", "FootprintSettings",
     "INDEXER_SCRATCH_BYTES", "KV_DTYPE_BYTES",
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
-    "cpu_dequant_bytes", "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
+    "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
     "shape_from_specs", "stage_footprint", "staging_bytes", "mtp_bytes", "stage_mtp_bytes",
 ]

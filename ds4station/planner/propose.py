@@ -23,10 +23,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ds4station.model.footprint import (
+    CPU_DEQUANT_BYTES,
     FootprintSettings,
     ModelShape,
     StageFootprint,
-    cpu_dequant_bytes,
     expert_cache_device_bytes,
     kv_bytes,
     layer_kv_bytes,
@@ -172,7 +172,7 @@ class _Planner:
         if cache:  # slots, slot table and staging (CPU stages never stream: cache_for)
             n += expert_cache_device_bytes(self.model, range(a, b), cache)
         if self.devices[j].kind == "cpu":
-            n += cpu_dequant_bytes(cfg)
+            n += CPU_DEQUANT_BYTES
         n += scratch_bytes(cfg, range(a, b) if self.n_idx[b] - self.n_idx[a] else range(0), ctx, fs, output=j == 0)
         if j == 0:
             n += self.head + self.mtp  # the embedding, the head and (--draft mtp) the MTP layer beside it
