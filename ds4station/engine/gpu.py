@@ -484,29 +484,40 @@ class GpuStage:
         qr, (act,) = _norm(q_kv[:, :L.q_lora], L.q_a_norm, eps, "act16" if L.q_b.act16(q_kv) else None)
         with self._beside(st):
             iq = L.index_q_b(qr) if L.index_comp is not None else None
+            # the KV writes and the indexer need q_kv, proj and iq only: beside q_b and the query's finish (on
+            # the side stream in a static step: off the path a decode step waits on)
+            ids, valid = self._write_kv(L, q_kv, proj, iq, st, kv)
         q = finish_rows(L.q_b(qr, act).view(T * H, D), st.pos, H, norm=True, eps=eps, inv_freq=L.rope.inv_freq)
         self._join(st)
         # RoPE undone on its rotated dims; quantised for out_a's integer-dot matvec where it reads that
-        o, act = self._attend_kv(L, q_kv, q, proj, iq, st, kv, L.out_a.act16(xn))
+        o, act = self._attend_kv(L, q, ids, valid, st, kv, L.out_a.act16(xn))
         return L.out_b(L.out_a(o.reshape(T, -1), act))
 
-    def _attend_kv(self, L: GpuLayer, q_kv: Tensor, q: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
-                   kv, act16: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
-        """The part of attention that reads and writes the KV: the K=V rows into the ring, the compressors and
-        the indexer, then attention of the queries q [T * H, D] -> ([T, H, D] (one sequence's, or with st.slots
-        one row of each sequence of a batch, kv the pool's), the inverse RoPE applied to its rotated dims, and
-        with act16 in a static step its rows quantised as quantize_act16 gives them, else None; both in the
-        decode kernel's combine launch)."""
-        cfg, T = self.cfg, q_kv.shape[0]
-        H, D, W, eps = cfg.n_heads, cfg.head_dim, cfg.window, cfg.rms_eps
-        finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=eps, inv_freq=L.rope.inv_freq,
-                    rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw, slots=st.slots)
+    def _write_kv(self, L: GpuLayer, q_kv: Tensor, proj: Tensor | None, iq: Tensor | None, st: Step,
+                  kv) -> tuple[Tensor | None, Tensor | None]:
+        """What attention writes to the KV before it reads it: the K=V rows into the ring, the compressors'
+        frontiers and pooled rows, and (a ratio-4 layer) the indexer's keys and its selection -> (ids, valid) of
+        the selected compressed rows per query, or (None, None) for a layer without the indexer."""
+        cfg = self.cfg
+        finish_rows(q_kv[:, L.q_lora:], st.pos, 1, norm=True, weight=L.kv_norm, eps=cfg.rms_eps,
+                    inv_freq=L.rope.inv_freq, rt="fp8" if self.rt.fp8_kv else None, nope=cfg.nope_dim, ring=kv.raw,
+                    slots=st.slots)
         if L.comp is not None:
             self._compress(L.comp, proj, st, kv.comp_frontier, kv.comp)
+        if L.index_comp is None:
+            return None, None
+        return self._index(L, proj, iq, st, kv)  # per-query row ids into kv.comp
+
+    def _attend_kv(self, L: GpuLayer, q: Tensor, ids: Tensor | None, valid: Tensor | None, st: Step, kv,
+                   act16: bool = False) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor] | None]:
+        """Attention of the queries q [T * H, D] over the KV `_write_kv` wrote (with the indexer's selection
+        ids / valid on a ratio-4 layer) -> ([T, H, D] (one sequence's, or with st.slots one row of each sequence
+        of a batch, kv the pool's), the inverse RoPE applied to its rotated dims, and with act16 in a static
+        step its rows quantised as quantize_act16 gives them, else None; both in the decode kernel's combine
+        launch)."""
+        cfg, T = self.cfg, q.shape[0] // self.cfg.n_heads
+        H, D, W = cfg.n_heads, cfg.head_dim, cfg.window
         indexed = L.index_comp is not None
-        ids = valid = None
-        if indexed:
-            ids, valid = self._index(L, proj, iq, st, kv)  # per-query row ids into kv.comp
         if st.static:  # split-K over the keys, per query; window and visible rows derived from the positions
             n_blocks = st.bucket // L.ratio if L.ratio else 0
             kc = kv.comp if indexed else kv.comp[..., :n_blocks, :] if n_blocks else None
