@@ -518,8 +518,9 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream is a GPU's")
 def test_overlapped_projections_give_the_one_stream_results(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """Static steps run the compressor / indexer projections, the KV writes with the indexer's selection (beside
-    q_b) and the shared expert on a second stream: the same kernels on the same inputs, so a decode step (graph replay), a batched step of three sequences and a
-    short prefill give bit-identical results to a stage that keeps one stream (DS4STATION_OVERLAP=0)."""
+    q_b) and the shared expert on a second stream: the same kernels on the same inputs, so a decode step (graph
+    replay), a batched step of three sequences and a short prefill give bit-identical results to a stage that
+    keeps one stream (DS4STATION_OVERLAP=0)."""
     cfg = tiny.config
     weights = load_tensors(tiny)
     monkeypatch.setenv("DS4STATION_OVERLAP", "0")
