@@ -3,10 +3,18 @@ clients. usage: batch.py MODEL TAG [serve args...]; env TESTS=streams,long (defa
 requests' sampling temperature, default 0: greedy), STEPS=FILE (every
 step of the server's step log, polled from /status while the tests run, one JSON line each, with the test it
 belongs to; a summary of each test's steps is printed either way)."""
-import json, os, subprocess, sys, threading, time
-import httpx, openai
-from ds4station.model.gguf import GGUFFile
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+
 from ds4station.engine.tokenizer import Tokenizer
+from ds4station.model.gguf import GGUFFile
 from ds4station.server.bench import chat_text, stream_turn, wait_ready
 
 model, tag, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
@@ -15,7 +23,8 @@ port = 8019
 url = f"http://127.0.0.1:{port}"
 tok = Tokenizer.from_metadata(GGUFFile.open(model).metadata)
 t0 = time.monotonic()
-proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--model", model, "--port", str(port), *extra],
+proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--model", model, "--port", str(port),
+                         *extra],
                         stdout=subprocess.DEVNULL)
 
 

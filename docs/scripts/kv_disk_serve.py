@@ -4,9 +4,13 @@
 `serve --sessions 1 --kv-disk-dir KV_DIR`: turn A (a TOKENS-token chat prompt) is prefilled and saved at its
 end; an unrelated request takes the only session; A is sent again and is restored from the disk. Prints the
 time to first token of each, the cached tokens the server reports, and /status sessions.disk."""
-import json, subprocess, sys, time
+import json
+import subprocess
+import sys
+import time
 
-import httpx, openai
+import httpx
+import openai
 
 from ds4station.engine.tokenizer import Tokenizer
 from ds4station.model.gguf import GGUFFile

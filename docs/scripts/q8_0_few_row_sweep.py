@@ -27,9 +27,12 @@ for name, n, k, groups in kb.Q8_0_DECODE:
         x = torch.randn(m, groups * k, device=dev, dtype=torch.float32)
         ref = q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32)
         y = torch.empty(m, n, device=dev, dtype=torch.float32)
-        t_ops = kb._graph_time_us(lambda i: ops.linear(x, ws[i], groups=groups, out_dtype=torch.float32), copies)
+        t_ops = kb._graph_time_us(
+            lambda i, x=x, ws=ws, groups=groups: ops.linear(x, ws[i], groups=groups, out_dtype=torch.float32), copies)
         mt = dispatch.matmul_tiles("q8_0", m, n, k, "cuda", rpg if groups > 1 else None)
-        t_mm = kb._graph_time_us(lambda i: q8_0_matmul(x, ws[i], out=y, groups=groups, tiles=mt), copies)
+        t_mm = kb._graph_time_us(
+            lambda i, x=x, ws=ws, y=y, groups=groups, mt=mt: q8_0_matmul(x, ws[i], out=y, groups=groups, tiles=mt),
+            copies)
         e_mm = kb._rel_err(q8_0_matmul(x, ws[0], out=y, groups=groups, tiles=mt), ref)
         print(f"{name} {n}x{k} m={m}: ops {t_ops:.1f} | matmul one launch {t_mm:.1f} (split {mt.split_k}, "
               f"err {e_mm:.1e})", flush=True)
@@ -41,8 +44,10 @@ for name, n, k, groups in kb.Q8_0_DECODE:
                         continue
                     t_ = MatvecTiles(block_n=bn, block_k=bk, num_warps=nw)
                     err = kb._rel_err(q8_0_matvec(x, ws[0], groups=groups, out=y, tiles=t_), ref)
-                    t = kb._graph_time_us(lambda i, t_=t_: q8_0_matvec(x, ws[i], groups=groups, out=y, tiles=t_),
-                                          copies)
+                    t = kb._graph_time_us(
+                        lambda i, x=x, ws=ws, y=y, groups=groups, t_=t_: q8_0_matvec(x, ws[i], groups=groups, out=y,
+                                                                                     tiles=t_),
+                        copies)
                     res.append((t, t_, err))
         for t, t_, err in sorted(res, key=lambda r: r[0])[:3]:
             print(f"    {t:7.1f} us {wbytes / 1e3 / t:5.0f} GB/s  matvec bn{t_.block_n} bk{t_.block_k} "

@@ -27,7 +27,8 @@ for name, n, k, groups in kb.Q8_0_DECODE:
     row = []
     for m in (1, 2, 3, 4, 8):
         x = torch.randn(m, groups * k, device=dev, dtype=torch.float32)
-        t = kb._graph_time_us(lambda i: ops.linear(x, ws[i], groups=groups, out_dtype=torch.float32), copies)
+        t = kb._graph_time_us(lambda i, x=x, ws=ws, groups=groups: ops.linear(x, ws[i], groups=groups,
+                                                                         out_dtype=torch.float32), copies)
         row.append(t)
         per_step = 43 if name != "output_head" else 1
         tot[m] = tot.get(m, 0.0) + t * per_step
