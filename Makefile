@@ -38,11 +38,11 @@ run: setup
 	$(BIN)/ds4station $(ARGS)
 
 test: setup $(TRITON_MIN_DIR)/.installed
-	$(BIN)/ruff check ds4station tests
+	$(BIN)/ruff check ds4station tests docs/scripts
 	DS4_TRITON_MIN_DIR=$(TRITON_MIN_DIR) $(BIN)/python -m pytest -n 2 --dist loadfile $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check ds4station tests
+	$(BIN)/ruff check ds4station tests docs/scripts
 
 agents:
 	command -v npm >/dev/null || (apt-get update -qq && apt-get install -y -qq nodejs npm)
