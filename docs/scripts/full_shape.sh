@@ -9,15 +9,23 @@
 #   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
 #   bash docs/scripts/full_shape.sh cpu [N]           a CPU stage of the flash shape cut to N layers (default 8) on
 #                                                     the host's cores (kernels/cpu.py; no GPU, no file needed)
+#   bash docs/scripts/full_shape.sh sweep             decode attention tile variants (attention_decode_tiles.py
+#                                                     --sweep; no file needed), kept in /tmp/attn_sweep.txt
+#   bash docs/scripts/full_shape.sh tiles [SPEC]      decode after 8K with the dispatched attention tiles and with
+#                                                     SPEC (default: the sweep's best), alternating twice
 # Env: FILE (default /mnt/x/flash-q2.gguf). PYTHONPATH must reach this tree's dependencies.
 set -u
-part=${1:?usage: full_shape.sh bench|serve|streams|draft|cpu [OLD_TREE|N]}
+part=${1:?usage: full_shape.sh bench|serve|streams|draft|cpu|sweep|tiles [OLD_TREE|N|SPEC]}
 old=${2:-}
 file=${FILE:-/mnt/x/flash-q2.gguf}
 here=$(pwd)
 deps=${PYTHONPATH:-}
 if [ "$part" = cpu ]; then
   timeout 580 python3 docs/scripts/cpu_layers.py "${2:-8}" 64 2>&1 | tail -3
+  exit
+fi
+if [ "$part" = sweep ]; then
+  timeout 150 python3 docs/scripts/attention_decode_tiles.py --sweep 2>&1 | tee /tmp/attn_sweep.txt | grep -v failed
   exit
 fi
 if [ ! -f "$file" ]; then
@@ -38,5 +46,11 @@ case $part in
              --ctx 40K 2>&1 | grep -E "steps|tok/s" | cut -c1-220 ;;
   draft) timeout 300 python3 -m ds4station.cli bench draft --model "$file" --k 1,2,3 --prompt-tokens 512 \
            --decode-tokens 32 2>&1 | tail -8 ;;
+  tiles) spec=${2:-$(python3 docs/scripts/bench_attention_tiles.py --pick /tmp/attn_sweep.txt)}
+         [ -n "$spec" ] || { echo "the dispatched tiles won the sweep"; exit 0; }
+         for r in 1 2; do for a in "" "$spec"; do
+           ATTN="$a" timeout 90 python3 docs/scripts/bench_attention_tiles.py bench --model "$file" --prompts 8192 \
+             --prefills "" --runs 3 2>&1 | grep -E "tiles|decode after"
+         done; done ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
