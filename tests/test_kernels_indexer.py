@@ -349,6 +349,28 @@ def test_two_stage_select(poisoned_empty: None, count_launches, monkeypatch: pyt
     _check(c, k, ids, valid)
 
 
+@pytest.mark.parametrize("seen", [0, 1, 15, 16, 17, 40])
+def test_two_stage_select_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
+                                                     seen: int) -> None:
+    """A first-stage chunk that sees at most k of its blocks keeps its first k keys without counting; one
+    that sees more counts. Chunk 1 sees `seen` blocks, scored in ascending block order and above every
+    other block, so a chunk that kept its first k of k + 1 visible blocks would lose the best one."""
+    backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
+    monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
+    n, k = 300, 16
+    plan = dispatch.select_plan(n, k, backend)
+    assert plan is not None and plan.chunks >= 3 and plan.chunk > 40
+    c = _case(2, 3, 32, n, seed=seen)
+    c["q"], c["w"] = c["q"].abs() + 1, c["w"].abs() + 0.25  # every score rises with the key values
+    c["keys"][plan.chunk:2 * plan.chunk] = 10 + torch.arange(plan.chunk, device=DEVICE)[:, None].float()
+    last = plan.chunk + seen - 1  # chunk 1's last visible block: (last + 1) ratio <= pos + 1
+    c["pos"] = torch.tensor([(last + 1) * RATIO - 1, (last + 1) * RATIO + RATIO - 2], device=DEVICE)
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, tiles=_TILES["query-block"])
+    _check(c, k, ids, valid)
+    if seen:
+        assert last in ids[0].tolist()
+
+
 def test_select_plan() -> None:
     top = dispatch.select_max("cuda")
     one = dispatch.select_plan(2048, 512, "cuda")

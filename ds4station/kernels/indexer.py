@@ -200,24 +200,9 @@ def _count(m):
 _PAD_KEY = tl.constexpr(-(1 << 63) + (1 << 32) - 1)  # high half INT32_MIN, low half -1: below every real key
 
 
-@triton.jit(do_not_specialize=["stride_b", "col0", "n", "stride_o", "K"])  # position-dependent
-def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr, PDL: tl.constexpr = False):
-    """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
-    the sort keys at buf[t, col0 + c CHUNK ...], held in registers. The keys are unique, so the selection is
-    every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
-    half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
-    the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
-    >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
-    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY."""
-    enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
-    n_here = tl.minimum(n - c * CHUNK, CHUNK)
-    ok = offs < n_here
-    key = tl.load(buf_ptr + t * stride_b + col0 + c * CHUNK + offs, mask=ok, other=0)
-    Kc = tl.minimum(K, n_here)
+@triton.jit
+def _top_keys(key, ok, Kc):
+    """The mask of the Kc largest of the (unique) keys where ok, by block-wide counts on int32 halves."""
     hi = (key >> 32).to(tl.int32)
     lo = (key & 0xFFFFFFFF).to(tl.int32)
     # Setting bits of a two's-complement int32 raises it, from 0 up or from INT32_MIN up.
@@ -232,13 +217,48 @@ def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_pt
         for b in range(30, -1, -1):
             cand = cut | (1 << b)
             cut = tl.where(_count(tie & (lo >= cand)) >= need, cand, cut)
-    sel = ok & ((hi > top) | (tie & (lo >= cut)))  # exactly Kc entries
+    return ok & ((hi > top) | (tie & (lo >= cut)))  # exactly Kc entries
+
+
+@triton.jit(do_not_specialize=["stride_b", "col0", "n", "stride_o", "K"])  # position-dependent
+def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
+                   CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr, PDL: tl.constexpr = False):
+    """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
+    the sort keys at buf[t, col0 + c CHUNK ...], held in registers. The keys are unique, so the selection is
+    every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
+    half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
+    the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
+    >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
+    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY (a chunk
+    that sees at most Kc blocks keeps its first Kc keys without counting)."""
+    enter(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    n_here = tl.minimum(n - c * CHUNK, CHUNK)
+    ok = offs < n_here
+    key = tl.load(buf_ptr + t * stride_b + col0 + c * CHUNK + offs, mask=ok, other=0)
+    Kc = tl.minimum(K, n_here)
+    if KEYS_OUT:
+        # A first-stage chunk holds blocks c CHUNK ... in order (one column block), the visible ones first.
+        # When at most Kc are visible (block c CHUNK + Kc is past the position), its Kc largest keys are its
+        # first Kc: the visible blocks, then the invisible ones (high half INT32_MIN) by ascending block, as
+        # their low halves fall. No counting rounds: the 63 of the tie would make the chunks past the
+        # position the stage's longest programs, and decode buckets positions to powers of two, so up to half
+        # the chunks are past it.
+        if (c * CHUNK + Kc + 1) * ratio > tl.load(pos_ptr + t).to(tl.int64) + 1:
+            sel = ok & (offs < Kc)
+        else:
+            sel = _top_keys(key, ok, Kc)
+    else:
+        sel = _top_keys(key, ok, Kc)
     slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
     if KEYS_OUT:
         row = out_ptr + t * stride_o + c * K
         tl.store(row + slot, key, mask=sel)
         tl.store(row + offs, tl.full([BLOCK], _PAD_KEY, tl.int64), mask=(offs >= Kc) & (offs < K))
     else:
+        lo = (key & 0xFFFFFFFF).to(tl.int32)
         ids = 2147483647 - lo.to(tl.int64)  # _LOW - block index
         valid = (ids + 1) * ratio <= tl.load(pos_ptr + t).to(tl.int64) + 1
         tl.store(ids_ptr + t * K + slot, ids, mask=sel)
