@@ -23,7 +23,9 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
     registers, finds the k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the
     invisible blocks do while fewer than k are visible) and writes ids and valid flags itself (ascending
     block order); with more keys (up to select_max / k chunks), first one program per chunk of select_max
-    keys keeps its k largest, then one program per query selects among those (`dispatch.select_plan`);
+    keys keeps its k largest (a chunk that sees at most k of its blocks keeps its first k, no counting:
+    decode buckets positions to powers of two, so up to half the chunks lie past the position), then one
+    program per query selects among those (`dispatch.select_plan`);
   - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
     holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
     [T = 2048, n] key matrix would be 4 GB.
