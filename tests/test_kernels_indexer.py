@@ -350,20 +350,24 @@ def test_two_stage_select(poisoned_empty: None, count_launches, monkeypatch: pyt
 
 
 @pytest.mark.parametrize("seen", [0, 1, 15, 16, 17, 40])
-def test_two_stage_select_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
-                                                     seen: int) -> None:
-    """A first-stage chunk that sees at most k of its blocks keeps its first k keys without counting; one
-    that sees more counts. Chunk 1 sees `seen` blocks, scored in ascending block order and above every
-    other block, so a chunk that kept its first k of k + 1 visible blocks would lose the best one."""
+@pytest.mark.parametrize("stages", [1, 2])
+def test_select_of_queries_and_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
+                                                          stages: int, seen: int) -> None:
+    """A query (one stage) or a first-stage chunk (two) that sees at most k blocks keeps its first k keys
+    without counting; one that sees more counts. The query (one stage) or chunk 1 (two) sees `seen` blocks,
+    scored in ascending block order and above every other block, so a selection that kept the first k of
+    k + 1 visible blocks would lose the best one."""
     backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
-    monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
+    if stages == 2:
+        monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
     n, k = 300, 16
     plan = dispatch.select_plan(n, k, backend)
-    assert plan is not None and plan.chunks >= 3 and plan.chunk > 40
+    assert plan is not None and (plan.chunks == 1 if stages == 1 else plan.chunks >= 3 and plan.chunk > 40)
+    base = 0 if stages == 1 else plan.chunk  # the first block of the region that sees `seen` blocks
     c = _case(2, 3, 32, n, seed=seen)
     c["q"], c["w"] = c["q"].abs() + 1, c["w"].abs() + 0.25  # every score rises with the key values
-    c["keys"][plan.chunk:2 * plan.chunk] = 10 + torch.arange(plan.chunk, device=DEVICE)[:, None].float()
-    last = plan.chunk + seen - 1  # chunk 1's last visible block: (last + 1) ratio <= pos + 1
+    c["keys"][base:base + 64] = 10 + torch.arange(64, device=DEVICE)[:, None].float()
+    last = base + seen - 1  # the last visible block: (last + 1) ratio <= pos + 1
     c["pos"] = torch.tensor([(last + 1) * RATIO - 1, (last + 1) * RATIO + RATIO - 2], device=DEVICE)
     ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, tiles=_TILES["query-block"])
     _check(c, k, ids, valid)

@@ -23,9 +23,9 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
     registers, finds the k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the
     invisible blocks do while fewer than k are visible) and writes ids and valid flags itself (ascending
     block order); with more keys (up to select_max / k chunks), first one program per chunk of select_max
-    keys keeps its k largest (a chunk that sees at most k of its blocks keeps its first k, no counting:
-    decode buckets positions to powers of two, so up to half the chunks lie past the position), then one
-    program per query selects among those (`dispatch.select_plan`);
+    keys keeps its k largest, then one program per query selects among those (`dispatch.select_plan`); a
+    query or chunk that sees at most k blocks keeps its first k keys without counting (decode buckets
+    positions to powers of two, so up to half the chunks lie past the position);
   - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
     holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
     [T = 2048, n] key matrix would be 4 GB.
@@ -231,8 +231,8 @@ def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_pt
     half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
     the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
     >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
-    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY (a chunk
-    that sees at most Kc blocks keeps its first Kc keys without counting)."""
+    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY (a query or
+    chunk that sees at most Kc blocks keeps its first Kc keys without counting)."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -241,17 +241,15 @@ def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_pt
     ok = offs < n_here
     key = tl.load(buf_ptr + t * stride_b + col0 + c * CHUNK + offs, mask=ok, other=0)
     Kc = tl.minimum(K, n_here)
-    if KEYS_OUT:
-        # A first-stage chunk holds blocks c CHUNK ... in order (one column block), the visible ones first.
-        # When at most Kc are visible (block c CHUNK + Kc is past the position), its Kc largest keys are its
-        # first Kc: the visible blocks, then the invisible ones (high half INT32_MIN) by ascending block, as
-        # their low halves fall. No counting rounds: the 63 of the tie would make the chunks past the
-        # position the stage's longest programs, and decode buckets positions to powers of two, so up to half
-        # the chunks are past it.
-        if (c * CHUNK + Kc + 1) * ratio > tl.load(pos_ptr + t).to(tl.int64) + 1:
-            sel = ok & (offs < Kc)
-        else:
-            sel = _top_keys(key, ok, Kc)
+    # The keys come in block order: a first-stage chunk holds blocks c CHUNK ..., a one-stage selection all
+    # blocks, and a second stage the first stage's picks chunk by chunk, each in block order (padding last).
+    # The visible blocks come first, so when at most Kc are visible (block c CHUNK + Kc is past the position)
+    # the Kc largest keys are the first Kc: the visible blocks, then the invisible ones (high half INT32_MIN)
+    # by ascending block, as their low halves fall (a second stage then sees only chunk 0's picks, blocks
+    # 0 .. Kc - 1). No counting rounds: the 63 of the tie made the chunks past the position the first stage's
+    # longest programs (decode buckets positions to powers of two: up to half the chunks are past it).
+    if (c * CHUNK + Kc + 1) * ratio > tl.load(pos_ptr + t).to(tl.int64) + 1:
+        sel = ok & (offs < Kc)
     else:
         sel = _top_keys(key, ok, Kc)
     slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
