@@ -16,6 +16,7 @@ from ds4station.kernels import dispatch
 from ds4station.kernels import indexer as indexer_k
 from ds4station.kernels.dispatch import IndexerTiles, indexer_tiles
 from ds4station.kernels.indexer import SCRATCH_BYTES, _column_step, index_topk, index_topk_ref, index_topk_triton
+from ds4station.model import footprint
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RATIO = 4
@@ -349,6 +350,28 @@ def test_two_stage_select(poisoned_empty: None, count_launches, monkeypatch: pyt
     _check(c, k, ids, valid)
 
 
+@pytest.mark.parametrize(("step", "selects", "scores"), [(128, 4, 3), (100, 6, 5), (40, 0, 8)])
+def test_two_stage_select_over_column_blocks(poisoned_empty: None, count_launches,  # type: ignore[no-untyped-def]
+                                             monkeypatch: pytest.MonkeyPatch, step: int, selects: int,
+                                             scores: int) -> None:
+    """More blocks than the key scratch holds at once (a long prefill chunk at long context): each column
+    block of whole first-stage chunks (the step rounded down to them) runs its first stage into one candidate
+    buffer, then one second stage; a column block smaller than a chunk falls back to torch.topk."""
+    backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
+    monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
+    n, k = 300, 16
+    plan = dispatch.select_plan(n, k, backend)
+    assert plan is not None and plan.chunk == 64 and plan.chunks == 5
+    select = count_launches(indexer_k, "_select_kernel")
+    score = count_launches(indexer_k, "_indexer_kernel")
+    c = _case(6, 3, 32, n, seed=step, kdtype=torch.float16)
+    c["pos"][1:3] = torch.tensor([4 * k // 2, 4 * 64 + 4 * k], device=DEVICE)  # few blocks; chunk 1 sees k + 1
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, step=step,
+                                   tiles=_TILES["query-block"])
+    assert (select.launches, score.launches) == (selects, scores)
+    _check(c, k, ids, valid)
+
+
 @pytest.mark.parametrize("seen", [0, 1, 15, 16, 17, 40])
 @pytest.mark.parametrize("stages", [1, 2])
 def test_select_of_queries_and_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
@@ -386,3 +409,20 @@ def test_select_plan() -> None:
     wide = dispatch.select_plan(16 * top, 512, "cuda")  # 16 full-size chunks
     assert wide is not None and wide.chunk == top and wide.chunks == 16
     assert dispatch.select_plan(16 * top + 1, 512, "cuda") is None  # 17 chunks: torch.topk instead
+
+
+def test_planner_counts_the_selection_scratch() -> None:
+    """The planner's byte formula (model/footprint.py) bounds what a prefill chunk's selection allocates: the
+    same key block bound, and at least the two-stage candidates every backend's plan keeps, at contexts from
+    one stage to the torch.topk fallback (FLASH: k = 512)."""
+    assert footprint.INDEXER_SCRATCH_BYTES == SCRATCH_BYTES
+    assert footprint.INDEXER_SELECT_MAX == max(dispatch.select_max(b) for b in ("cuda", "hip64", "hip32"))
+    k, chunk = 512, 2048
+    for ctx in (4096, 32768, 32772, 65536, 131072, 262144, 524288, 524292, 1 << 20):
+        n = -(-ctx // 4)
+        step = _column_step(chunk, k, n, 128)
+        for backend in ("cuda", "hip64", "hip32"):
+            plan = dispatch.select_plan(n, k, backend)  # type: ignore[arg-type]
+            cands = plan.chunks * k if plan is not None and plan.chunks > 1 else 0
+            need = 8 * chunk * (k + step) + max(16 * chunk * k, 8 * chunk * cands + 9 * chunk * k)
+            assert footprint.indexer_scratch_bytes(footprint.SHAPES["flash-q2"][0], ctx, chunk) >= need, (ctx, backend)

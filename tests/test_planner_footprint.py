@@ -105,6 +105,9 @@ def test_stage_footprint_parts() -> None:
     assert indexer_scratch_bytes(FLASH, 1 << 20, 512) == 8 * 512 * (512 + (256 << 20) // (8 * 512) - 512) + \
         16 * 512 * 512
     assert indexer_scratch_bytes(FLASH, 4096, 512) == 8 * 512 * (512 + 1024) + 16 * 512 * 512
+    # 128K: a two-stage selection's candidates (bounded by 8,192 per query) with ids and valid flags
+    assert indexer_scratch_bytes(FLASH, 131072, 2048) == 8 * 2048 * (512 + (256 << 20) // (8 * 2048) - 512) + \
+        8 * 2048 * 8192 + 9 * 2048 * 512
     heavier = stage_footprint(m, layers, 32768, dataclasses.replace(fs, activation_factor=3.0))
     assert heavier.scratch_bytes - res.scratch_bytes == 2 * activation_bytes_per_token(FLASH) * 512
     long = stage_footprint(m, layers, 1 << 20, fs)

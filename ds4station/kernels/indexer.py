@@ -18,17 +18,20 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
   block (below every score, -inf included). The key is unique per block and orders by score descending,
   then index ascending, so the k largest keys are exactly the stable sort's selection, and the ids come
   back from the low half. Two ways to select them:
-  - one column block (all of decode; prefill chunks up to ~64K tokens of context) of at most
-    `dispatch.select_max` keys (8,192 on CUDA): `_select_kernel`, one program per query with its keys in
-    registers, finds the k-th largest key in 32 counting rounds (63 when scores tie at the cut, as the
-    invisible blocks do while fewer than k are visible) and writes ids and valid flags itself (ascending
-    block order); with more keys (up to select_max / k chunks), first one program per chunk of select_max
-    keys keeps its k largest, then one program per query selects among those (`dispatch.select_plan`); a
-    query or chunk that sees at most k blocks keeps its first k keys without counting (decode buckets
-    positions to powers of two, so up to half the chunks lie past the position);
-  - otherwise in column blocks of `step` blocks into a [T, k + step] int64 scratch (<= SCRATCH_BYTES)
-    holding the running top k with torch.topk (score order): a 1M-token context has 262,144 blocks, and a
-    [T = 2048, n] key matrix would be 4 GB.
+  - up to `dispatch.select_max` keys (8,192 on CUDA) per program, in registers (`dispatch.select_plan`):
+    `_select_kernel`, one program per query, finds the k-th largest key in 32 counting rounds (63 when
+    scores tie at the cut, as the invisible blocks do while fewer than k are visible) and writes ids and
+    valid flags itself (ascending block order); with more keys (up to select_max / k chunks: 512K tokens of
+    context at k = 512), first one program per chunk of select_max / 2 or select_max keys keeps its k
+    largest into a candidate buffer, then one program per query selects among those. The keys of a column
+    block are scored into a [T, k + step] int64 scratch (<= SCRATCH_BYTES): all blocks at once for decode
+    and prefill chunks at up to ~64K tokens of context, else column blocks of whole first-stage chunks
+    each feeding the first stage (a 2,048-token chunk at 128K). A query or chunk that sees at most k blocks
+    keeps its first k keys without counting (decode buckets positions to powers of two, so up to half the
+    chunks lie past the position);
+  - otherwise (more candidates than a program holds, or a column block smaller than a chunk) column blocks
+    of `step` blocks hold the running top k with torch.topk (score order): a 1M-token context has 262,144
+    blocks, and a [T = 2048, n] key matrix would be 4 GB.
   The order of the k entries is not part of the contract (attention sums over them).
   Per program (BLOCK_T queries x BLOCK_N keys, the keys loaded once): BLOCK_T = 1 puts the query's heads in
   the M rows of one tl.dot per BLOCK_H heads (or, with tiles.dot False, per-head fp32 FMA sums); BLOCK_T > 1
@@ -222,11 +225,12 @@ def _top_keys(key, ok, Kc):
     return ok & ((hi > top) | (tie & (lo >= cut)))  # exactly Kc entries
 
 
-@triton.jit(do_not_specialize=["stride_b", "col0", "n", "stride_o", "K"])  # position-dependent
-def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
+@triton.jit(do_not_specialize=["stride_b", "col0", "n", "blk0", "stride_o", "K"])  # position-dependent
+def _select_kernel(buf_ptr, stride_b, col0, n, blk0, pos_ptr, ratio, ids_ptr, valid_ptr, out_ptr, stride_o, K,
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
-    the sort keys at buf[t, col0 + c CHUNK ...], held in registers. The keys are unique, so the selection is
+    the sort keys at buf[t, col0 + c CHUNK ...] (blocks blk0 + c CHUNK ... in a first stage), held in
+    registers. The keys are unique, so the selection is
     every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
     half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
     the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
@@ -241,14 +245,15 @@ def _select_kernel(buf_ptr, stride_b, col0, n, pos_ptr, ratio, ids_ptr, valid_pt
     ok = offs < n_here
     key = tl.load(buf_ptr + t * stride_b + col0 + c * CHUNK + offs, mask=ok, other=0)
     Kc = tl.minimum(K, n_here)
-    # The keys come in block order: a first-stage chunk holds blocks c CHUNK ..., a one-stage selection all
-    # blocks, and a second stage the first stage's picks chunk by chunk, each in block order (padding last).
-    # The visible blocks come first, so when at most Kc are visible (block c CHUNK + Kc is past the position)
-    # the Kc largest keys are the first Kc: the visible blocks, then the invisible ones (high half INT32_MIN)
-    # by ascending block, as their low halves fall (a second stage then sees only chunk 0's picks, blocks
-    # 0 .. Kc - 1). No counting rounds: the 63 of the tie made the chunks past the position the first stage's
-    # longest programs (decode buckets positions to powers of two: up to half the chunks are past it).
-    if (c * CHUNK + Kc + 1) * ratio > tl.load(pos_ptr + t).to(tl.int64) + 1:
+    # The keys come in block order: a first-stage chunk holds blocks blk0 + c CHUNK ..., a one-stage
+    # selection all blocks, and a second stage the first stage's picks chunk by chunk, each in block order
+    # (padding last). The visible blocks come first, so when at most Kc are visible (block blk0 + c CHUNK + Kc
+    # is past the position) the Kc largest keys are the first Kc: the visible blocks, then the invisible ones
+    # (high half INT32_MIN) by ascending block, as their low halves fall (a second stage then sees only chunk
+    # 0's picks, blocks 0 .. Kc - 1). No counting rounds: the 63 of the tie made the chunks past the position
+    # the first stage's longest programs (decode buckets positions to powers of two: up to half the chunks
+    # are past it).
+    if (blk0 + c * CHUNK + Kc + 1) * ratio > tl.load(pos_ptr + t).to(tl.int64) + 1:
         sel = ok & (offs < Kc)
     else:
         sel = _top_keys(key, ok, Kc)
@@ -290,23 +295,25 @@ def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, r
     return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k, slots, w_scale)
 
 
-def _select(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
-            plan: dispatch.SelectPlan) -> tuple[Tensor, Tensor]:
-    """The k largest of buf[:, col0:col0 + n] per row -> (ids, valid): one launch when a program holds all n
-    keys; else chunks of plan.chunk keys each keep their k largest, then one program per row selects among
-    those candidates."""
+def _select_first(buf: Tensor, col0: int, n: int, blk0: int, pos: Tensor, ratio: int, k: int,
+                  plan: dispatch.SelectPlan, cand: Tensor) -> None:
+    """A two-stage selection's first stage over the keys buf[:, col0:col0 + n] of blocks blk0 .. blk0 + n - 1
+    (blk0 a multiple of plan.chunk): each chunk's k largest to cand[:, (blk0 / chunk + c) k ...]."""
+    out = cand[:, blk0 // plan.chunk * k:]
+    _select_kernel[(buf.shape[0], triton.cdiv(n, plan.chunk))](
+        buf, buf.stride(0), col0, n, blk0, pos, ratio, cand, cand, out, out.stride(0), k, CHUNK=plan.chunk,
+        BLOCK=plan.first.block, KEYS_OUT=True, num_warps=plan.first.num_warps, **pdl(buf))
+
+
+def _select_last(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
+                 tiles: dispatch.SelectTiles) -> tuple[Tensor, Tensor]:
+    """The k largest of buf[:, col0:col0 + n] per row (all blocks, or a first stage's candidates) -> (ids,
+    valid), one program per row."""
     T = buf.shape[0]
     ids = torch.empty(T, k, dtype=torch.int64, device=buf.device)
     valid = torch.empty(T, k, dtype=torch.bool, device=buf.device)
-    if plan.chunks > 1:
-        cand = torch.empty(T, plan.chunks * k, dtype=torch.int64, device=buf.device)
-        _select_kernel[(T, plan.chunks)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, cand, cand.stride(0),
-                                         k, CHUNK=plan.chunk, BLOCK=plan.first.block, KEYS_OUT=True,
-                                         num_warps=plan.first.num_warps, **pdl(buf))
-        buf, col0, n = cand, 0, plan.chunks * k
-    last = plan.last
-    _select_kernel[(T, 1)](buf, buf.stride(0), col0, n, pos, ratio, ids, valid, ids, 0, k, CHUNK=last.block,
-                           BLOCK=last.block, KEYS_OUT=False, num_warps=last.num_warps, **pdl(buf))
+    _select_kernel[(T, 1)](buf, buf.stride(0), col0, n, 0, pos, ratio, ids, valid, ids, 0, k, CHUNK=tiles.block,
+                           BLOCK=tiles.block, KEYS_OUT=False, num_warps=tiles.num_warps, **pdl(buf))
     return ids, valid
 
 
@@ -364,8 +371,12 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     keys = keys if keys.stride(-1) == 1 else keys[:n_blocks].contiguous()
     pos = pos.contiguous()
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
-    plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q)) if step >= n_blocks else None
+    plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q))
+    if plan is not None and step < n_blocks:  # column blocks of whole first-stage chunks, or torch.topk
+        plan = plan if plan.chunks > 1 and step >= plan.chunk else None
+        step = step // plan.chunk * plan.chunk if plan is not None else step
     buf = torch.empty(T, kk + step, dtype=torch.int64, device=q.device)  # [running top k | column block]
+    cand = torch.empty(T, plan.chunks * kk, dtype=torch.int64, device=q.device) if plan and plan.chunks > 1 else None
     for n0 in range(0, n_blocks, step):
         n1 = min(n0 + step, n_blocks)
         grid = (triton.cdiv(n1 - n0, tiles.block_n), triton.cdiv(T, tiles.block_t))
@@ -376,10 +387,15 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
             USE_DOT=tiles.dot, DOT_FP16=fp16_dot, SLOTS=slots is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages, **pdl(q))
         last = n1 == n_blocks
-        if plan is not None:  # one column block: select in programs that hold their keys in registers
-            return _select(buf, kk, n_blocks, pos, ratio, kk, plan)
-        cand = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
-        top = torch.topk(cand, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
+        if plan is not None:  # select in programs that hold their keys in registers
+            if cand is None:  # one column block, one stage
+                return _select_last(buf, kk, n_blocks, pos, ratio, kk, plan.last)
+            _select_first(buf, kk, n1 - n0, n0, pos, ratio, kk, plan, cand)
+            if last:
+                return _select_last(cand, 0, plan.chunks * kk, pos, ratio, kk, plan.last)
+            continue
+        cand_keys = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
+        top = torch.topk(cand_keys, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
         if not last:
             buf[:, :kk].copy_(top)
     ids = _LOW - (top & 0xFFFFFFFF)

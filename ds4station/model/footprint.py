@@ -43,8 +43,10 @@ FRONTIER_BYTES = 4  # the compressors accumulate in fp32 whatever the cache dtyp
 # Triton kernel loaded 685 MiB. ROCm contexts on gfx906 are of the same order; keep a little above both.
 DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
 # The engine's bound on one prefill column block of indexer selection keys (kernels/indexer.py SCRATCH_BYTES)
-# and the experts per staging buffer of a streaming stage (engine/experts.py STAGING_EXPERTS; tests check both).
+# (tests/test_kernels_indexer.py checks it) and the experts per staging buffer of a streaming stage
+# (engine/experts.py STAGING_EXPERTS).
 INDEXER_SCRATCH_BYTES = 256 * MiB
+INDEXER_SELECT_MAX = 8192  # the most keys one selection program holds (kernels/dispatch.py _SELECT_MAX)
 STAGING_EXPERTS = 8
 # On the CPU the kernel stage's prefill dequantises a quantised matrix to fp32 in blocks of rows of at most this
 # many bytes, into one buffer it keeps (kernels/ops.py _cpu_linear; the routed experts go through the same): a CPU
@@ -170,11 +172,15 @@ def activation_bytes_per_token(cfg: ModelConfig) -> int:
 
 def indexer_scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
     """The indexer's selection scratch for one prefill chunk: the [chunk, k + step] int64 key block (step: as
-    many index blocks as keep it within INDEXER_SCRATCH_BYTES, at most ceil(ctx/4)) and the running top-k's
-    values and indices."""
-    k = min(cfg.index_topk, max(_cdiv(ctx, 4), 1))
-    step = min(max(INDEXER_SCRATCH_BYTES // (8 * chunk) - k, k), max(_cdiv(ctx, 4), 1))
-    return 8 * chunk * (k + step) + 16 * chunk * k
+    many index blocks as keep it within INDEXER_SCRATCH_BYTES, at most ceil(ctx/4)), then the larger of the
+    running top-k's values and indices (torch.topk) and a two-stage selection's int64 candidates with the
+    ids and valid flags (at most INDEXER_SELECT_MAX per query, past 4,096 blocks and up to 16 chunks of
+    8,192: an upper bound over the backends' plans, first-stage chunks of >= 2,048 blocks)."""
+    n = max(_cdiv(ctx, 4), 1)
+    k = min(cfg.index_topk, n)
+    step = min(max(INDEXER_SCRATCH_BYTES // (8 * chunk) - k, k), n)
+    cands = min(INDEXER_SELECT_MAX, _cdiv(n, 2048) * k) if 4096 < n <= 16 * INDEXER_SELECT_MAX else 0
+    return 8 * chunk * (k + step) + max(16 * chunk * k, 8 * chunk * cands + 9 * chunk * k)
 
 
 def staging_bytes(slot_bytes: int) -> int:
@@ -376,7 +382,7 @@ def scratch_bytes(cfg: ModelConfig, layers: range, ctx: int, settings: Footprint
 
 __all__ = [
     "CHECKPOINT_MARGIN", "CPU_DEQUANT_BYTES", "DEFAULT_RUNTIME_OVERHEAD", "DEMO_SHAPE", "FootprintSettings",
-    "INDEXER_SCRATCH_BYTES", "KV_DTYPE_BYTES",
+    "INDEXER_SCRATCH_BYTES", "INDEXER_SELECT_MAX", "KV_DTYPE_BYTES",
     "ModelShape", "SHAPES", "STAGING_EXPERTS", "StageFootprint", "WIDENED_ROLES", "activation_bytes_per_token",
     "expert_cache_device_bytes", "frontier_rows", "indexer_scratch_bytes", "kept_bytes",
     "kv_bytes", "kv_bytes_per_token", "kv_slack", "layer_kv_bytes", "named_shape", "scratch_bytes",
