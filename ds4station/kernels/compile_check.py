@@ -310,7 +310,7 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
         out.append(KernelSpec(
             f"indexer top-512 select of {n_keys} keys" + (" (first stage)" if keys_out else ""),
             indexer._select_kernel,
-            {"buf_ptr": "*i64", "stride_b": i32, "col0": i32, "n": i32, "pos_ptr": "*i64", "ratio": i32,
+            {"buf_ptr": "*i64", "stride_b": i32, "col0": i32, "n": i32, "blk0": i32, "pos_ptr": "*i64", "ratio": i32,
              "ids_ptr": "*i64", "valid_ptr": "*i1", "out_ptr": "*i64", "stride_o": i32, "K": i32,
              "CHUNK": "constexpr", "BLOCK": "constexpr", "KEYS_OUT": "constexpr"},
             {"CHUNK": st.block, "BLOCK": st.block, "KEYS_OUT": keys_out},
