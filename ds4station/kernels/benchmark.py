@@ -558,20 +558,24 @@ def bench_layer_ops(device: torch.device, copy_gbps: float, bf16_tflops: float, 
         return sum(diff) / len(diff)
 
     iqd, iw = randn(1, IH, ID), randn(1, IH).abs()
-    for n in (n_keys, 8 * n_keys):  # one selection program per query; per-chunk programs first (dispatch.select_plan)
+    # one selection program per query; per-chunk programs first (dispatch.select_plan); decode after 128K tokens,
+    # whose position bucket (a power of two) holds twice the blocks the query sees
+    for n, seen in ((n_keys, n_keys), (8 * n_keys, 8 * n_keys), (32 * n_keys, 16 * n_keys)):
         k_all = keys if n == n_keys else randn(n, ID)
-        args = (iqd, iw, k_all, n, torch.tensor([r4 * n - 1], device=device), r4, FLASH.index_topk)
-        decode("index_topk", f"1 query x {n} blocks, top {FLASH.index_topk}",
-               lambda args=args: indexer.index_topk(*args), n * ID * 4,
+        args = (iqd, iw, k_all, n, torch.tensor([r4 * seen - 1], device=device), r4, FLASH.index_topk)
+        decode("index_topk", f"1 query x {n} blocks" + (f" ({seen} seen)" if seen < n else "") +
+               f", top {FLASH.index_topk}", lambda args=args: indexer.index_topk(*args), seen * ID * 4,
                select_err(indexer.index_topk(*args), indexer.index_topk_ref(*args)))
     iqp, iwp = randn(tokens, IH, ID), randn(tokens, IH).abs()
-    ppos = torch.arange(ctx - tokens, ctx, device=device)
-    pargs = (iqp, iwp, keys, n_keys, ppos, r4, FLASH.index_topk)
-    t = _median_ms(lambda: indexer.index_topk(*pargs)) * 1e3
-    flop = 2 * tokens * IH * n_keys * ID
-    out.append(Result("index_topk", f"{tokens} queries x {n_keys} blocks", tokens, t, tflops=flop / t / 1e6,
-                      pct_bf16=100 * flop / t / 1e6 / bf16_tflops,
-                      rel_err=select_err(indexer.index_topk(*pargs), indexer.index_topk_ref(*pargs))))
+    for n in (n_keys, 16 * n_keys):  # the last chunk of an 8K and of a 128K prompt (column blocks of chunks)
+        k_all = keys if n == n_keys else randn(n, ID)
+        ppos = torch.arange(r4 * n - tokens, r4 * n, device=device)
+        pargs = (iqp, iwp, k_all, n, ppos, r4, FLASH.index_topk)
+        t = _median_ms(lambda pargs=pargs: indexer.index_topk(*pargs)) * 1e3
+        flop = 2 * tokens * IH * n * ID
+        out.append(Result("index_topk", f"{tokens} queries x {n} blocks", tokens, t, tflops=flop / t / 1e6,
+                          pct_bf16=100 * flop / t / 1e6 / bf16_tflops,
+                          rel_err=select_err(indexer.index_topk(*pargs), indexer.index_topk_ref(*pargs))))
 
     # attention: window from the ring + 512 indexed rows (ratio-4 layers), window + shared rows (ratio 128)
     ring.copy_(randn(*ring.shape))
