@@ -230,13 +230,13 @@ def _select_kernel(buf_ptr, stride_b, col0, n, blk0, pos_ptr, ratio, ids_ptr, va
                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEYS_OUT: tl.constexpr, PDL: tl.constexpr = False):
     """Per query and chunk of CHUNK keys (grid (T, cdiv(n, CHUNK))): the min(K, keys in the chunk) largest of
     the sort keys at buf[t, col0 + c CHUNK ...] (blocks blk0 + c CHUNK ... in a first stage), held in
-    registers. The keys are unique, so the selection is
-    every key at or above the K-th largest, found by block-wide counts on int32 halves: the K-th largest high
-    half (the ordered score; 32 rounds: sign, then bits 30..0), then, only when that score is tied across
-    the cut, the r-th largest low half among the tied keys (31 more rounds; the low half is 2^31 - 1 - block
-    >= 0). Writes ids [T, K] (ascending block order) and valid [T, K]; or, KEYS_OUT (the first stage of a
-    two-stage selection), the selected keys themselves to out[t, c K ...], padded to K with _PAD_KEY (a query or
-    chunk that sees at most Kc blocks keeps its first Kc keys without counting)."""
+    registers. The keys are unique, so the selection is every key at or above the K-th largest, found by
+    block-wide counts on int32 halves (`_top_keys`): the K-th largest high half (the ordered score; 32 rounds:
+    sign, then bits 30..0), then, only when that score is tied across the cut, the r-th largest low half
+    among the tied keys (31 more rounds; the low half is 2^31 - 1 - block >= 0). Writes ids [T, K] (ascending
+    block order) and valid [T, K]; or, KEYS_OUT (the first stage of a two-stage selection), the selected keys
+    themselves to out[t, c K ...], padded to K with _PAD_KEY. A query or chunk that sees at most Kc blocks
+    keeps its first Kc keys without counting."""
     enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -373,8 +373,10 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
     plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q))
     if plan is not None and step < n_blocks:  # column blocks of whole first-stage chunks, or torch.topk
-        plan = plan if plan.chunks > 1 and step >= plan.chunk else None
-        step = step // plan.chunk * plan.chunk if plan is not None else step
+        if plan.chunks > 1 and step >= plan.chunk:
+            step -= step % plan.chunk
+        else:
+            plan = None
     buf = torch.empty(T, kk + step, dtype=torch.int64, device=q.device)  # [running top k | column block]
     cand = torch.empty(T, plan.chunks * kk, dtype=torch.int64, device=q.device) if plan and plan.chunks > 1 else None
     for n0 in range(0, n_blocks, step):
