@@ -204,10 +204,14 @@ def test_batched_steps_keep_the_mtp_layers_ring(engine: Engine, mtp_model: Path,
                 for t in range(4):
                     e.decode_batch(ss, [100 + t, 200 + t])
                 out += [s.draft(7, 3) for s in ss]
+                out += e.draft_batch(ss, [7, 8], [3, 2])  # together: the same drafts as alone
+                with pytest.raises(ValueError, match="each session once"):
+                    e.draft_batch([ss[0], ss[0]], [7, 7], [1, 1])
             finally:
                 for s in ss:
                     s.close()
         assert got == want
+        assert got[2] == got[0] and len(got[3]) == 2  # session 0 alone and together
 
 
 # ---- the layer's numerics --------------------------------------------------------------------------------------
@@ -233,6 +237,33 @@ def test_the_kernel_stage_mtp_layer_matches_the_reference(mtp_model: Path) -> No
     assert a.length == b.length == 70
 
 
+def test_mtp_drafts_of_several_sequences_in_one_step_are_each_ones_own(mtp_model: Path) -> None:
+    """GpuStage.mtp_draft of several sequences (their pairs in one static step, each row on its own slot of
+    the pool, padded with copies of the last row; then one row per sequence per depth) drafts what the
+    reference drafts for each sequence alone; a catch-up too long for the step runs eagerly first. Each
+    sequence's cache then goes on as the reference's does."""
+    ref, fast = _mtp_stages(mtp_model)
+    cfg = ref.cfg
+    gen = torch.Generator().manual_seed(5)
+    H = torch.randn(3, 80, cfg.hc_mult, cfg.dim, generator=gen)
+    tokens = torch.randint(2, cfg.vocab_size, (3, 80), generator=gen)
+    for pairs, k in (((1, 1, 1), 1), ((1, 3, 5), 3), ((2, 30, 1), 2)):  # 3 rows; 9 padded to 16; 33 > 32 rows
+        refs, fasts = ref.new_mtp_caches(3, 256, 128), fast.new_mtp_caches(3, 256, 128)
+        for c in (*refs, *fasts):
+            c.length = 10
+        want = ref.mtp_draft([H[i, :n] for i, n in enumerate(pairs)], [tokens[i, :n] for i, n in enumerate(pairs)],
+                             refs, k)
+        got = fast.mtp_draft([H[i, :n] for i, n in enumerate(pairs)], [tokens[i, :n] for i, n in enumerate(pairs)],
+                             fasts, k)
+        assert got.shape == (3, k) and got.tolist() == want.tolist()
+        assert [c.length for c in fasts] == [c.length for c in refs] == [10 + n + k - 1 for n in pairs]
+        for c, n in zip((*refs, *fasts), pairs * 2, strict=True):  # the callers keep the pairs, not the chains
+            c.length = 10 + n
+        nxt = [(H[i, n:n + 2], tokens[i, n:n + 2]) for i, n in enumerate(pairs)]
+        assert (fast.mtp_draft([h for h, _ in nxt], [t for _, t in nxt], fasts, 2).tolist() ==
+                ref.mtp_draft([h for h, _ in nxt], [t for _, t in nxt], refs, 2).tolist())
+
+
 @pytest.mark.parametrize("pairs", [1, 3, 5, 40])  # one row, a row class, padded to 8 rows, past the largest class
 def test_the_kernel_stage_drafts_in_one_static_step_what_the_reference_drafts(mtp_model: Path, pairs: int) -> None:
     """GpuStage.mtp_draft (the pairs as one static step padded to a row class, then the chain's one-row steps:
@@ -249,16 +280,19 @@ def test_the_kernel_stage_drafts_in_one_static_step_what_the_reference_drafts(mt
     for k in (1, 3):
         a, b = refs[k == 3], fasts[k == 3]  # slot 0, then slot 1 of the pool
         a.length = b.length = 20  # an earlier catch-up left the layer here (what lies before is never read)
-        want = ref.mtp_draft(H[:pairs], tokens[:pairs], a, k)
-        got = fast.mtp_draft(H[:pairs], tokens[:pairs], b, k)
-        assert got.tolist() == want.tolist() and got.shape == (k,)
+        want = ref.mtp_draft([H[:pairs]], [tokens[:pairs]], [a], k)
+        got = fast.mtp_draft([H[:pairs]], [tokens[:pairs]], [b], k)
+        assert got.tolist() == want.tolist() and got.shape == (1, k)
         assert a.length == b.length == 20 + pairs + k - 1
         for c in (a, b):  # the caller keeps the pairs, not the chain
             c.length = 20 + pairs
         nxt = slice(pairs, pairs + 2)
-        assert fast.mtp_draft(H[nxt], tokens[nxt], b, 2).tolist() == ref.mtp_draft(H[nxt], tokens[nxt], a, 2).tolist()
+        assert (fast.mtp_draft([H[nxt]], [tokens[nxt]], [b], 2).tolist() ==
+                ref.mtp_draft([H[nxt]], [tokens[nxt]], [a], 2).tolist())
     with pytest.raises(ValueError, match="one state per token"):
-        fast.mtp_draft(H[:2], tokens[:3], fasts[0], 1)
+        fast.mtp_draft([H[:2]], [tokens[:3]], [fasts[0]], 1)
+    with pytest.raises(ValueError, match="each once"):
+        fast.mtp_draft([H[:2], H[:2]], [tokens[:2], tokens[:2]], [fasts[0], fasts[0]], 1)
     assert fast.capture_mtp(fast.new_mtp_caches(1, 256, 128)[0], 3) == 0  # graphs are CUDA's
 
 
@@ -282,12 +316,21 @@ def test_mtp_draft_graphs_replay_the_eager_drafts(mtp_model: Path) -> None:
         g, e = graphed[slot], eager[slot]
         g.length = e.length = at[slot]
         span = slice(at[slot], at[slot] + pairs)
-        got = fast.mtp_draft(H[span], tokens[span], g, k, graph=True)
-        want = fast.mtp_draft(H[span], tokens[span], e, k, graph=False)
+        got = fast.mtp_draft([H[span]], [tokens[span]], [g], k, graph=True)
+        want = fast.mtp_draft([H[span]], [tokens[span]], [e], k, graph=False)
         assert got.tolist() == want.tolist()
         at[slot] += pairs
     # (rows, depth): (1-4, 3) captured ahead, (16, 3) and the others on first use, (1, 1) replayed the second time
     assert sum(key[0] == "mtp" for key in fast._graphs) == 9
+    for pairs, k in (((2, 1), 3), ((1, 5), 2), ((4, 4), 2)):  # both slots in one step: 3, 6 (padded to 8), 8 rows
+        for c in (*graphed, *eager):
+            c.length = at[c.slot]
+        spans = [slice(at[i], at[i] + n) for i, n in enumerate(pairs)]
+        got = fast.mtp_draft([H[sp] for sp in spans], [tokens[sp] for sp in spans], graphed, k, graph=True)
+        want = fast.mtp_draft([H[sp] for sp in spans], [tokens[sp] for sp in spans], eager, k, graph=False)
+        assert got.shape == (2, k) and got.tolist() == want.tolist()
+        at = [a + n for a, n in zip(at, pairs, strict=True)]
+    assert sum(key[0] == "mtp" for key in fast._graphs) == 11  # (8 rows, 2 sequences, depth 2) replayed
 
 
 def _scratch_drafts(engine: Engine, seq: list[int], token: int, k: int) -> list[int]:
@@ -366,16 +409,26 @@ def test_greedy_with_mtp_drafts_is_plain_decode(engine: Engine, k: int) -> None:
 
 
 def test_requests_together_verify_mtp_drafts_in_one_kernel_step(mtp_model: Path) -> None:
-    """On the kernel stage (CPU here), two requests with MTP drafts verify them together in one step
-    (GpuStage.verify_batch, the layer's ring fed from that step's states): each output is plain decoding's."""
+    """On the kernel stage (CPU here), two requests with MTP drafts draft them in one step of the layer
+    (Engine.draft_batch) and verify them together in one step (GpuStage.verify_batch, the layer's ring fed from
+    that step's states): each output is plain decoding's."""
     from test_draft import _together
 
     prompt_a = [1] + list(range(40, 120))
     with Engine.load(mtp_model, CTX, device="cpu", compute="kernels", chunk=CHUNK, sessions=2, mtp="model") as e:
         alone = [_generate(e, prompt_a, n)[0] for n in (24, 12)]
+        together, draft_batch = [], e.draft_batch
+
+        def counted(sessions, tokens, ks):  # noqa: ANN001, ANN202 (the engine's own call, its sessions counted)
+            together.append(len(sessions))
+            return draft_batch(sessions, tokens, ks)
+
+        e.draft_batch = counted
         fins, s = _together(e, (24, 12), draft_tokens=2, draft="mtp", prompt=prompt_a)
     assert [f.output for f in fins] == alone
     assert any(len(r.decoded) == 2 and sorted(r.verified) == sorted(r.decoded) for r in s.steps), list(s.steps)
+    # the steps that verified both requests' drafts drafted them in one step of the MTP layer
+    assert together.count(2) == sum(len(r.verified) == 2 for r in s.steps) > 0, (together, list(s.steps))
 
 
 def test_draft_mtp_needs_an_engine_with_the_layer(tmp_path: Path) -> None:

@@ -57,7 +57,7 @@ class MtpDrafter:
     """MTP-layer drafts of one request: what the engine session's MTP layer guesses after the last token the
     request accepted (the one about to be fed)."""
 
-    def __init__(self, session) -> None:  # noqa: ANN001 (an engine Session with `draft`)
+    def __init__(self, session) -> None:  # noqa: ANN001 (an engine Session)
         self.session = session
         self.last: int | None = None
 
@@ -66,4 +66,17 @@ class MtpDrafter:
             self.last = int(tokens[-1])
 
     def propose(self, k: int) -> list[int]:
-        return [] if self.last is None else self.session.draft(self.last, k)
+        return self.propose_together([self], [k])[0]
+
+    @staticmethod
+    def propose_together(drafters: Sequence[MtpDrafter], ks: Sequence[int]) -> list[list[int]]:
+        """Each drafter's proposal of up to ks[i] tokens, from one step of the MTP layer for all of them (their
+        sessions are one engine's: `Engine.draft_batch`)."""
+        live = [i for i, d in enumerate(drafters) if d.last is not None and ks[i] > 0]
+        out: list[list[int]] = [[] for _ in drafters]
+        if live:
+            got = drafters[live[0]].session.engine.draft_batch(
+                [drafters[i].session for i in live], [drafters[i].last for i in live], [ks[i] for i in live])
+            for i, d in zip(live, got, strict=True):
+                out[i] = d
+        return out

@@ -175,7 +175,7 @@ class Session:
     def draft(self, token: int, k: int) -> list[int]:
         """Up to k tokens the MTP layer guesses after `token` (the token about to be fed), greedily (an engine
         loaded with `mtp`); nothing is appended."""
-        return self.engine._draft(self, token, k)
+        return self.engine.draft_batch([self], [token], [k])[0]
 
     def verify(self, tokens: Sequence[int]) -> torch.Tensor:
         """Append tokens (at most one prefill chunk: a token and its drafts) -> the logits after each of them
@@ -672,22 +672,35 @@ class Engine:
         """Loaded with the MTP layer: sessions can `draft`."""
         return bool(self.mtp)
 
-    def _draft(self, session: Session, token: int, k: int) -> list[int]:
+    def draft_batch(self, sessions: Sequence[Session], tokens: Sequence[int], ks: Sequence[int]) -> list[list[int]]:
+        """Several sessions' `draft` at once (session i: up to ks[i] tokens after tokens[i]): where rank 0 holds
+        the MTP layer (one stage, or the head applied here) in one step of the layer for all of them; on a route
+        whose last stage holds it, one session after another."""
         runner = self.runner
         assert runner is not None
         if not self.mtp:
             raise RuntimeError("this engine was loaded without the MTP layer (Engine.load(..., mtp=...))")
+        if len(sessions) != len(tokens) or len(sessions) != len(ks):
+            raise ValueError(f"draft_batch needs one token and one draft length per session ({len(sessions)} "
+                             f"sessions, {len(tokens)} tokens, {len(ks)} lengths)")
+        if len({s.sid for s in sessions}) != len(sessions):
+            raise ValueError("draft_batch holds each session once")
         with self._lock:
             self._raise_if_down()
             self._flush_released()
-            if runner.mtp is not None:  # beside the head on rank 0 (one stage, or the head applied here)
-                return runner.draft(session.sid, int(token), k)
-            last = self.world - 1  # the MTP layer is on the last stage, beside the head
-            pending = self._broadcast(header(OP_DRAFT, session.sid, k, arg=int(token)))
-            done, buf = self._irecv((k,), torch.int64, last)
-            pending.append(done)
-            self._await(pending, last)
-            return [int(t) for t in buf.tolist() if t >= 0]
+            if runner.mtp is not None:
+                return runner.draft([s.sid for s in sessions], [int(t) for t in tokens], [int(k) for k in ks])
+            last, out = self.world - 1, []  # the MTP layer is on the last stage, beside the head
+            for s, t, k in zip(sessions, tokens, ks, strict=True):
+                if k <= 0:
+                    out.append([])
+                    continue
+                pending = self._broadcast(header(OP_DRAFT, s.sid, k, arg=int(t)))
+                done, buf = self._irecv((k,), torch.int64, last)
+                pending.append(done)
+                self._await(pending, last)
+                out.append([int(x) for x in buf.tolist() if x >= 0])
+            return out
 
     def _truncate(self, session: Session, n: int) -> bool:
         assert self.runner is not None

@@ -686,37 +686,46 @@ class GpuStage:
         return X, self._mtp_head(X)
 
     @torch.inference_mode()
-    def mtp_draft(self, H: Tensor, tokens: Tensor | Sequence[int], cache: KVCache, k: int,
-                  graph: bool | None = None) -> Tensor:
-        """Drafts from the MTP layer: the pairs (H[i], tokens[i]) at positions cache.length.. (a catch-up's, then
-        the model's last state with the token about to be fed), then a chain of k depths, each from the state and
-        greedy token of the one before -> the k tokens [k] on the device. The pairs and depths run as one static
-        step of the pairs (padded to a row class) and k - 1 one-row steps: on CUDA one captured graph per (row
-        class, k) over the pool's slots (`new_mtp_caches`), captured on first use; anywhere else (or with
-        `graph=False`) the same launches eagerly. A catch-up longer than the largest row class runs its first
-        pairs through mtp_step. The cache holds the pairs and the chain's rows after it (the caller cuts it back)."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).view(-1)
-        n = tokens.numel()
-        if n < 1 or H.shape[0] != n or k < 1:
-            raise ValueError(f"an MTP draft needs one state per token and k >= 1 ({H.shape[0]} states, {n} tokens, "
-                             f"k {k})")
-        rows = next((r for r in (1, *SHORT_ROWS) if r >= n), 0)
-        if n > 1 and (not rows or rows + k - 1 > cache.chunk or cache.length + rows + k - 1 > cache.ctx):
-            # most of a window to catch up, or no room for the padding: all but the last pair eagerly
-            self.mtp_step(H[:-1], tokens[:-1], cache)
-            H, tokens, n, rows = H[-1:], tokens[-1:], 1, 1
-        p0 = cache.length
-        cache.check_room(rows + k - 1)
-        H = H.to(self.device, torch.float32)
-        key = ("mtp", id(cache.pool), rows, k)
-        g = self._graph(graph, key, lambda: _MtpGraph(self, cache, H, tokens, rows, k))
+    def mtp_draft(self, H: Sequence[Tensor], tokens: Sequence[Tensor | Sequence[int]], caches: Sequence[KVCache],
+                  k: int, graph: bool | None = None) -> Tensor:
+        """Drafts from the MTP layer for several sequences at once: sequence i's pairs (H[i][j], tokens[i][j]) at
+        positions caches[i].length.. (a catch-up's, then the model's last state with the token about to be fed),
+        then a chain of k depths, each from the state and greedy token of the one before -> the tokens [N, k] on
+        the device. Every sequence's pairs run as one static step (its rows padded to a row class with copies of
+        the last row), then k - 1 steps of one row per sequence: on CUDA one captured graph per (row class,
+        sequences, k) over the pool's slots (`new_mtp_caches`), captured on first use; anywhere else (or with
+        `graph=False`) the same launches eagerly. A catch-up that does not fit the step runs its first pairs
+        through mtp_step. Each cache holds its pairs and its chain's rows after them (the caller cuts it back)."""
+        H = [h.to(self.device, torch.float32) for h in H]
+        tokens = [torch.as_tensor(t, dtype=torch.long).view(-1) for t in tokens]
+        if not caches or k < 1 or len(H) != len(caches) or len(tokens) != len(caches) or any(
+                t.numel() < 1 or h.shape[0] != t.numel() for h, t in zip(H, tokens, strict=True)):
+            raise ValueError(f"an MTP draft needs one state per token, at least one pair per sequence and k >= 1 "
+                             f"({[h.shape[0] for h in H]} states, {[t.numel() for t in tokens]} tokens, k {k})")
+        if len({id(c) for c in caches}) != len(caches) or any(c.pool is not caches[0].pool for c in caches):
+            raise ValueError("an MTP draft of several sequences takes each once, all slots of one pool")
+        # a catch-up longer than the step takes, or without room for its chain: all but its last pair eagerly,
+        # the longest first
+        for i in sorted(range(len(caches)), key=lambda i: -tokens[i].numel()):
+            n, c = tokens[i].numel(), caches[i]
+            if n > 1 and (sum(t.numel() for t in tokens) > SHORT_ROWS[-1] or n + k - 1 > c.chunk or
+                          c.length + n + k - 1 > c.ctx):
+                self.mtp_step(H[i][:-1], tokens[i][:-1], c)
+                H[i], tokens[i] = H[i][-1:], tokens[i][-1:]
+        for t, c in zip(tokens, caches, strict=True):
+            c.check_room(t.numel() + k - 1)
+        n = sum(t.numel() for t in tokens)
+        rows = next(r for r in (1, *SHORT_ROWS) if r >= n)
+        key = ("mtp", id(caches[0].pool), rows, len(caches), k)
+        g = self._graph(graph, key, lambda: _MtpGraph(self, caches, H, tokens, rows, k))
         if g is None:
-            inp = _StepInputs(self, rows, False, p0)
-            inp.set(tokens, p0, H, cache.slot)
-            out = self._mtp_chain(inp, cache, k)
+            inp = _MtpInputs(self, caches[0].pool, rows, len(caches))
+            inp.set(H, tokens, caches)
+            out = self._mtp_chain(inp, caches[0].ctx, k)
         else:
-            out = g.run(H, tokens, cache)
-        cache.advance(n + k - 1, p0 + rows + k)
+            out = g.run(H, tokens, caches)
+        for t, c in zip(tokens, caches, strict=True):
+            c.advance(t.numel() + k - 1)
         return out
 
     def capture_mtp(self, cache: KVCache, k: int) -> int:
@@ -727,31 +736,33 @@ class GpuStage:
             return 0
         cfg, n = self.cfg, 0
         for rows in (r for r in (1, *SHORT_ROWS) if r <= k + 1 and r + k - 1 <= min(cache.chunk, cache.ctx)):
-            H = torch.zeros(rows, cfg.hc_mult, cfg.dim, device=self.device)
-            tokens = torch.zeros(rows, dtype=torch.long)
-            if self._graph(True, ("mtp", id(cache.pool), rows, k), lambda H=H, t=tokens, r=rows: _MtpGraph(
-                    self, cache, H, t, r, k)) is None:
+            H = [torch.zeros(rows, cfg.hc_mult, cfg.dim, device=self.device)]
+            tokens = [torch.zeros(rows, dtype=torch.long)]
+            if self._graph(True, ("mtp", id(cache.pool), rows, 1, k), lambda H=H, t=tokens, r=rows: _MtpGraph(
+                    self, [cache], H, t, r, k)) is None:
                 break
             n += 1
         cache.reset()
         return n
 
-    def _mtp_chain(self, inp: _StepInputs, cache: KVCache, k: int) -> Tensor:
-        """mtp_draft's static step (what its graph captures): the MTP block over inp's rows (the pairs, padded),
-        then k depths from its last real row -> the k greedy tokens [k]. The block is window-only: the bucket
-        bounds nothing it reads."""
-        rows, kv = inp.tok.numel(), _Pooled(cache.pool)[self.cfg.n_layers]
-        st = Step(inp.pos, None, None, cache.ctx, None if rows == 1 else inp.last, inp.slots)
+    def _mtp_chain(self, inp: _MtpInputs, ctx: int, k: int) -> Tensor:
+        """mtp_draft's static step (what its graph captures): the MTP block over inp's rows (every sequence's
+        pairs, padded), then k depths of one row per sequence, from its last real row -> the greedy tokens
+        [N, k]. The block is window-only: the bucket bounds nothing it reads."""
+        rows, kv = inp.tok.numel(), _Pooled(inp.pool)[self.cfg.n_layers]
+        st = Step(inp.pos, None, None, ctx, None if rows == 1 else inp.last, inp.slots)
         X = self._mtp_block(inp.x, inp.tok, kv, st)
-        pos = inp.pos if rows == 1 else inp.pos.index_select(0, inp.last)
-        X = X if rows == 1 else X.index_select(0, inp.last)
+        pos, slots = inp.pos, inp.slots
+        if rows > 1:  # each sequence's last pair
+            pos, slots, X = inp.pos.index_select(0, inp.ends), inp.slots.index_select(0, inp.ends), \
+                X.index_select(0, inp.ends)
         out = []
         for depth in range(k):
             out.append(torch.argmax(self._mtp_head(X), dim=-1))
             if depth < k - 1:
                 pos = pos + 1
-                X = self._mtp_block(X, out[-1], kv, Step(pos, None, None, cache.ctx, None, inp.slots[:1]))
-        return torch.cat(out)
+                X = self._mtp_block(X, out[-1], kv, Step(pos, None, None, ctx, None, slots))
+        return torch.stack(out, dim=1)
 
     def _mtp_block(self, H: Tensor, tokens: Tensor, kv, st: Step) -> Tensor:  # noqa: ANN001 (LayerKV or pooled)
         """The MTP layer's input projections and block over H [T, C, dim] and tokens [T] -> its HC states."""
@@ -1258,18 +1269,42 @@ class _MultiGraph(_MultiInputs):
         return self.out
 
 
-class _MtpGraph(_StepInputs):
-    """mtp_draft's static step of `rows` pairs and k depths over a pool of MTP caches, captured in a CUDA graph
-    on `cache` with the draft's own inputs (the capture's warm-up writes the rows the replay writes)."""
+class _MtpInputs(_RowInputs):
+    """The device inputs of mtp_draft's step: per row a token, a position and a pool slot and the model's HC
+    state (the rows past the real ones copies of the last real row), and the index of each sequence's last row."""
 
-    def __init__(self, stage: GpuStage, cache: KVCache, H: Tensor, tokens: Tensor, rows: int, k: int) -> None:
-        super().__init__(stage, rows, False, cache.length)
-        self.pool = cache.pool  # the graph writes into the pool's tensors: keep them alive with it
-        self.set(tokens, cache.length, H, cache.slot)
-        self.graph, self.out = _capture(stage, lambda: stage._mtp_chain(self, cache, k))
+    def __init__(self, stage: GpuStage, pool: KVPool, rows: int, sequences: int) -> None:
+        super().__init__(stage, rows)
+        self.pool = pool  # a graph writes into the pool's tensors: keep them alive with it
+        self.x = torch.zeros(rows, stage.cfg.hc_mult, stage.cfg.dim, device=stage.device)
+        self.ends = torch.zeros(sequences, dtype=torch.long, device=stage.device)
+        self._pinned = stage.device.type == "cuda"
 
-    def run(self, H: Tensor, tokens: Tensor, cache: KVCache) -> Tensor:
-        self.set(tokens, cache.length, H, cache.slot)
+    def set(self, H: Sequence[Tensor], tokens: Sequence[Tensor], caches: Sequence[KVCache]) -> None:
+        lens = [t.numel() for t in tokens]
+        self.put(torch.cat(list(tokens)).tolist(), [c.length + j for c, n in zip(caches, lens, strict=True)
+                                                    for j in range(n)],
+                 [c.slot for c, n in zip(caches, lens, strict=True) for _ in range(n)])
+        ends = torch.tensor(lens).cumsum(0).sub_(1)
+        self.ends.copy_(ends.pin_memory() if self._pinned else ends, non_blocking=True)
+        X = torch.cat(list(H))
+        self.x[:X.shape[0]].copy_(X)
+        self.x[X.shape[0]:].copy_(X[-1:].expand(self.x.shape[0] - X.shape[0], -1, -1))
+
+
+class _MtpGraph(_MtpInputs):
+    """mtp_draft's static step of `rows` pairs of N sequences and k depths over a pool of MTP caches, captured
+    in a CUDA graph on `caches` with the draft's own inputs (the capture's warm-up writes the rows the replay
+    writes)."""
+
+    def __init__(self, stage: GpuStage, caches: Sequence[KVCache], H: Sequence[Tensor], tokens: Sequence[Tensor],
+                 rows: int, k: int) -> None:
+        super().__init__(stage, caches[0].pool, rows, len(caches))
+        self.set(H, tokens, caches)
+        self.graph, self.out = _capture(stage, lambda: stage._mtp_chain(self, caches[0].ctx, k))
+
+    def run(self, H: Sequence[Tensor], tokens: Sequence[Tensor], caches: Sequence[KVCache]) -> Tensor:
+        self.set(H, tokens, caches)
         self.graph.replay()
         return self.out
 

@@ -390,16 +390,20 @@ class DS4Model:
         return self.mtp(H.to(self.device, torch.float32), torch.as_tensor(tokens, device=self.device).view(-1), cache)
 
     @torch.inference_mode()
-    def mtp_draft(self, H: Tensor, tokens: Tensor | Sequence[int], cache: KVCache, k: int) -> Tensor:
-        """The pairs (H[i], tokens[i]) at positions cache.length.., then a chain of k depths, each from the state
-        and greedy token of the one before, one mtp_step each -> the k tokens [k] (GpuStage.mtp_draft's
-        reference)."""
-        X, logits = self.mtp_step(H, torch.as_tensor(tokens), cache)
-        out = [logits[-1].argmax().view(1)]
-        for _ in range(k - 1):
-            X, logits = self.mtp_step(X[-1:], out[-1], cache)
-            out.append(logits[-1].argmax().view(1))
-        return torch.cat(out)
+    def mtp_draft(self, H: Sequence[Tensor], tokens: Sequence[Tensor | Sequence[int]], caches: Sequence[KVCache],
+                  k: int) -> Tensor:
+        """Per sequence i: the pairs (H[i][j], tokens[i][j]) at positions caches[i].length.., then a chain of k
+        depths, each from the state and greedy token of the one before, one mtp_step each -> the tokens [N, k]
+        (GpuStage.mtp_draft's reference)."""
+        drafts = []
+        for h, t, cache in zip(H, tokens, caches, strict=True):
+            X, logits = self.mtp_step(h, torch.as_tensor(t), cache)
+            out = [logits[-1].argmax().view(1)]
+            for _ in range(k - 1):
+                X, logits = self.mtp_step(X[-1:], out[-1], cache)
+                out.append(logits[-1].argmax().view(1))
+            drafts.append(torch.cat(out))
+        return torch.stack(drafts)
 
     def new_mtp_caches(self, n: int, ctx: int, chunk: int) -> list[KVCache]:
         assert self.mtp is not None

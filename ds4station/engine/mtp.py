@@ -6,13 +6,13 @@ token x_{i+1} and predicts x_{i+2}. Its block attends over a window of its own K
 (h_i, x_{i+1}) must pass through it, in order. Rather than run it beside every step of the model (and undo it
 on every rejected draft), a session records the model's last HC states and tokens of its latest positions
 (`record`, on every step of the stage, into a ring of window + MTP_RING_EXTRA positions) and the layer
-catches up only when drafts are asked for (`draft`): the pairs from where its cache stands (at most one
-window back) to the last token in the KV, then the chain: (h_{p-1}, x_p) gives d_1, (its own state, d_1)
-gives d_2, and so on. The chain's rows are dropped from the layer's cache afterwards (its length goes back to
-p), so what the layer holds depends only on the sequence, never on which drafts were tried. A truncated or
-rewound session clamps the layer's cache with it; positions whose HC state the ring no longer holds (a rewind
-further back than the ring) are skipped, which changes the drafts of the next window only, never the output:
-every draft is verified (the scheduler).
+catches up only when drafts are asked for (`draft`, the sessions decoding together in one step): the pairs
+from where its cache stands (at most one window back) to the last token in the KV, then the chain:
+(h_{p-1}, x_p) gives d_1, (its own state, d_1) gives d_2, and so on. The chain's rows are dropped from the
+layer's cache afterwards (its length goes back to p), so what the layer holds depends only on the sequence,
+never on which drafts were tried. A truncated or rewound session clamps the layer's cache with it; positions
+whose HC state the ring no longer holds (a rewind further back than the ring) are skipped, which changes the
+drafts of the next window only, never the output: every draft is verified (the scheduler).
 
 Pairs older than one window are skipped exactly: a pair's KV row depends on that pair alone, and the chain
 reads the rows of its last window only.
@@ -23,6 +23,7 @@ rarely right; DeepSeek trained the published layer to predict the model's next t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,28 +109,39 @@ class MtpDrafts:
         return q >= 0 and s.positions[q % self.ring] == q
 
     @torch.inference_mode()
-    def draft(self, sid: int, length: int, token: int, k: int) -> list[int]:
-        """Up to k tokens after `token`, the token about to be fed at position `length` (the session holds
-        positions 0..length-1). [] when the ring does not hold the model's state at length - 1."""
-        s = self.sessions[sid]
-        last = length - 1
-        if k <= 0 or not self._held(s, last):
-            return []
-        cache, W = s.cache, self.cfg.window
-        # pairs older than one window are never read again; the last pair is always (re)run
-        start = max(min(cache.length, last), last - (W - 1))
-        held_from = start
-        while held_from < last and not self._held(s, held_from):  # the ring lost them (a far rewind): skipped
-            held_from += 1
-        cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
-        # the pairs (h_i, x_{i+1}) for i in [held_from, last] (the last: the model's state at `last` and the token
-        # about to be fed), then the chain: depth 1 from that last pair, each further one from the depth before;
-        # one static step on a kernel stage (a captured graph on CUDA), the tokens read once at the end
-        H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, length - held_from)])
-        nxt = [s.tokens[(q + 1) % self.ring] for q in range(held_from, last)] + [token]
-        out = self.model.mtp_draft(H, nxt, cache, min(k, self.ctx - 1 - last)) if last < self.ctx - 1 else None
-        cache.length = min(cache.length, length)  # the chain's rows past (h_last, token) are dropped
-        return [] if out is None else out.tolist()
+    def draft(self, sids: Sequence[int], lengths: Sequence[int], tokens: Sequence[int],
+              ks: Sequence[int]) -> list[list[int]]:
+        """Per session sids[i]: up to ks[i] tokens after tokens[i], the token about to be fed at position
+        lengths[i] (the session holds positions 0..lengths[i] - 1); [] when the ring does not hold the model's
+        state at lengths[i] - 1. The sessions that draft as many tokens run as one MTP step (GpuStage.mtp_draft:
+        each weight read once for all of them)."""
+        W, out = self.cfg.window, [[] for _ in sids]
+        groups: dict[int, list[tuple[int, torch.Tensor, list[int]]]] = {}
+        for i, (sid, length, token, k) in enumerate(zip(sids, lengths, tokens, ks, strict=True)):
+            s = self.sessions[sid]
+            last = length - 1
+            k = min(k, self.ctx - 1 - last)
+            if k <= 0 or not self._held(s, last):
+                continue
+            cache = s.cache
+            # pairs older than one window are never read again; the last pair is always (re)run
+            held_from = max(min(cache.length, last), last - (W - 1))
+            while held_from < last and not self._held(s, held_from):  # the ring lost them (a far rewind): skipped
+                held_from += 1
+            cache.length = held_from  # (forward only) rows before it that the window still reads are stale or zero
+            # the pairs (h_i, x_{i+1}) for i in [held_from, last] (the last: the model's state at `last` and the
+            # token about to be fed), then the chain: depth 1 from that last pair, each further one from the depth
+            # before; the tokens read once at the end
+            H = torch.cat([s.hidden[a:b] for a, b in self._spans(held_from, length - held_from)])
+            nxt = [s.tokens[(q + 1) % self.ring] for q in range(held_from, last)] + [int(token)]
+            groups.setdefault(k, []).append((i, H, nxt))
+        for k, group in groups.items():
+            caches = [self.sessions[sids[i]].cache for i, _, _ in group]
+            drafts = self.model.mtp_draft([H for _, H, _ in group], [nxt for _, _, nxt in group], caches, k).tolist()
+            for (i, _, _), cache, d in zip(group, caches, drafts, strict=True):
+                cache.length = min(cache.length, lengths[i])  # the chain's rows past (h_last, token) are dropped
+                out[i] = d
+        return out
 
     def nbytes(self) -> int:
         """What the sessions' states hold, all of them (their caches and rings)."""

@@ -1235,12 +1235,20 @@ class Scheduler:
             return []
         limit = per_step // len(singles) - 1 if together else self.draft_tokens
         drafts: dict[int, list[int]] = {}
-        for stream in drafting:
-            d = self._engine_call([stream], lambda s=stream: self._drafts(s, limit))  # the MTP layer runs here
-            if d is None:  # the request failed
-                singles.remove(stream)
-            elif d:
-                drafts[stream.job.id] = d
+        ks = [self._draft_len(s, limit) for s in drafting]
+        # the MTP layer drafts for every request in one step; prompt lookup request by request
+        mtp = [(s, k) for s, k in zip(drafting, ks, strict=True) if isinstance(s.drafter, MtpDrafter) and k > 0]
+        calls = [([s for s, _ in mtp], lambda: MtpDrafter.propose_together([s.drafter for s, _ in mtp],
+                                                                          [k for _, k in mtp]))] if mtp else []
+        calls += [([s], lambda s=s, k=k: [s.drafter.propose(k)]) for s, k in zip(drafting, ks, strict=True)
+                  if k > 0 and not isinstance(s.drafter, MtpDrafter)]
+        for streams, call in calls:
+            got = self._engine_call(streams, call)
+            for i, stream in enumerate(streams):
+                if got is None:  # the requests failed
+                    singles.remove(stream)
+                elif got[i]:
+                    drafts[stream.job.id] = got[i]
         if not drafts:
             return []
         group = list(singles) if together else [s for s in singles if s.job.id in drafts]
@@ -1267,15 +1275,11 @@ class Scheduler:
         self._verified = [s.job.id for s in group if s.job.id in drafts]
         return [s.job.id for s in group]
 
-    def _drafts(self, stream: _Stream, limit: int) -> list[int]:
-        """The drafts to verify with the request's next token: at most `limit`, no more than it may still
+    def _draft_len(self, stream: _Stream, limit: int) -> int:
+        """How many drafts to verify with the request's next token: at most `limit`, no more than it may still
         generate beyond that token, nor than the context has room for."""
-        assert stream.drafter is not None
         room = (getattr(self.engine, "ctx", None) or self.ctx or 0) - len(stream.live.session.tokens) - 1
-        k = min(self.draft_tokens, limit, stream.job.max_tokens - stream.generated - 1, room)
-        if k <= 0:
-            return []
-        return stream.drafter.propose(k)  # its sequence ends with the token about to be fed (see _choose)
+        return max(0, min(self.draft_tokens, limit, stream.job.max_tokens - stream.generated - 1, room))
 
     def _begin_decode(self, stream: _Stream) -> None:
         """The prompt is in the KV: time it, checkpoint it, and set up sampling and the text."""

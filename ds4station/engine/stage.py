@@ -43,7 +43,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -381,7 +381,7 @@ class StageRunner:
             mcache = self.model.new_mtp_caches(1, ctx, self.mtp.chunk)[0]
             H = torch.randn(cfg.window, cfg.hc_mult, cfg.dim, generator=gen) * 0.1
             tokens = torch.randint(2, cfg.vocab_size, (cfg.window,), generator=gen)
-            self.model.mtp_draft(H, tokens, mcache, 2, graph=False)
+            self.model.mtp_draft([H], [tokens], [mcache], 2, graph=False)
         # A static step's graph serves every session of the pool: captured once, on the first slot (a streaming
         # stage's segmented decode graphs are each session's own)
         owners = self.slots if self.experts is not None else self.slots[:1]
@@ -432,11 +432,12 @@ class StageRunner:
             self.mtp.truncate(sid, kept)
         return kept
 
-    def draft(self, sid: int, token: int, k: int) -> list[int]:
-        """Up to k drafted tokens after `token` (about to be fed to session `sid`) from the MTP layer."""
+    def draft(self, sids: Sequence[int], tokens: Sequence[int], ks: Sequence[int]) -> list[list[int]]:
+        """Per session sids[i]: up to ks[i] drafted tokens after tokens[i] (about to be fed to it) from the MTP
+        layer, the sessions together (MtpDrafts.draft)."""
         if self.mtp is None:
             raise RuntimeError(f"{stage_label(self.rank, self.stage)} holds no MTP layer")
-        return self.mtp.draft(sid, self.kv[sid].length, token, k)
+        return self.mtp.draft(sids, [self.kv[sid].length for sid in sids], tokens, ks)
 
     @torch.inference_mode()
     def save_state(self, sid: int, entry: str) -> bool:
@@ -852,7 +853,7 @@ def _serve(runner: StageRunner, link: Link, store: Any, rank: int, world: int, r
             continue
         if op == OP_DRAFT:  # n: the drafts wanted, arg: the token about to be fed; the MTP stage answers rank 0
             if last:
-                drafts = runner.draft(sid, arg, n)
+                drafts = runner.draft([sid], [arg], [n])[0]
                 link.send(torch.tensor(drafts + [-1] * (n - len(drafts)), dtype=torch.int64), 0)
             else:
                 link.send(hdr, nxt)
