@@ -114,7 +114,9 @@ def test_short_prefill_as_a_static_step_equals_chunked_prefill(tiny: GGUFFile, d
     tokens = torch.randint(0, cfg.vocab_size, (70,), generator=gen).to(device)
     X = (torch.randn(70, cfg.hc_mult, cfg.dim, generator=gen) * 0.5).to(device) if middle else None
     a, b = stage.new_cache(128, chunk=32, rollback=16), stage.new_cache(128, chunk=32, rollback=16)
-    tol = 2e-3 if device == "cuda" else 1e-5
+    # on a GPU the chunked prefill's attention rounds its dot operands to fp16, the static step's to TF32
+    # (dispatch.attention_prefill_tiles / attention_tiles): 2.2e-3 on the H100 (docs/PERFORMANCE.md, 34th session)
+    tol = 5e-3 if device == "cuda" else 1e-5
     cuts = [0, 22, 27, 57]
     for s, e in zip(cuts[:-1], cuts[1:], strict=True):
         assert stage.short_rows(e - s, a) in (8, 24, 32)
