@@ -182,9 +182,9 @@ def test_q8_0_projections_leave_the_matvec_where_the_matmul_was_measured_faster(
 
 def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() -> None:
     """dispatch.q8_0_route on CUDA: q_b and the output projections take the integer-dot matvec up to 2 rows, the
-    head up to 3; the small matrices only when their producer emits the rows quantised (a quantiser launch of
-    their own costs more than the integer dot saves); past those the fp32 matvec / matmul split as before; other
-    backends never use the integer dot."""
+    head up to 3; the matrices of at most 16M weights only when their producer emits the rows quantised (a
+    quantiser launch of their own costs more than the integer dot saves), then up to 3 rows; past those the
+    fp32 matvec / matmul split as before; other backends never use the integer dot."""
     shapes = {"q_a": (1024, 4096), "shexp_down": (4096, 2048), "q_b": (32768, 1024), "output_b": (4096, 8192),
               "head": (129280, 4096)}
     routes = {name: [dispatch.q8_0_route(*shape, m, "cuda") for m in (1, 2, 3, 4, 8)] for name, shape in shapes.items()}
@@ -200,8 +200,11 @@ def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() 
     # rows their producer emits quantised (no quantiser launch): the small matrices take the integer dot too
     quantised = {name: [dispatch.q8_0_route(*shape, m, "cuda", quantised=True) for m in (1, 2, 3, 4, 8)]
                  for name, shape in shapes.items()}
-    assert quantised == {**routes, "q_a": ["int_dot"] * 2 + ["matvec"] + ["matmul"] * 2,
-                         "shexp_down": ["int_dot"] * 2 + ["matmul"] * 3}
+    assert quantised == {**routes, "q_a": ["int_dot"] * 3 + ["matmul"] * 2,
+                         "shexp_down": ["int_dot"] * 3 + ["matmul"] * 2}
+    # the shared expert's gate + up (16M weights, "large") at 3 quantised rows too, q_b (32M) not
+    assert [dispatch.q8_0_route(4096, 4096, m, "cuda", quantised=q) for q in (False, True) for m in (2, 3)] == \
+        ["int_dot", "matmul", "int_dot", "int_dot"]
     assert {dispatch.q8_0_route(*shape, m, b, quantised=True) for shape in shapes.values() for m in (1, 4, 8)
             for b in ("hip64", "hip32", "cpu")} == {"matvec"}
     one = dispatch.q8_0_int_dot_tiles(8192, 4096, 1)

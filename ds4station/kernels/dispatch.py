@@ -254,8 +254,12 @@ def q8_0_route(n: int, k: int, m: int, backend: Backend, quantised: bool = False
     `quantised`: the rows come quantised by their producer (its launch emits them: no quantiser launch), and the
     integer dot takes the small matrices too at 1-2 rows (the eighteenth session's sweep without the quantiser:
     q_a 4.2 -> 3.7 us, kv 3.8 -> 3.3, shared expert down 5.6 -> 4.7 at one row; 6.1 -> 5.0, 5.1 -> 4.5, 7.9 -> 6.0
-    at two)."""
-    if use_int_dot(backend) and (n * k >= _Q8_0_LARGE or quantised) and m <= (3 if n >= _Q8_0_HEAD_ROWS else 2):
+    at two). H100, thirty-fourth session (docs/PERFORMANCE.md): at 3 quantised rows the integer dot beats the split-K
+    matmul on the matrices of at most 16M weights (q_a + kv + compressors 2,624 x 4,096 12.6 -> 9.5 us, the
+    shared expert's gate + up 15.1 -> 10.2 and down 8.8 -> 6.4), not on q_b (20.6 against 22.5); at 4 rows it
+    no longer pays."""
+    rows = 3 if n >= _Q8_0_HEAD_ROWS or (quantised and n * k <= _Q8_0_LARGE) else 2
+    if use_int_dot(backend) and (n * k >= _Q8_0_LARGE or quantised) and m <= rows:
         return "int_dot"
     return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
 
