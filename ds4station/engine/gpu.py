@@ -754,8 +754,7 @@ class GpuStage:
         X = self._mtp_block(inp.x, inp.tok, kv, st)
         pos, slots = inp.pos, inp.slots
         if rows > 1:  # each sequence's last pair
-            pos, slots, X = inp.pos.index_select(0, inp.ends), inp.slots.index_select(0, inp.ends), \
-                X.index_select(0, inp.ends)
+            pos, slots, X = (t.index_select(0, inp.ends) for t in (inp.pos, inp.slots, X))
         out = []
         for depth in range(k):
             out.append(torch.argmax(self._mtp_head(X), dim=-1))
