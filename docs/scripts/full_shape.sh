@@ -5,6 +5,8 @@
 #   bash docs/scripts/full_shape.sh bench [OLD_TREE]  engine bench of this tree (and of OLD_TREE, a `git archive`
 #                                                     of an older commit, in the same call)
 #   bash docs/scripts/full_shape.sh serve             `bench serve` with an 8K prompt (the user's path)
+#   bash docs/scripts/full_shape.sh long              engine bench of a 128K prompt: prefill and decode after it
+#                                                     (issue 20's 128K targets; ~4 minutes)
 #   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve
 #   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
 #   bash docs/scripts/full_shape.sh cpu [N]           a CPU stage of the flash shape cut to N layers (default 8) on
@@ -15,7 +17,7 @@
 #                                                     SPEC (default: the sweep's best), alternating twice
 # Env: FILE (default /mnt/x/flash-q2.gguf). PYTHONPATH must reach this tree's dependencies.
 set -u
-part=${1:?usage: full_shape.sh bench|serve|streams|draft|cpu|sweep|tiles [OLD_TREE|N|SPEC]}
+part=${1:?usage: full_shape.sh bench|serve|long|streams|draft|cpu|sweep|tiles [OLD_TREE|N|SPEC]}
 old=${2:-}
 file=${FILE:-/mnt/x/flash-q2.gguf}
 here=$(pwd)
@@ -40,6 +42,8 @@ bench() {  # tree label
 }
 case $part in
   bench) bench "$here" "new"; [ -n "$old" ] && bench "$(cd "$old" && pwd)" "old ($old)" ;;
+  long) timeout 560 python3 -m ds4station.cli bench --model "$file" --prompts 131072 --prefills 131072 --runs 1 \
+          2>&1 | grep -v Warning | tail -9 ;;
   serve) timeout 240 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench --prompt-tokens 8K \
            --decode-tokens 64 --runs 2 2>&1 | tail -8 ;;
   streams) TESTS=streams TEMPERATURE=0 timeout 400 python3 docs/scripts/batch_streams.py "$file" new --sessions 8 \
