@@ -25,6 +25,7 @@ Triton kernels themselves run in the interpreter.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1277,15 +1278,14 @@ class _MtpInputs(_RowInputs):
         self.pool = pool  # a graph writes into the pool's tensors: keep them alive with it
         self.x = torch.zeros(rows, stage.cfg.hc_mult, stage.cfg.dim, device=stage.device)
         self.ends = torch.zeros(sequences, dtype=torch.long, device=stage.device)
-        self._pinned = stage.device.type == "cuda"
 
     def set(self, H: Sequence[Tensor], tokens: Sequence[Tensor], caches: Sequence[KVCache]) -> None:
         lens = [t.numel() for t in tokens]
         self.put(torch.cat(list(tokens)).tolist(), [c.length + j for c, n in zip(caches, lens, strict=True)
                                                     for j in range(n)],
                  [c.slot for c, n in zip(caches, lens, strict=True) for _ in range(n)])
-        ends = torch.tensor(lens).cumsum(0).sub_(1)
-        self.ends.copy_(ends.pin_memory() if self._pinned else ends, non_blocking=True)
+        self.ends.copy_(torch.tensor([e - 1 for e in itertools.accumulate(lens)], pin_memory=self._pinned),
+                        non_blocking=True)
         X = torch.cat(list(H))
         self.x[:X.shape[0]].copy_(X)
         self.x[X.shape[0]:].copy_(X[-1:].expand(self.x.shape[0] - X.shape[0], -1, -1))
