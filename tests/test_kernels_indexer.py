@@ -372,21 +372,48 @@ def test_two_stage_select_over_column_blocks(poisoned_empty: None, count_launche
     _check(c, k, ids, valid)
 
 
-@pytest.mark.parametrize("seen", [0, 1, 15, 16, 17, 40])
-@pytest.mark.parametrize("stages", [1, 2])
-def test_select_of_queries_and_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
-                                                          stages: int, seen: int) -> None:
-    """A query (one stage) or a first-stage chunk (two) that sees at most k blocks keeps its first k keys
-    without counting; one that sees more counts. The query (one stage) or chunk 1 (two) sees `seen` blocks,
-    scored in ascending block order and above every other block, so a selection that kept the first k of
-    k + 1 visible blocks would lose the best one."""
+@pytest.mark.parametrize(("T", "mid_rows", "selects"), [(4, None, 3), (3, 2, 0)])
+def test_three_stage_select(poisoned_empty: None, count_launches, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                            T: int, mid_rows: int | None, selects: int) -> None:
+    """Candidates of more chunks than one program holds (decode past 512K tokens of context): a middle stage
+    of the same programs over the first stage's candidates, then the last; past SELECT_MID_ROWS rows (a
+    prefill piece) torch.topk over column blocks instead. select_max is lowered to 128 keys: 47 first-stage
+    chunks of 64 keep 16 each (752 candidates), 6 middle chunks of 128 keep 16 each, one program takes 16 of
+    those 96. Positions include queries that see nothing, fewer than k blocks, and every block."""
     backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
-    if stages == 2:
+    monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
+    if mid_rows is not None:
+        monkeypatch.setattr(dispatch, "SELECT_MID_ROWS", mid_rows)
+    n, k = 3000, 16
+    plan = dispatch.select_plan(n, k, backend)
+    assert plan is not None and (plan.chunk, plan.chunks, plan.mid_chunk, plan.mid_chunks) == (64, 47, 128, 6)
+    assert plan.mid is not None and plan.last.block == 128
+    select = count_launches(indexer_k, "_select_kernel")
+    c = _case(T, 3, 32, n, seed=T, kdtype=torch.float16)
+    c["pos"][1] = 4 * k // 2  # sees about k / 2 blocks
+    ids, valid = index_topk_triton(c["q"], c["w"], c["keys"], n, c["pos"], RATIO, k, tiles=_TILES["query-block"])
+    assert select.launches == selects
+    _check(c, k, ids, valid)
+
+
+@pytest.mark.parametrize("seen", [0, 1, 15, 16, 17, 40])
+@pytest.mark.parametrize(("stages", "region"), [(1, 0), (2, 1), (3, 0), (3, 8)])
+def test_select_of_queries_and_chunks_that_see_few_blocks(poisoned_empty: None, monkeypatch: pytest.MonkeyPatch,
+                                                          stages: int, region: int, seen: int) -> None:
+    """A query (one stage) or a chunk of a reducing stage that sees at most k blocks keeps its first k keys
+    without counting; one that sees more counts. The blocks of first-stage chunk `region` on are the ones
+    the query sees `seen` of, scored in ascending block order and above every other block, so a selection
+    that kept the first k of k + 1 visible blocks would lose the best one. Three stages: the middle stage
+    reads candidates, whose index is at most their block's (region 0: the shortcut fires in every stage;
+    region 8, the second middle chunk: the middle stage counts)."""
+    backend = dispatch.launch_backend(torch.empty(0, device=DEVICE))
+    if stages > 1:
         monkeypatch.setitem(dispatch._SELECT_MAX, backend, 128)
-    n, k = 300, 16
+    n, k = (3000 if stages == 3 else 300), 16
     plan = dispatch.select_plan(n, k, backend)
     assert plan is not None and (plan.chunks == 1 if stages == 1 else plan.chunks >= 3 and plan.chunk > 40)
-    base = 0 if stages == 1 else plan.chunk  # the first block of the region that sees `seen` blocks
+    assert (plan.mid is not None) == (stages == 3)
+    base = region * plan.chunk  # the first block of the region that sees `seen` blocks
     c = _case(2, 3, 32, n, seed=seen)
     c["q"], c["w"] = c["q"].abs() + 1, c["w"].abs() + 0.25  # every score rises with the key values
     c["keys"][base:base + 64] = 10 + torch.arange(64, device=DEVICE)[:, None].float()
@@ -408,21 +435,35 @@ def test_select_plan() -> None:
     assert full is not None and full.chunk == top // 2 and full.chunks == 16 and full.last.block == top
     wide = dispatch.select_plan(16 * top, 512, "cuda")  # 16 full-size chunks
     assert wide is not None and wide.chunk == top and wide.chunks == 16
-    assert dispatch.select_plan(16 * top + 1, 512, "cuda") is None  # 17 chunks: torch.topk instead
+    # decode after 1M tokens (262,144 blocks): 64 half-size chunks -> 32,768 candidates -> 8 middle chunks
+    # -> 4,096; a prefill piece there keeps torch.topk
+    far = dispatch.select_plan(32 * top, 512, "cuda")
+    assert far is not None and (far.chunk, far.chunks, far.mid_chunk, far.mid_chunks) == (top // 2, 64, top // 2, 8)
+    assert far.mid is not None and far.last.block == top // 2
+    assert dispatch.select_plan(32 * top, 512, "cuda", rows=dispatch.SELECT_MID_ROWS) is not None
+    assert dispatch.select_plan(32 * top, 512, "cuda", rows=dispatch.SELECT_MID_ROWS + 1) is None
+    assert dispatch.select_plan(16 * top + 1, 512, "cuda", rows=2048) is None  # 17 chunks: torch.topk instead
+    hip = dispatch.select_plan(32 * top, 512, "hip64")  # 4,096 keys a program: 64 full chunks, 8 middle ones
+    assert hip is not None and (hip.chunk, hip.chunks, hip.mid_chunk, hip.mid_chunks) == (4096, 64, 4096, 8)
 
 
 def test_planner_counts_the_selection_scratch() -> None:
     """The planner's byte formula (model/footprint.py) bounds what a prefill chunk's selection allocates: the
-    same key block bound, and at least the two-stage candidates every backend's plan keeps, at contexts from
-    one stage to the torch.topk fallback (FLASH: k = 512)."""
+    same key block bound, and at least the candidates every backend's plan keeps (two stages; three for a
+    chunk of few rows), at contexts from one stage to the torch.topk fallback (FLASH: k = 512)."""
     assert footprint.INDEXER_SCRATCH_BYTES == SCRATCH_BYTES
     assert footprint.INDEXER_SELECT_MAX == max(dispatch.select_max(b) for b in ("cuda", "hip64", "hip32"))
-    k, chunk = 512, 2048
-    for ctx in (4096, 32768, 32772, 65536, 131072, 262144, 524288, 524292, 1 << 20):
-        n = -(-ctx // 4)
-        step = _column_step(chunk, k, n, 128)
-        for backend in ("cuda", "hip64", "hip32"):
-            plan = dispatch.select_plan(n, k, backend)  # type: ignore[arg-type]
-            cands = plan.chunks * k if plan is not None and plan.chunks > 1 else 0
-            need = 8 * chunk * (k + step) + max(16 * chunk * k, 8 * chunk * cands + 9 * chunk * k)
-            assert footprint.indexer_scratch_bytes(footprint.SHAPES["flash-q2"][0], ctx, chunk) >= need, (ctx, backend)
+    assert footprint.INDEXER_MID_ROWS == dispatch.SELECT_MID_ROWS
+    k = 512
+    for chunk in (2048, 64, 1):
+        for ctx in (4096, 32768, 32772, 65536, 131072, 262144, 524288, 524292, 1 << 20):
+            n = -(-ctx // 4)
+            step = _column_step(chunk, k, n, 128)
+            for backend in ("cuda", "hip64", "hip32"):
+                plan = dispatch.select_plan(n, k, backend, rows=chunk)  # type: ignore[arg-type]
+                cands = plan.chunks * k if plan is not None and plan.chunks > 1 else 0
+                cands += plan.mid_chunks * k if plan is not None else 0
+                assert plan is None or plan.mid is None or step >= n  # a middle stage scores all blocks at once
+                need = 8 * chunk * (k + step) + max(16 * chunk * k, 8 * chunk * cands + 9 * chunk * k)
+                got = footprint.indexer_scratch_bytes(footprint.SHAPES["flash-q2"][0], ctx, chunk)
+                assert got >= need, (chunk, ctx, backend)

@@ -1,7 +1,8 @@
 """The lightning indexer's scores and top-512 selection (kernels/indexer.py index_topk_triton) at long context,
 on a GPU, for comparing two trees (run it from each: `cd TREE && PYTHONPATH=$PWD python3 select_bench.py LABEL`):
 - decode: one query against n index blocks of which the position sees pos / 4, replayed from a CUDA graph of
-  20 calls as the decode step's graph replays it (timed eagerly, a ~60 us call would measure the host);
+  20 calls as the decode step's graph replays it (timed eagerly, a ~60 us call would measure the host); from
+  8K tokens of context (2,048 blocks: one stage) to 1M (262,144: three stages, torch.topk before);
 - prefill: the last 2,048-query chunk of a 128K prompt (32,768 blocks: column blocks), eagerly, as prefill runs.
 Integer-valued queries and keys give exact scores, so two trees agree on the ids' sum exactly."""
 import sys
@@ -24,8 +25,8 @@ def inputs(T: int, n: int, pos: torch.Tensor) -> tuple:
     return q, w, keys, n, pos, RATIO, TOP
 
 
-for n, pos in ((8192, 32767), (16384, 60000), (32768, 131071), (65536, 131071), (65536, 200000),
-               (65536, 262143)):
+for n, pos in ((2048, 8191), (8192, 32767), (16384, 60000), (32768, 131071), (65536, 131071), (65536, 200000),
+               (65536, 262143), (262144, 600000), (262144, 1048575)):
     args = inputs(1, n, torch.tensor([pos], device=dev))
     ids = index_topk_triton(*args)[0]
     side = torch.cuda.Stream()

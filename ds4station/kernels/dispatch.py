@@ -778,20 +778,32 @@ def select_tiles(n_keys: int, backend: Backend) -> SelectTiles | None:
 
 @dataclass(frozen=True)
 class SelectPlan:
-    """How `indexer._select` picks k of n keys per query: `chunks` programs of `chunk` keys per query keep
-    their k largest (tiles `first`; skipped when chunks == 1), then one program per query (tiles `last`)."""
+    """How `indexer.index_topk_triton` picks k of n keys per query: `chunks` programs of `chunk` keys per query
+    keep their k largest (tiles `first`; skipped when chunks == 1); with a middle stage (`mid`), `mid_chunks`
+    programs of `mid_chunk` of those candidates keep their k largest again; then one program per query over
+    what is left (tiles `last`)."""
     chunk: int
     chunks: int
     first: SelectTiles
     last: SelectTiles
+    mid_chunk: int = 0
+    mid_chunks: int = 0
+    mid: SelectTiles | None = None
 
 
-def select_plan(n_keys: int, k: int, backend: Backend) -> SelectPlan | None:
-    """One or two register-resident selection stages for k of n_keys, or None (torch.topk over column
-    blocks) when the k-per-chunk candidates would not fit one program either. First-stage chunks are half a
-    program's capacity when the candidates still fit: more, shorter programs per query (H200, 2026-11-29,
-    scores + selection of 512: 8,220 keys 35.3 us in chunks of 8,192, 28.0 us in chunks of 4,096; 16,384
-    keys 34.8 / 28.7 us; torch.topk 78 / 98 us)."""
+# Query rows up to which a selection too wide for two stages takes a middle stage (decode and verification
+# steps: 256 KiB of first-stage candidates per row at 1M tokens of context); a prefill piece of more rows
+# keeps torch.topk over column blocks there (model/footprint.py INDEXER_MID_ROWS counts the same).
+SELECT_MID_ROWS = 64
+
+
+def select_plan(n_keys: int, k: int, backend: Backend, rows: int = 1) -> SelectPlan | None:
+    """One, two or three register-resident selection stages for k of n_keys per row, or None (torch.topk
+    over column blocks) when the k-per-chunk candidates would not fit one program after a middle stage, or
+    need one for more than SELECT_MID_ROWS rows. Chunks are half a program's capacity when the candidates
+    still fit: more, shorter programs per query (H200, 2026-11-29, scores + selection of 512: 8,220 keys
+    35.3 us in chunks of 8,192, 28.0 us in chunks of 4,096; 16,384 keys 34.8 / 28.7 us; torch.topk 78 / 98
+    us). Three stages start past 16 x select_max keys (decode past 512K tokens of context on CUDA)."""
     top = _SELECT_MAX[backend]
     if n_keys <= top:
         t = select_tiles(n_keys, backend)
@@ -799,6 +811,27 @@ def select_plan(n_keys: int, k: int, backend: Backend) -> SelectPlan | None:
         return SelectPlan(chunk=n_keys, chunks=1, first=t, last=t)
     if k > top // 2:
         return None
+    sizes = (top // 2, top)
+    for chunk in sizes:
+        chunks = -(-n_keys // chunk)
+        last = select_tiles(chunks * k, backend)
+        if last is not None:
+            first = select_tiles(chunk, backend)
+            assert first is not None
+            return SelectPlan(chunk=chunk, chunks=chunks, first=first, last=last)
+    if rows > SELECT_MID_ROWS:
+        return None
+    for chunk in sizes:
+        chunks = -(-n_keys // chunk)
+        for mid_chunk in sizes:
+            mid_chunks = -(-chunks * k // mid_chunk)
+            last = select_tiles(mid_chunks * k, backend)
+            if last is not None:
+                first, mid = select_tiles(chunk, backend), select_tiles(mid_chunk, backend)
+                assert first is not None and mid is not None
+                return SelectPlan(chunk=chunk, chunks=chunks, first=first, last=last, mid_chunk=mid_chunk,
+                                  mid_chunks=mid_chunks, mid=mid)
+    return None
     for chunk in (top // 2, top):
         chunks = -(-n_keys // chunk)
         last = select_tiles(chunks * k, backend)

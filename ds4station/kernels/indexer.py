@@ -23,15 +23,17 @@ fp16; rows [0, n_blocks) are used) and the query positions pos [T] (int64):
     scores tie at the cut, as the invisible blocks do while fewer than k are visible) and writes ids and
     valid flags itself (ascending block order); with more keys (up to select_max / k chunks: 512K tokens of
     context at k = 512), first one program per chunk of select_max / 2 or select_max keys keeps its k
-    largest into a candidate buffer, then one program per query selects among those. The keys of a column
-    block are scored into a [T, k + step] int64 scratch (<= SCRATCH_BYTES): all blocks at once for decode
+    largest into a candidate buffer, then one program per query selects among those; past that (a decode
+    step past 512K tokens: 64 chunks of 4,096 blocks at 1M), for up to dispatch.SELECT_MID_ROWS queries, a
+    middle stage of the same programs keeps the k largest of each chunk of candidates first. The keys of a
+    column block are scored into a [T, k + step] int64 scratch (<= SCRATCH_BYTES): all blocks at once for decode
     and prefill chunks at up to ~64K tokens of context, else column blocks of whole first-stage chunks
     each feeding the first stage (a 2,048-token chunk at 128K). A query or chunk that sees at most k blocks
     keeps its first k keys without counting (decode buckets positions to powers of two, so up to half the
     chunks lie past the position);
-  - otherwise (more candidates than a program holds, or a column block smaller than a chunk) column blocks
-    of `step` blocks hold the running top k with torch.topk (score order): a 1M-token context has 262,144
-    blocks, and a [T = 2048, n] key matrix would be 4 GB.
+  - otherwise (more candidates than a program holds, a middle stage for a prefill piece, or a column block
+    smaller than a chunk) column blocks of `step` blocks hold the running top k with torch.topk (score
+    order): a 1M-token context has 262,144 blocks, and a [T = 2048, n] key matrix would be 4 GB.
   The order of the k entries is not part of the contract (attention sums over them).
   Per program (BLOCK_T queries x BLOCK_N keys, the keys loaded once): BLOCK_T = 1 puts the query's heads in
   the M rows of one tl.dot per BLOCK_H heads (or, with tiles.dot False, per-head fp32 FMA sums); BLOCK_T > 1
@@ -295,14 +297,18 @@ def index_topk(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Tensor, r
     return index_topk_ref(q, w, keys, n_blocks, pos, ratio, k, slots, w_scale)
 
 
-def _select_first(buf: Tensor, col0: int, n: int, blk0: int, pos: Tensor, ratio: int, k: int,
-                  plan: dispatch.SelectPlan, cand: Tensor) -> None:
-    """A two-stage selection's first stage over the keys buf[:, col0:col0 + n] of blocks blk0 .. blk0 + n - 1
-    (blk0 a multiple of plan.chunk): each chunk's k largest to cand[:, (blk0 / chunk + c) k ...]."""
-    out = cand[:, blk0 // plan.chunk * k:]
-    _select_kernel[(buf.shape[0], triton.cdiv(n, plan.chunk))](
-        buf, buf.stride(0), col0, n, blk0, pos, ratio, cand, cand, out, out.stride(0), k, CHUNK=plan.chunk,
-        BLOCK=plan.first.block, KEYS_OUT=True, num_warps=plan.first.num_warps, **pdl(buf))
+def _select_first(buf: Tensor, col0: int, n: int, blk0: int, pos: Tensor, ratio: int, k: int, chunk: int,
+                  tiles: dispatch.SelectTiles, cand: Tensor) -> None:
+    """A reducing stage over the keys buf[:, col0:col0 + n] in block order, the first of them block (or
+    candidate) blk0, a multiple of `chunk`: each chunk's k largest to cand[:, (blk0 / chunk + c) k ...]. The
+    keys are blocks (the first stage) or a previous stage's candidates (a middle stage): those are in
+    ascending block order too, so candidate i is block i or later, and a chunk whose first candidate past
+    the position's visible blocks comes within its first k still holds at most k visible keys (the kernel's
+    shortcut holds)."""
+    out = cand[:, blk0 // chunk * k:]
+    _select_kernel[(buf.shape[0], triton.cdiv(n, chunk))](
+        buf, buf.stride(0), col0, n, blk0, pos, ratio, cand, cand, out, out.stride(0), k, CHUNK=chunk,
+        BLOCK=tiles.block, KEYS_OUT=True, num_warps=tiles.num_warps, **pdl(buf))
 
 
 def _select_last(buf: Tensor, col0: int, n: int, pos: Tensor, ratio: int, k: int,
@@ -371,9 +377,9 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
     keys = keys if keys.stride(-1) == 1 else keys[:n_blocks].contiguous()
     pos = pos.contiguous()
     step = _column_step(T, kk, n_blocks, tiles.block_n, step)
-    plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q))
+    plan = dispatch.select_plan(n_blocks, kk, dispatch.launch_backend(q), rows=T)
     if plan is not None and step < n_blocks:  # column blocks of whole first-stage chunks, or torch.topk
-        if plan.chunks > 1 and step >= plan.chunk:
+        if plan.chunks > 1 and plan.mid is None and step >= plan.chunk:
             step -= step % plan.chunk
         else:
             plan = None
@@ -392,10 +398,14 @@ def index_topk_triton(q: Tensor, w: Tensor, keys: Tensor, n_blocks: int, pos: Te
         if plan is not None:  # select in programs that hold their keys in registers
             if cand is None:  # one column block, one stage
                 return _select_last(buf, kk, n_blocks, pos, ratio, kk, plan.last)
-            _select_first(buf, kk, n1 - n0, n0, pos, ratio, kk, plan, cand)
-            if last:
-                return _select_last(cand, 0, plan.chunks * kk, pos, ratio, kk, plan.last)
-            continue
+            _select_first(buf, kk, n1 - n0, n0, pos, ratio, kk, plan.chunk, plan.first, cand)
+            if not last:
+                continue
+            if plan.mid is not None:  # one column block (step >= n_blocks), few rows: a middle stage
+                mid = torch.empty(T, plan.mid_chunks * kk, dtype=torch.int64, device=q.device)
+                _select_first(cand, 0, plan.chunks * kk, 0, pos, ratio, kk, plan.mid_chunk, plan.mid, mid)
+                return _select_last(mid, 0, plan.mid_chunks * kk, pos, ratio, kk, plan.last)
+            return _select_last(cand, 0, plan.chunks * kk, pos, ratio, kk, plan.last)
         cand_keys = buf[:, kk:kk + n1 - n0] if n0 == 0 else buf[:, :kk + n1 - n0]
         top = torch.topk(cand_keys, kk, dim=1, sorted=last).values  # the keys are distinct: no tie to break
         if not last:

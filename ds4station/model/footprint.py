@@ -47,6 +47,7 @@ DEFAULT_RUNTIME_OVERHEAD = 768 * MiB
 # (engine/experts.py STAGING_EXPERTS).
 INDEXER_SCRATCH_BYTES = 256 * MiB
 INDEXER_SELECT_MAX = 8192  # the most keys one selection program holds (kernels/dispatch.py _SELECT_MAX)
+INDEXER_MID_ROWS = 64  # query rows up to which a selection takes a middle stage (kernels/dispatch.py SELECT_MID_ROWS)
 STAGING_EXPERTS = 8
 # On the CPU the kernel stage's prefill dequantises a quantised matrix to fp32 in blocks of rows of at most this
 # many bytes, into one buffer it keeps (kernels/ops.py _cpu_linear; the routed experts go through the same): a CPU
@@ -175,11 +176,17 @@ def indexer_scratch_bytes(cfg: ModelConfig, ctx: int, chunk: int) -> int:
     many index blocks as keep it within INDEXER_SCRATCH_BYTES, at most ceil(ctx/4)), then the larger of the
     running top-k's values and indices (torch.topk) and a two-stage selection's int64 candidates with the
     ids and valid flags (at most INDEXER_SELECT_MAX per query, past 4,096 blocks and up to 16 chunks of
-    8,192: an upper bound over the backends' plans, first-stage chunks of >= 2,048 blocks)."""
+    8,192: an upper bound over the backends' plans, first-stage chunks of >= 2,048 blocks); for a chunk of
+    at most INDEXER_MID_ROWS rows, which may take a middle stage past that, the first stage's candidates
+    and a middle stage's (at most INDEXER_SELECT_MAX) at once."""
     n = max(_cdiv(ctx, 4), 1)
     k = min(cfg.index_topk, n)
     step = min(max(INDEXER_SCRATCH_BYTES // (8 * chunk) - k, k), n)
-    cands = min(INDEXER_SELECT_MAX, _cdiv(n, 2048) * k) if 4096 < n <= 16 * INDEXER_SELECT_MAX else 0
+    cands = 0
+    if n > 4096 and chunk <= INDEXER_MID_ROWS:
+        cands = _cdiv(n, 2048) * k + INDEXER_SELECT_MAX
+    elif 4096 < n <= 16 * INDEXER_SELECT_MAX:
+        cands = min(INDEXER_SELECT_MAX, _cdiv(n, 2048) * k)
     return 8 * chunk * (k + step) + max(16 * chunk * k, 8 * chunk * cands + 9 * chunk * k)
 
 
