@@ -517,6 +517,29 @@ def test_batched_decode_equals_one_sequence_at_a_time(tiny: GGUFFile, device: st
         stage.decode_batch(ids[:2], [batched[0], batched[0]], None if xs is None else xs[:2], logits=not middle)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_tokens_on_the_device_give_the_host_tokens_results(tiny: GGUFFile, device: str) -> None:
+    """Decode steps fed the previous step's argmax where it was computed (one sequence: its pool's static
+    graph; three: the batched graph), never read on the host between steps, give bit for bit the logits of the
+    same steps fed host ints, on two pools of the same stage."""
+    cfg = tiny.config
+    stage = GpuStage(cfg, load_tensors(tiny), device=device, round_trips=OFF)
+    tokens = torch.randint(0, cfg.vocab_size, (3, 40), generator=torch.Generator().manual_seed(5))
+    host, dev = stage.new_caches(3, 128, chunk=64), stage.new_caches(3, 128, chunk=64)
+    for caches in (host, dev):
+        for b, c in enumerate(caches):
+            stage.prefill(tokens[b, :20 + 7 * b], c)
+    for rows in (1, 3):
+        want = stage.decode_batch([int(t) for t in tokens[:rows, 40 - rows]], host[:rows], logits=True).clone()
+        got = stage.decode_batch(tokens[:rows, 40 - rows].to(device), dev[:rows], logits=True).clone()
+        for _ in range(4):
+            assert torch.equal(got, want)
+            picks = want.argmax(-1).tolist()
+            want = stage.decode_batch(picks, host[:rows], logits=True).clone()
+            got = stage.decode_batch(got.argmax(-1), dev[:rows], logits=True).clone()  # stays on the device
+    assert [c.length for c in dev] == [c.length for c in host]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the second stream is a GPU's")
 def test_overlapped_projections_give_the_one_stream_results(tiny: GGUFFile, monkeypatch: pytest.MonkeyPatch) -> None:
     """Static steps run the compressor / indexer projections, the KV writes with the indexer's selection (beside

@@ -528,18 +528,28 @@ class _QueuedSteps:
         return getattr(self._engine, name)
 
 
-def test_overlapped_decode_matches_the_plain_loop(engine) -> None:
+@pytest.mark.parametrize("ahead", [False, True], ids=["queued", "ahead"])
+def test_overlapped_decode_matches_the_plain_loop(engine, ahead: bool) -> None:
+    """An engine whose steps are queued: each sampled token is fed before its text is made ("queued"), or with
+    `look_ahead` (a lone CUDA stage's default: `decodes_ahead`) each decode step is queued with the tokens it
+    feeds still where they were picked, before the host reads them ("ahead"). Same texts, tokens, stop
+    reasons as the plain loop, greedy and seeded sampling, for every way a request ends (a stop token or a
+    stop string found after the next step was queued leaves a token in the KV that settling rolls back: the
+    next turn still reuses the whole conversation)."""
     assert engine.queues_steps is False  # a CPU stage blocks: nothing to overlap
+    assert engine.decodes_ahead is False
     plain = _scheduler(engine, sessions=1)
-    queued = Scheduler(lambda: _QueuedSteps(engine), ctx=CTX, owns_engine=False, sessions=1).start()
+    queued = Scheduler(lambda: _QueuedSteps(engine), ctx=CTX, owns_engine=False, sessions=1,
+                       look_ahead=ahead).start()
     assert queued.ready.wait(30) and queued.state == "ready", queued.error
     try:
         p = prompt(engine, "The quick brown fox jumps over the lazy dog.")
         (text, ref), = run(plain, greedy(p, 12))
         stop_token = ref.output[4]
         stop_string = text[len(text) // 2:][:3]
+        sampled = Job(prompt=p, max_tokens=12, sampling=Sampling(temperature=0.9, top_p=0.95, seed=7))
         cases = [greedy(p, 12), greedy(p, 12, stop_tokens={stop_token}), greedy(p, 12, stop_tokens={ref.output[1]}),
-                 greedy(p, 12, stop=[stop_string]), greedy(p, 1), greedy(p, 2)]
+                 greedy(p, 12, stop=[stop_string]), greedy(p, 1), greedy(p, 2), sampled]
         for job in cases:  # each run gets its own copy (a Job is consumed)
             (want_text, want), = run(plain, dataclasses.replace(job))
             (got_text, got), = run(queued, dataclasses.replace(job))
@@ -553,6 +563,9 @@ def test_overlapped_decode_matches_the_plain_loop(engine) -> None:
             (_, fq), = run(queued, greedy(follow, 2))
             assert fq.cached_tokens == fw.cached_tokens >= len(p)
         assert ref.reason == "length"
+        ahead_steps = [r for r in queued.steps if r.ahead]
+        assert bool(ahead_steps) == ahead and queued.batch_totals["ahead_steps"] == len(ahead_steps)
+        assert not any(r.ahead for r in plain.steps)
     finally:
         plain.stop()
         queued.stop()
@@ -607,6 +620,49 @@ def test_batched_decode_gives_each_request_the_tokens_it_gets_alone(engine, make
     st = s.status()["batch"]
     assert st["limit"] == 4 and st["max_batch"] == 4 and st["mean_decode_batch"] > 1.5
     assert st["decode_rows"] == sum(len(r.decoded) for r in s.steps)
+
+
+def test_decode_ahead_gives_each_request_the_tokens_it_gets_alone(engine, make_scheduler) -> None:
+    """Four requests at once (greedy and seeded sampling, one ending at a stop token) with every decode step
+    queued before its tokens are read: each gets the tokens it gets alone; steps that hold a prompt piece or a
+    forced tool call's request run the usual way (they need the token before the next step), the rest ahead;
+    the step log and /status say which."""
+    alone = [run(make_scheduler(sessions=1), dataclasses.replace(job))[0] for job in _batch_jobs(engine)]
+    s = make_scheduler(sessions=4, look_ahead=True)
+    together = run_together(s, *(dataclasses.replace(job) for job in _batch_jobs(engine)))
+    assert [(t, f.output, f.reason) for t, f in together] == [(t, f.output, f.reason) for t, f in alone]
+    steps = s.status()["batch"]["step_log"]
+    assert any(r["ahead"] and len(r["decoded"]) == 4 for r in steps)
+    assert not any(r["ahead"] and r["prefilled"] for r in steps)
+    assert s.status()["batch"]["ahead_steps"] == sum(r.ahead for r in s.steps) > 0
+    # a forced tool call's request (its guide picks the next token's set from the token before) never steps ahead
+    n = ToolCallGuide(engine.tokenizer, [WEATHER], 10**6).min_tokens + 12
+    before = s.batch_totals["ahead_steps"]
+    (_, f), = run(s, greedy(prompt(engine, "Weather?"), n, guide=ToolCallGuide(engine.tokenizer, [WEATHER], n)))
+    assert f.completion_tokens > 4 and s.batch_totals["ahead_steps"] == before
+
+
+def test_a_token_fed_from_the_device_is_resolved_or_read(engine) -> None:
+    """Engine.decode_batch of a tensor of tokens: the step runs without the host reading them; each session's
+    token is the value its caller resolves, or read when `tokens` is asked for first; a session with nothing
+    pending refuses a value. Same logits as the step of host ints."""
+    import torch
+
+    a, b, c, d = (engine.new_session() for _ in range(4))
+    try:
+        p = prompt(engine, "Once upon a time")
+        for s in (a, b, c, d):
+            s.extend(p)
+        want = engine.decode_batch([a, b], [5, 9])
+        got = engine.decode_batch([c, d], torch.tensor([5, 9]))
+        assert torch.equal(got, want)
+        c.resolve(5)
+        assert c.tokens == a.tokens and d.tokens == b.tokens  # d's read from the tensor
+        with pytest.raises(RuntimeError, match="no token fed from the device"):
+            c.resolve(5)
+    finally:
+        for s in (a, b, c, d):
+            s.close()
 
 
 def test_batch_limit_keeps_the_rest_waiting(engine, make_scheduler) -> None:

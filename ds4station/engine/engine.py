@@ -163,9 +163,29 @@ class Session:
 
     def __init__(self, engine: Engine, sid: int, activation_bits: int) -> None:
         self.engine, self.sid, self.activation_bits = engine, sid, activation_bits
-        self.tokens: list[int] = []
+        self._tokens: list[int] = []
+        self._ahead: torch.Tensor | None = None  # a token `decode_batch` fed from the device, not read yet
         # The scheduler drops sessions by reference; the stages free their KV at the engine's next operation.
         self._finalizer = weakref.finalize(self, engine._release, sid)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids in the KV, in order. A token that `Engine.decode_batch` took on the device is read here when
+        its caller has not `resolve`d it (which waits for every step queued behind it)."""
+        if self._ahead is not None:
+            self.resolve(int(self._ahead))
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, tokens: list[int]) -> None:
+        self._ahead, self._tokens = None, tokens
+
+    def resolve(self, token: int) -> None:
+        """The value of the token `Engine.decode_batch` took on the device, as its caller read it."""
+        if self._ahead is None:
+            raise RuntimeError("no token fed from the device awaits its value")
+        self._ahead = None
+        self._tokens.append(token)
 
     def extend(self, tokens: Sequence[int], chunk: int | None = None) -> torch.Tensor:
         """Append tokens to the KV (prefill pieces of at most `chunk` pipelined through the stages);
@@ -493,6 +513,16 @@ class Engine:
         while the next step runs. (A route of several stages waits for the last one's answer.)"""
         return self.world == 1 and self.device.type == "cuda"
 
+    @property
+    def decodes_ahead(self) -> bool:
+        """True when `decode_batch` queues a step whose tokens are still on the device (the previous step's
+        picks): a stage that queues its steps (`queues_steps`) with its experts resident and no MTP layer (which
+        records the token ids). The decode loop then queues the next step before it reads the tokens, so the
+        GPU does not wait for the host between two steps. DS4STATION_DECODE_AHEAD=0 turns it off."""
+        runner = self.runner
+        return (self.queues_steps and runner is not None and runner.mtp is None and runner.experts is None
+                and os.environ.get("DS4STATION_DECODE_AHEAD", "1") != "0")
+
     def new_session(self, activation_bits: int | None = None) -> Session:
         bits = self.activation_bits if activation_bits is None else activation_bits
         if bits not in ACTIVATION_BITS:
@@ -598,12 +628,21 @@ class Engine:
             buf = self.runner.head(X)
         return buf if rows else buf[0]
 
-    def decode_batch(self, sessions: Sequence[Session], tokens: Sequence[int]) -> torch.Tensor:
+    def decode_batch(self, sessions: Sequence[Session], tokens: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """One decode step of several sessions at once, token b appended to sessions[b] -> logits [B, vocab]
         (row b what `sessions[b].extend([tokens[b]])` gives). Every stage runs the B tokens as one batched
-        step (kernel stages read each weight once for all of them), pipelined like a prefill piece."""
+        step (kernel stages read each weight once for all of them), pipelined like a prefill piece.
+        `tokens` may be a tensor [B] where the previous step's logits are (the picks of its sampler, queued
+        behind it): each session's token is then the value its caller `resolve`s (read from a host copy it
+        started before this call), and where `decodes_ahead` the step is queued without the host reading them
+        (elsewhere they are read on the way: they travel to the next stage, or the MTP layer records them)."""
         runner = self.runner
         assert runner is not None
+        ahead = isinstance(tokens, torch.Tensor)
+        if ahead:
+            tokens = tokens.reshape(-1).long()
+            if self.world > 1 or runner.mtp is not None:
+                tokens = tokens.cpu()
         if len(sessions) != len(tokens) or not sessions:
             raise ValueError(f"decode_batch needs one token per session ({len(tokens)} tokens, {len(sessions)} "
                              "sessions)")
@@ -619,7 +658,7 @@ class Engine:
                     raise ValueError(f"context full: {runner.kv[s.sid].length} + 1 tokens exceed ctx {self.ctx}; "
                                      "start a new session or load with a larger --ctx")
             sids = [s.sid for s in sessions]
-            ids = torch.as_tensor(list(tokens), dtype=torch.long)
+            ids = tokens if ahead else torch.as_tensor(list(tokens), dtype=torch.long)
             p0 = [runner.kv[sid].length for sid in sids]
             out = runner.step_batch(sids, ids, None)
             if self.world == 1:
@@ -633,8 +672,12 @@ class Engine:
                 # the MTP layer beside rank 0's head records the states the head reads
                 record = None if runner.mtp is None else (lambda X: runner.record_batch(sids, p0, ids, X))
                 logits = self._result(b, pending, len(sids), record)
-            for s, t in zip(sessions, tokens, strict=True):
-                s.tokens.append(int(t))
+            for b, s in enumerate(sessions):
+                if ahead:
+                    s.tokens  # noqa: B018 (an earlier token still unread is read first)
+                    s._ahead = ids[b]
+                else:
+                    s.tokens.append(int(tokens[b]))
         return logits
 
     @property

@@ -825,7 +825,7 @@ class GpuStage:
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
-    def decode(self, token: int, cache: KVCache, X: Tensor | None = None, *, logits: bool = False,
+    def decode(self, token: int | Tensor, cache: KVCache, X: Tensor | None = None, *, logits: bool = False,
                graph: bool | None = None) -> Tensor:
         """One token at position cache.length, as `prefill` does it (X [1, C, dim] or None, -> [1, C, dim] or
         with `logits` [vocab]): the static-shape step of one row; on CUDA it replays a captured graph (one per
@@ -836,7 +836,7 @@ class GpuStage:
         return self._static(token, cache, X, logits, 1, graph)
 
     @torch.inference_mode()
-    def decode_batch(self, tokens: list[int], caches: list[KVCache], X: Tensor | None = None, *,
+    def decode_batch(self, tokens: list[int] | Tensor, caches: list[KVCache], X: Tensor | None = None, *,
                      logits: bool = False, graph: bool | None = None) -> Tensor:
         """One decode step of B sequences at once: tokens[b] at position caches[b].length of caches[b] (X:
         their HC states [B, C, dim], or None to embed here) -> [B, C, dim], or with `logits` [B, vocab]. Row b
@@ -846,7 +846,8 @@ class GpuStage:
         captured for (pool, B, the position bucket of the longest), whichever sessions of the pool take part
         (captured on first use, or ahead by `capture_batches`). Caches of different pools, and a streaming
         stage (its segmented graphs are per sequence), decode one after another. The result is the graph's
-        output buffer: read it before the next step."""
+        output buffer: read it before the next step. `tokens` may be a tensor [B] on this device (the previous
+        step's picks): copied into the step's inputs where they are, never read on the host."""
         if len(tokens) != len(caches) or not caches:
             raise ValueError(f"a batched step needs one token per sequence ({len(tokens)} tokens, {len(caches)} "
                              "caches)")
@@ -898,12 +899,13 @@ class GpuStage:
             c.reset()
         return n
 
-    def _decode_each(self, tokens: list[int], caches: list[KVCache], X: Tensor | None, logits: bool,
+    def _decode_each(self, tokens: list[int] | Tensor, caches: list[KVCache], X: Tensor | None, logits: bool,
                      graph: bool | None) -> Tensor:
         """decode_batch's result by one decode step per sequence (graph replays on CUDA, whose output buffers
         the next replay of the same graph reuses: each result is copied)."""
+        each = tokens.view(-1, 1) if isinstance(tokens, Tensor) else tokens  # a device token as a [1] tensor
         outs = [self.decode(t, c, None if X is None else X[b:b + 1], logits=logits, graph=graph).clone()
-                for b, (t, c) in enumerate(zip(tokens, caches, strict=True))]
+                for b, (t, c) in enumerate(zip(each, caches, strict=True))]
         return torch.stack(outs) if logits else torch.cat(outs)
 
     def multi_rows(self, tokens: Sequence[Sequence[int]], caches: Sequence[KVCache]) -> int:
@@ -1158,8 +1160,9 @@ class _StepInputs:
             self.tok.fill_(tokens)
         else:
             n = tokens.numel()
-            self.tok[:n].copy_(tokens)
-            self.last.fill_(n - 1)
+            self.tok[:n].copy_(tokens.view(-1))
+            if self.tok.numel() > 1:  # (a step of one row reads no last row)
+                self.last.fill_(n - 1)
         torch.add(self.base, position, out=self.pos)
         self.slots.fill_(slot)
         if self.x is not None:
@@ -1216,8 +1219,12 @@ class _BatchInputs(_RowInputs):
         self.pool = pool  # a graph writes into the pool's tensors: keep them alive with it
         self.x = None if embedded else torch.zeros(rows, stage.cfg.hc_mult, stage.cfg.dim, device=stage.device)
 
-    def set(self, tokens: list[int], caches: list[KVCache], X: Tensor | None) -> None:
-        self.put([int(t) for t in tokens], [c.length for c in caches], [c.slot for c in caches])
+    def set(self, tokens: list[int] | Tensor, caches: list[KVCache], X: Tensor | None) -> None:
+        on_device = isinstance(tokens, Tensor)
+        self.put([0] * len(caches) if on_device else [int(t) for t in tokens], [c.length for c in caches],
+                 [c.slot for c in caches])
+        if on_device:  # after the copy above, in stream order
+            self.tok.copy_(tokens)
         if self.x is not None:
             self.x.copy_(X)
 
@@ -1232,7 +1239,7 @@ class _BatchGraph(_BatchInputs):
         self.set([0] * len(caches), caches, None if self.x is None else self.x)
         self.graph, self.out = _capture(stage, lambda: stage._batch_step(self, bucket, logits))
 
-    def run(self, tokens: list[int], caches: list[KVCache], X: Tensor | None = None) -> Tensor:
+    def run(self, tokens: list[int] | Tensor, caches: list[KVCache], X: Tensor | None = None) -> Tensor:
         self.set(tokens, caches, X)
         self.graph.replay()
         return self.out

@@ -109,6 +109,29 @@ def host_int(t: torch.Tensor) -> int:
     return int(t)
 
 
+class HostRead:
+    """The values of one-element tensors of one device (token ids picked by `Sampler.pick`), copied to the host
+    behind the work queued so far: `values` waits for that work only, not for what is queued after this read
+    began (the next decode step, queued ahead with `device` as its tokens). The copy lands in pinned memory
+    (on a GPU), and the wait is an event's (see _wait)."""
+
+    def __init__(self, ts: Sequence[torch.Tensor]) -> None:
+        self.device = torch.stack([t.reshape(()) for t in ts])  # [n] where the picks are
+        self._done: torch.cuda.Event | None = None
+        if self.device.is_cuda:
+            self._host = torch.empty(self.device.shape, dtype=self.device.dtype, pin_memory=True)
+            self._host.copy_(self.device, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record(torch.cuda.current_stream(self.device.device))
+        else:
+            self._host = self.device
+
+    def values(self) -> list[int]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [int(v) for v in self._host.tolist()]
+
+
 def host_ints(ts: Sequence[torch.Tensor]) -> list[int]:
     """The values of several one-element tensors (token ids picked by `Sampler.pick`) with one wait per device:
     the picks of every request of a batched step were queued behind it, and come back together."""
@@ -117,10 +140,8 @@ def host_ints(ts: Sequence[torch.Tensor]) -> list[int]:
     for i, t in enumerate(ts):
         by_device.setdefault(t.device, []).append(i)
     for idx in by_device.values():
-        values = torch.stack([ts[i].reshape(()) for i in idx])
-        _wait(values)
-        for i, v in zip(idx, values.tolist(), strict=True):
-            out[i] = int(v)
+        for i, v in zip(idx, HostRead([ts[i] for i in idx]).values(), strict=True):
+            out[i] = v
     return out
 
 

@@ -20,7 +20,9 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
   generation within one step;
 - each request samples, detokenizes incrementally and applies stop tokens / stop strings / max tokens; on
   an engine that queues its steps (`queues_steps`: one local CUDA stage) the batched step is launched
-  before the step's texts are made and sent, so the two overlap;
+  before the step's texts are made and sent, so the two overlap; where the engine `decodes_ahead` and every
+  running request samples freely, it is launched before the step's tokens are read, fed them where they were
+  picked (`_looks_ahead`), so the GPU never waits for the host between two decode steps;
 - a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) when no
   request arrives within SETTLE_GRACE, so settling never delays an unrelated request; a request that
   continues the turn before then settles it first (that prefill is its own work), so what it reuses does
@@ -58,7 +60,7 @@ import torch
 
 from .draft import DRAFT_SOURCES, LOOKUP_CONTEXT, MAX_DRAFT_TOKENS, LookupDrafter, MtpDrafter
 from .kvdisk import DiskKV, DiskSettings, common_prefix
-from .sampler import Sampler, SamplingParams, StopScanner, host_ints
+from .sampler import HostRead, Sampler, SamplingParams, StopScanner, host_ints
 
 # ---------------------------------------------------------------------------------------------------
 # The engine interface the scheduler needs, and nothing more.
@@ -555,9 +557,11 @@ class StepRecord:
     forward_ms: float = 0.0
     show_ms: float = 0.0
     total_ms: float = 0.0
+    ahead: bool = False  # its decode step was queued before the tokens it feeds were read (Scheduler._looks_ahead)
 
     def describe(self) -> dict[str, Any]:
         return {"step": self.step, "at": round(self.at, 4), "decoded": self.decoded, "verified": self.verified,
+                "ahead": self.ahead,
                 "prefilled": {str(k): v for k, v in self.prefilled.items()},
                 **{k: round(getattr(self, k), 3)
                    for k in ("wait_ms", "prefill_ms", "sample_ms", "forward_ms", "show_ms", "total_ms")}}
@@ -590,7 +594,7 @@ class Scheduler:
                  detokenizer: Callable[[GenerationEngine], Detokenizer] | None = None,
                  observers: Sequence[Callable[[Job, Finished], None]] = (), owns_engine: bool = True,
                  max_restarts: int = 0, restart_backoff: float = 1.0, kv_disk: DiskSettings | None = None,
-                 draft: str = "off", draft_tokens: int = 4) -> None:
+                 draft: str = "off", draft_tokens: int = 4, look_ahead: bool | None = None) -> None:
         """`observers` are called from the worker thread with every finished request (metrics, the request
         trace; append to `observers` before `start`). `max_restarts`: attempts to load the engine again after a
         stage went down (0: the scheduler stays failed), the first after `restart_backoff` seconds, each
@@ -601,7 +605,9 @@ class Scheduler:
         at most `prefill_chunk`); `kv_disk`: keep disk KV checkpoints (engine/kvdisk.py; the engine must offer
         `state_identity`, `state_bytes` and its sessions `save_state` / `load_state`); `draft`: speculative
         decoding's draft source ("off", "lookup": engine/draft.py), up to `draft_tokens` drafted tokens verified
-        per step for each request without a guide (the engine's sessions must offer `verify`)."""
+        per step for each request without a guide (the engine's sessions must offer `verify`); `look_ahead`: queue
+        each decode step before the tokens it feeds are read (see _looks_ahead; default: the engine's
+        `decodes_ahead`; True needs an engine with `decode_batch` of a tensor)."""
         batch = sessions if batch is None else batch
         budget = prefill_chunk if prefill_budget is None else prefill_budget
         if not 1 <= batch <= sessions:
@@ -614,6 +620,7 @@ class Scheduler:
         if not 1 <= draft_tokens <= min(MAX_DRAFT_TOKENS, prefill_chunk - 1):
             raise ValueError(f"draft tokens {draft_tokens}: use 1 to {min(MAX_DRAFT_TOKENS, prefill_chunk - 1)}")
         self.draft, self.draft_tokens = draft, draft_tokens
+        self.look_ahead = look_ahead
         self._loader = loader
         self.kv_disk = kv_disk
         self.owns_engine = owns_engine
@@ -627,7 +634,8 @@ class Scheduler:
         self._fence_ms = 0.0  # waited for it before the next step (between steps: see _main), for its record
         self._verified: list[int] = []  # the requests whose drafts this step verified
         self.steps: deque[StepRecord] = deque(maxlen=256)  # the step log
-        self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0}
+        self.batch_totals = {"steps": 0, "decode_steps": 0, "decode_rows": 0, "prefill_tokens": 0, "max_batch": 0,
+                             "ahead_steps": 0}
         self.draft_totals = {"steps": 0, "drafted": 0, "accepted": 0}  # verifications, drafted / accepted tokens
         self.ctx = ctx
         self._make_detok = detokenizer or _default_detokenizer
@@ -1098,40 +1106,57 @@ class Scheduler:
                     self._show(stream)
                 show_ms += lap()
 
-        # The running requests' tokens first: their logits are the previous step's, so sampling them waits for
-        # nothing this step queues (their texts go out one prompt piece earlier than after it).
         ready = [s for s in self._streams if s.phase == "decode"]
-        take(ready)
-        budget = self.prefill_budget
         prefilled: dict[int, int] = {}
         prefill_ms = 0.0
-        for stream in sorted((s for s in self._streams if s.phase == "prefill"), key=lambda s: len(s.todo) - s.done):
-            if budget <= 0:
-                break
-            n = min(budget, len(stream.todo) - stream.done)
-            piece = stream.todo[stream.done:stream.done + n]
-            logits = self._engine_call([stream], lambda s=stream, p=piece: s.live.session.extend(p))
-            if logits is None:
-                continue
-            stream.logits = logits
-            stream.done += n
-            budget -= n
-            prefilled[stream.job.id] = n
-            stream.handle._post(Prefill(stream.done, len(stream.todo), stream.cached))
-            if stream.done == len(stream.todo):
-                # its first token now, before a longer prompt's piece is queued behind it (a short request that
-                # arrived during a long prefill waits for that piece no longer than it must)
-                self._begin_decode(stream)
-                prefill_ms += lap()
-                take([stream])
-                ready.append(stream)
-            else:
-                self._fence_after(logits)
-        prefill_ms += lap()
-        feed = [s for s in ready if s.ended is None]
         self._verified = []
-        decoded = self._forward(feed)
-        forward_ms = lap()
+        ahead = self._looks_ahead(ready)
+        if ahead:  # the next step is queued before this one's tokens are read (see _looks_ahead)
+            blocks = False
+            read = HostRead([self._pick(stream) for stream in ready])
+            sample_ms += lap()
+            sessions = [stream.live.session for stream in ready]
+            logits = self._engine_call(ready, lambda: self.engine.decode_batch(sessions, read.device))
+            forward_ms = lap()
+            decoded = []
+            if logits is not None:
+                for b, (stream, token) in enumerate(zip(ready, read.values(), strict=True)):
+                    stream.live.session.resolve(token)
+                    self._choose(stream, token)
+                    stream.feed, stream.logits = [], logits[b]
+                    decoded.append(stream.job.id)
+            sample_ms += lap()
+        else:
+            # The running requests' tokens first: their logits are the previous step's, so sampling them waits
+            # for nothing this step queues (their texts go out one prompt piece earlier than after it).
+            take(ready)
+            budget = self.prefill_budget
+            for stream in sorted((s for s in self._streams if s.phase == "prefill"),
+                                 key=lambda s: len(s.todo) - s.done):
+                if budget <= 0:
+                    break
+                n = min(budget, len(stream.todo) - stream.done)
+                piece = stream.todo[stream.done:stream.done + n]
+                logits = self._engine_call([stream], lambda s=stream, p=piece: s.live.session.extend(p))
+                if logits is None:
+                    continue
+                stream.logits = logits
+                stream.done += n
+                budget -= n
+                prefilled[stream.job.id] = n
+                stream.handle._post(Prefill(stream.done, len(stream.todo), stream.cached))
+                if stream.done == len(stream.todo):
+                    # its first token now, before a longer prompt's piece is queued behind it (a short request
+                    # that arrived during a long prefill waits for that piece no longer than it must)
+                    self._begin_decode(stream)
+                    prefill_ms += lap()
+                    take([stream])
+                    ready.append(stream)
+                else:
+                    self._fence_after(logits)
+            prefill_ms += lap()
+            decoded = self._forward([s for s in ready if s.ended is None])
+            forward_ms = lap()
         if not blocks:  # the decode step runs on the GPU while the texts are made and sent
             for stream in ready:
                 self._show(stream)
@@ -1147,9 +1172,29 @@ class Scheduler:
             self.batch_totals["decode_steps"] += bool(decoded)
             self.batch_totals["prefill_tokens"] += sum(prefilled.values())
             self.batch_totals["max_batch"] = max(self.batch_totals["max_batch"], len(decoded))
+            self.batch_totals["ahead_steps"] += ahead
             self.steps.append(StepRecord(self.batch_totals["steps"], decoded, prefilled, started,
                                          [i for i in self._verified if i > 0], wait_ms, prefill_ms, sample_ms,
-                                         forward_ms, show_ms, (clock[0] - started) * 1000))
+                                         forward_ms, show_ms, (clock[0] - started) * 1000, ahead))
+
+    def _looks_ahead(self, ready: list[_Stream]) -> bool:
+        """Whether this step queues the decode step of `ready` (every running request, all decoding) before it
+        reads their tokens: the tokens stay where the sampler picked them and the engine copies them into the
+        step's inputs (`decode_batch` of a device tensor), so the GPU runs the next step while the host reads
+        this one's tokens and sends their texts, instead of waiting for the host between two steps. Only where
+        each request's token is known to continue it: no guide (its directive depends on the token before), no
+        forced tokens or drafts, room in the context and under max_tokens for one more. A stop token or a stop
+        string found after the step was queued leaves that token in the KV, which settling rolls back like any
+        other divergence. The engine says whether it can (`decodes_ahead`; `look_ahead` overrides it)."""
+        able = self.look_ahead
+        if able is None:
+            able = bool(getattr(self.engine, "decodes_ahead", False))
+        if not able or not ready or len(ready) != len(self._streams) or not hasattr(self.engine, "decode_batch"):
+            return False
+        limit = getattr(self.engine, "ctx", None) or self.ctx
+        return all(s.ended is None and s.job.guide is None and not s.forced and s.drafter is None and s.rows is None
+                   and s.generated + 1 < s.job.max_tokens
+                   and (not limit or len(s.live.session.tokens) + 1 <= limit) for s in ready)
 
     def _fence_after(self, logits: Any) -> None:
         """A GPU prefill piece returns once its kernels are queued: without a fence the loop would queue the next

@@ -506,13 +506,14 @@ class StageRunner:
         on the last stage holding the head their logits [B, vocab]. The kernel stage batches them (weights
         read once for all); the reference decodes them one after another."""
         caches = [self.kv[sid] for sid in sids]
-        ids = [int(t) for t in tokens.tolist()]
         p0 = [c.length for c in caches]
         if isinstance(self.model, GpuStage):
+            # ids on the stage's device go in as they are (a step queued before the host reads them)
+            ids = tokens if tokens.device == self.model.device else tokens.tolist()
             out = self.model.decode_batch(ids, caches, X, logits=self.logits).clone()  # the graph's buffer
         else:
             outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
-                    for b, (t, c) in enumerate(zip(ids, caches, strict=True))]
+                    for b, (t, c) in enumerate(zip(tokens.tolist(), caches, strict=True))]
             out = torch.stack(outs) if self.logits else torch.cat(outs)
         if self.mtp is None or not self.head_here:
             return out

@@ -91,6 +91,8 @@ class _SchedulerCollector(Collector):
                                   "batch)", batch["decode_rows"])
         yield CounterMetricFamily("ds4_step_prefill_tokens_sum", "Prompt tokens prefilled by the steps",
                                   batch["prefill_tokens"])
+        yield CounterMetricFamily("ds4_decode_ahead_steps", "Decode steps queued before the tokens they feed were "
+                                  "read (the GPU did not wait for the host)", batch.get("ahead_steps", 0))
         draft = st.get("draft") or {}
         if draft.get("source", "off") != "off":  # serve --draft
             yield CounterMetricFamily("ds4_draft_verify_steps", "Steps that verified drafted tokens", draft["steps"])
