@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ds4station.engine.sampler import Sampler, SamplingParams, StopScanner, _top_p_prefix, filtered_probs, host_ints
+from ds4station.engine.sampler import (
+    HostRead,
+    Sampler,
+    SamplingParams,
+    StopScanner,
+    _top_p_prefix,
+    filtered_probs,
+    host_ints,
+)
 
 LOGITS = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
 
@@ -176,3 +184,16 @@ def test_picks_read_together_are_each_sampler_s_own_tokens(device: str) -> None:
         assert got == [s(logits[b]) for b, s in enumerate(alone)]
         assert got[0] == int(logits[0].argmax()) and got[1] == got[5]  # the same seed and row, the same token
     assert host_ints([]) == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="queued work is a GPU's")
+def test_a_host_read_waits_for_the_picks_not_for_work_queued_after_it() -> None:
+    """HostRead (what the decode loop reads a step's tokens with, after queueing the next step): its values are
+    the picks', and reading them returns while work queued after the read began still runs."""
+    logits = torch.randn(3, 1000, device="cuda")
+    want = logits.argmax(-1).tolist()
+    read = HostRead([torch.argmax(row) for row in logits])
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time, queued behind the copy
+    assert read.values() == want
+    assert not torch.cuda.current_stream().query()  # the work queued after it still runs
+    torch.cuda.synchronize()
