@@ -153,6 +153,10 @@ def test_the_live_view_shows_the_expert_cache() -> None:
     console.print(live_view({**status, "running": [running], "batch": {"limit": 2, "mean_decode_batch": 1.5}},
                             Throughput(), []))
     assert "running 1/2: #4 decode 120 tok 21.5/s; batch mean 1.5" in console.export_text()  # while it runs
+    console = Console(width=160, record=True)
+    batch = {"limit": 2, "mean_decode_batch": 1.5, "decode_steps": 200, "ahead_steps": 190}
+    console.print(live_view({**status, "running": [running], "batch": batch}, Throughput(), []))
+    assert "batch mean 1.5, 95% of steps ahead" in console.export_text()  # decode steps queued before their tokens
     sessions = {"capacity": 2, "live": [], "prefix_hits": 7, "prefix_misses": 3, "checkpoint_hits": 2,
                 "disk": {"hits": 1, "entries": 4, "used_bytes": 3 * 2**29}}
     console = Console(width=80, record=True)

@@ -131,6 +131,9 @@ def live_view(status: dict[str, Any] | None, throughput: Throughput, requests: S
         mean = batch.get("mean_decode_batch")
         if isinstance(mean, (int, float)) and mean:
             now_text += f"; batch mean {mean:.1f}"
+        ahead, steps = batch.get("ahead_steps"), batch.get("decode_steps")
+        if isinstance(ahead, int) and isinstance(steps, int) and ahead and steps:  # the GPU did not wait for the host
+            now_text += f", {min(1.0, ahead / steps):.0%} of steps ahead"
     draft = status.get("draft") or {}
     if draft.get("source", "off") != "off" and draft.get("drafted"):  # speculative decoding, when on
         now_text += f"; drafts {draft['accepted']}/{draft['drafted']} accepted, " \
