@@ -509,7 +509,7 @@ class StageRunner:
         p0 = [c.length for c in caches]
         if isinstance(self.model, GpuStage):
             # ids on the stage's device go in as they are (a step queued before the host reads them)
-            ids = tokens if tokens.device == self.model.device else tokens.tolist()
+            ids = tokens if tokens.device.type == self.model.device.type else tokens.tolist()
             out = self.model.decode_batch(ids, caches, X, logits=self.logits).clone()  # the graph's buffer
         else:
             outs = [self.model.decode(t, c, None if X is None else X[b:b + 1], logits=self.logits)
