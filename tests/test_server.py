@@ -51,8 +51,10 @@ def engine(model_path):
     return Engine.load(model_path, ctx=CTX, device="cpu", sessions=8, rollback=ROLLBACK)
 
 
-def start_server(engine, model_path, *, sessions: int = 2, max_queue: int = 16, **kw) -> BackgroundServer:
-    scheduler = Scheduler(lambda: engine, sessions=sessions, max_queue=max_queue, ctx=CTX, owns_engine=False)
+def start_server(engine, model_path, *, sessions: int = 2, max_queue: int = 16, look_ahead: bool | None = None,
+                 **kw) -> BackgroundServer:
+    scheduler = Scheduler(lambda: engine, sessions=sessions, max_queue=max_queue, ctx=CTX, owns_engine=False,
+                          look_ahead=look_ahead)
     app = create_app(scheduler, model_name="tiny", model_path=str(model_path), ctx=CTX, **kw)
     srv = BackgroundServer(app).start()
     assert srv.wait_ready(30) and scheduler.state == "ready"
@@ -159,6 +161,41 @@ def test_chat_stream_and_non_stream_agree_at_temperature_zero(server) -> None:
     usage_chunk = chunks[-1]
     assert usage_chunk.usage.completion_tokens == a.usage.completion_tokens
     assert usage_chunk.model_extra["timings"]["predicted_n"] == a.usage.completion_tokens
+
+
+def test_decode_ahead_serves_the_same_agent_turns(engine, fresh, call_tokens) -> None:
+    """Decode steps queued before their tokens are read (what a lone CUDA stage does: forced on here) give,
+    through the API, the texts of the plain loop: streamed with tools offered, cut by a stop string, with a
+    forced tool call; and the next turn of the conversation reuses as many tokens; /metrics counts the steps."""
+    plain, ahead = fresh(), fresh(look_ahead=True)
+    kw = dict(model="tiny", max_tokens=40, temperature=0, extra_body=NO_THINK)
+
+    def turns(srv: BackgroundServer) -> list:
+        client, out = oai(srv), []
+        chunks = client.chat.completions.create(messages=base_messages(), tools=TOOLS, stream=True, **kw)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        out.append(text)
+        stop = text[len(text) // 2:][:4]
+        first = client.chat.completions.create(messages=base_messages(), tools=TOOLS, stop=[stop], **kw)
+        cut = first.choices[0]
+        out.append((cut.message.content, cut.finish_reason, first.usage.prompt_tokens))
+        time.sleep(0.2)  # past the settling grace: the turn is settled
+        follow = [*base_messages(), {"role": "assistant", "content": cut.message.content},
+                  {"role": "user", "content": "And tomorrow?"}]
+        again = client.chat.completions.create(messages=follow, tools=TOOLS, **kw)
+        out.append((again.choices[0].message.content, again.usage.prompt_tokens_details.cached_tokens))
+        call = client.chat.completions.create(messages=base_messages(), tools=TOOLS[:1], tool_choice="required",
+                                              **{**kw, "max_tokens": call_tokens})
+        out.append(call.choices[0].message.tool_calls[0].function.model_dump())
+        return out
+
+    want, got = turns(plain), turns(ahead)
+    assert got == want and want[1][1] == "stop"
+    assert want[2][1] >= want[1][2]  # turn 2 reused turn 1's prompt and (settled) answer
+    metric = [line for line in httpx.get(ahead.url + "/metrics").text.splitlines()
+              if line.startswith("ds4_decode_ahead_steps_total")]
+    assert metric and float(metric[0].split()[-1]) > 0, metric
+    assert _status(plain)["batch"]["ahead_steps"] == 0
 
 
 def test_thinking_streams_reasoning_content(server) -> None:
