@@ -642,6 +642,21 @@ def test_decode_ahead_gives_each_request_the_tokens_it_gets_alone(engine, make_s
     assert f.completion_tokens > 4 and s.batch_totals["ahead_steps"] == before
 
 
+def test_decode_ahead_is_opt_in_on_a_lone_queueing_stage(engine, monkeypatch) -> None:
+    """`decodes_ahead`: only where the stage queues its steps (a lone CUDA stage; faked here) and only with
+    DS4STATION_DECODE_AHEAD=1 (off by default until measured at full shape)."""
+    from ds4station.engine.engine import Engine
+
+    assert engine.decodes_ahead is False
+    monkeypatch.setattr(Engine, "queues_steps", property(lambda self: True))
+    monkeypatch.delenv("DS4STATION_DECODE_AHEAD", raising=False)
+    assert engine.decodes_ahead is False
+    monkeypatch.setenv("DS4STATION_DECODE_AHEAD", "1")
+    assert engine.decodes_ahead is True
+    monkeypatch.setattr(engine.runner, "mtp", object())  # the MTP layer records the ids: never ahead
+    assert engine.decodes_ahead is False
+
+
 def test_a_token_fed_from_the_device_is_resolved_or_read(engine) -> None:
     """Engine.decode_batch of a tensor of tokens: the step runs without the host reading them; each session's
     token is the value its caller resolves, or read when `tokens` is asked for first; a session with nothing

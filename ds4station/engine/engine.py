@@ -517,11 +517,13 @@ class Engine:
     def decodes_ahead(self) -> bool:
         """True when `decode_batch` queues a step whose tokens are still on the device (the previous step's
         picks): a stage that queues its steps (`queues_steps`) with its experts resident and no MTP layer (which
-        records the token ids). The decode loop then queues the next step before it reads the tokens, so the
-        GPU does not wait for the host between two steps. DS4STATION_DECODE_AHEAD=0 turns it off."""
+        records the token ids), when DS4STATION_DECODE_AHEAD=1. The decode loop then queues the next step before
+        it reads the tokens, so the GPU does not wait for the host between two steps. Off by default until it is
+        measured at full shape: on the demo model, whose step is host-bound, it made serve's decode rate vary
+        (docs/PERFORMANCE.md, thirty-sixth session)."""
         runner = self.runner
         return (self.queues_steps and runner is not None and runner.mtp is None and runner.experts is None
-                and os.environ.get("DS4STATION_DECODE_AHEAD", "1") != "0")
+                and os.environ.get("DS4STATION_DECODE_AHEAD", "0") == "1")
 
     def new_session(self, activation_bits: int | None = None) -> Session:
         bits = self.activation_bits if activation_bits is None else activation_bits
