@@ -45,6 +45,9 @@ def test_bench_serve_drives_a_real_server_like_an_agent(tmp_path) -> None:
     table = res.table()
     assert "prefill 300-token chat prompt, tok/s" in table and "TTFT" in table and "through serve" in table
     assert "(server " in table
+    # how the server ran its steps: on a CPU none is queued ahead of its tokens
+    assert res.batch["decode_steps"] >= 8 and res.batch["ahead_steps"] == 0
+    assert "decode steps, 0 queued ahead of their tokens; median one-request decode step" in table
 
 
 def test_warm_up_covers_the_length_classes_and_position_buckets() -> None:

@@ -51,7 +51,7 @@ case $part in
   ahead) for r in 1 2; do for a in 1 0; do
            echo "=== DS4STATION_DECODE_AHEAD=$a"
            DS4STATION_DECODE_AHEAD=$a timeout 120 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
-             --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|long request" | cut -c1-200
+             --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|decode steps|long request" | cut -c1-200
          done; done ;;
   streams) DS4STATION_DECODE_AHEAD=${AHEAD:-0} TESTS=streams TEMPERATURE=0 timeout 400 python3 docs/scripts/batch_streams.py "$file" new --sessions 8 \
              --ctx 40K 2>&1 | grep -E "steps|tok/s" | cut -c1-220 ;;

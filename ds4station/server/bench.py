@@ -63,6 +63,18 @@ class ServeBench:
     first: Turn | None = None  # the first request after ready (short prompt)
     short: list[Turn] = field(default_factory=list)
     long: list[Turn] = field(default_factory=list)
+    batch: dict[str, Any] = field(default_factory=dict)  # the server's step counters and step log (/status batch)
+
+    def step_line(self) -> str:
+        """How the server ran its decode steps: how many there were, how many were queued ahead of their tokens
+        (DS4STATION_DECODE_AHEAD), and the median one-request decode step of the step log (its recent steps)."""
+        if not self.batch:
+            return ""
+        ms = [r["total_ms"] for r in self.batch.get("step_log", []) if len(r["decoded"]) == 1 and not r["prefilled"]]
+        median = f"; median one-request decode step {statistics.median(ms):.3f} ms (of the last {len(ms)})" if ms \
+            else ""
+        return (f"server: {self.batch.get('decode_steps', 0)} decode steps, {self.batch.get('ahead_steps', 0)} "
+                f"queued ahead of their tokens{median}")
 
     def table(self) -> str:
         def med(values: Sequence[float]) -> float:
@@ -93,6 +105,8 @@ class ServeBench:
         if self.short:
             lines.append(f"{f'TTFT short prompt, median of {len(self.short)}':36} {'-':>12} "
                          f"{1000 * med([t.ttft_s for t in self.short]):10.1f} ms{server_ttft(self.short)}")
+        if self.batch:
+            lines.append(self.step_line())
         for i, t in enumerate(self.long):
             lines.append(f"  long request {i}: {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
                          f"TTFT {1000 * t.ttft_s:.0f} ms, {t.completion_tokens} tokens at {t.decode_tps:.1f} tok/s; "
@@ -166,15 +180,17 @@ def _warm_client(client: Any) -> None:
                                         "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
 
 
-def _attach_server_records(url: str, turns: list[Turn]) -> None:
+def _attach_server_records(url: str, turns: list[Turn]) -> dict[str, Any]:
     """The server's own records of these turns (/status throughput.recent, oldest first; the bench's requests
-    are the only ones this server saw)."""
+    are the only ones this server saw) -> its step counters and step log (/status batch)."""
     import httpx
 
-    recent = httpx.get(url + "/status", timeout=10).json()["throughput"]["recent"]
+    status = httpx.get(url + "/status", timeout=10).json()
+    recent = status["throughput"]["recent"]
     if len(recent) >= len(turns):
         for turn, record in zip(turns, recent[-len(turns):], strict=True):
             turn.server = record
+    return status.get("batch") or {}
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -247,7 +263,7 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
             turn = stream_turn(client, text, decode_tokens, logit_bias=no_eos)
             res.long.append(turn)
             log(f"long request {i}: prefill {turn.prefill_tps:,.1f} tok/s, decode {turn.decode_tps:.1f} tok/s")
-        _attach_server_records(url, [res.first, *res.short, *res.long])
+        res.batch = _attach_server_records(url, [res.first, *res.short, *res.long])
     finally:
         os.killpg(proc.pid, signal.SIGINT)
         try:
