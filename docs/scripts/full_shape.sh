@@ -47,14 +47,15 @@ case $part in
   long) timeout 560 python3 -m ds4station.cli bench --model "$file" --prompts 131072 --prefills 131072 --runs 1 \
           2>&1 | grep -v Warning | tail -9 ;;
   serve) timeout 240 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench --prompt-tokens 8K \
-           --decode-tokens 64 --runs 2 2>&1 | tail -8 ;;
+           --decode-tokens 64 --runs 2 2>&1 | tail -9 ;;
   ahead) for r in 1 2; do for a in 1 0; do
            echo "=== DS4STATION_DECODE_AHEAD=$a"
            DS4STATION_DECODE_AHEAD=$a timeout 120 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
              --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|decode steps|long request" | cut -c1-200
          done; done ;;
-  streams) DS4STATION_DECODE_AHEAD=${AHEAD:-0} TESTS=streams TEMPERATURE=0 timeout 400 python3 docs/scripts/batch_streams.py "$file" new --sessions 8 \
-             --ctx 40K 2>&1 | grep -E "steps|tok/s" | cut -c1-220 ;;
+  streams) DS4STATION_DECODE_AHEAD=${AHEAD:-0} TESTS=streams TEMPERATURE=0 timeout 400 \
+             python3 docs/scripts/batch_streams.py "$file" new --sessions 8 --ctx 40K 2>&1 | grep -E "steps|tok/s" \
+             | cut -c1-220 ;;
   draft) timeout 300 python3 -m ds4station.cli bench draft --model "$file" --k 1,2,3 --prompt-tokens 512 \
            --decode-tokens 32 2>&1 | tail -8 ;;
   tiles) spec=${2:-$(python3 docs/scripts/bench_attention_tiles.py --pick /tmp/attn_sweep.txt)}
