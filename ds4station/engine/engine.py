@@ -180,6 +180,12 @@ class Session:
     def tokens(self, tokens: list[int]) -> None:
         self._ahead, self._tokens = None, tokens
 
+    def _feed_ahead(self, token: torch.Tensor) -> None:
+        """`Engine.decode_batch` appended `token` (one element, on the device) without reading it; an earlier
+        such token still unread is read first."""
+        self.tokens  # noqa: B018 (reads it)
+        self._ahead = token
+
     def resolve(self, token: int) -> None:
         """The value of the token `Engine.decode_batch` took on the device, as its caller read it."""
         if self._ahead is None:
@@ -676,8 +682,7 @@ class Engine:
                 logits = self._result(b, pending, len(sids), record)
             for b, s in enumerate(sessions):
                 if ahead:
-                    s.tokens  # noqa: B018 (an earlier token still unread is read first)
-                    s._ahead = ids[b]
+                    s._feed_ahead(ids[b])
                 else:
                     s.tokens.append(int(tokens[b]))
         return logits
