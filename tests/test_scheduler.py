@@ -20,10 +20,12 @@ from ds4station.engine.scheduler import (
     SHUTTING_DOWN,
     Finished,
     Job,
+    LiveSession,
     NotReady,
     Prefill,
     QueueFull,
     Scheduler,
+    SessionPool,
     Text,
     Timings,
 )
@@ -660,7 +662,9 @@ def test_decode_ahead_is_opt_in_on_a_lone_queueing_stage(engine, monkeypatch) ->
 def test_a_token_fed_from_the_device_is_resolved_or_read(engine) -> None:
     """Engine.decode_batch of a tensor of tokens: the step runs without the host reading them; each session's
     token is the value its caller resolves, or read when `tokens` is asked for first; a session with nothing
-    pending refuses a value. Same logits as the step of host ints."""
+    pending refuses a value. Same logits as the step of host ints. /status (the HTTP thread, while the worker
+    steps ahead) counts the pending token without reading it: reading it there left the worker's `resolve`
+    nothing to resolve (H100, concurrent streams)."""
     import torch
 
     a, b, c, d = (engine.new_session() for _ in range(4))
@@ -671,6 +675,9 @@ def test_a_token_fed_from_the_device_is_resolved_or_read(engine) -> None:
         want = engine.decode_batch([a, b], [5, 9])
         got = engine.decode_batch([c, d], torch.tensor([5, 9]))
         assert torch.equal(got, want)
+        pool = SessionPool(engine, 2)  # what /status describes
+        pool.slots.append(LiveSession(c))
+        assert pool.describe()[0]["tokens"] == c.length == len(a.tokens) and c._ahead is not None
         c.resolve(5)
         assert c.tokens == a.tokens and d.tokens == b.tokens  # d's read from the tensor
         with pytest.raises(RuntimeError, match="no token fed from the device"):

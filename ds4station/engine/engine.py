@@ -180,6 +180,12 @@ class Session:
     def tokens(self, tokens: list[int]) -> None:
         self._ahead, self._tokens = None, tokens
 
+    @property
+    def length(self) -> int:
+        """How many tokens the KV holds, without reading a token fed from the device (safe from another thread:
+        `tokens` would read it there, and its caller's `resolve` then finds nothing to resolve)."""
+        return len(self._tokens) + (self._ahead is not None)
+
     def _feed_ahead(self, token: torch.Tensor) -> None:
         """`Engine.decode_batch` appended `token` (one element, on the device) without reading it; an earlier
         such token still unread is read first."""

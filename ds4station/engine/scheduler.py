@@ -71,6 +71,10 @@ class EngineSession(Protocol):
 
     tokens: list[int]
 
+    @property
+    def length(self) -> int:
+        """len(tokens), readable from another thread (it never waits for the device)."""
+
     def extend(self, tokens: Sequence[int], chunk: int = ...) -> torch.Tensor:
         """Append tokens to the KV; return the logits of the last position ([vocab])."""
 
@@ -477,7 +481,7 @@ class SessionPool:
         for s in list(self.slots):
             session = s.session
             if session is not None:
-                out.append({"tokens": len(session.tokens), "kv_bytes": int(session.kv_bytes()),
+                out.append({"tokens": session.length, "kv_bytes": int(session.kv_bytes()),
                             "requests": s.requests, "idle_s": round(now - s.last_used, 3)})
         return out
 
