@@ -58,3 +58,46 @@ def test_warm_up_covers_the_length_classes_and_position_buckets() -> None:
     assert warm_lengths(100) == [*range(1, 17), 31, 32, 63, 64, 100]
     assert warm_positions(8512) == [64, 128, 256, 512, 1024, 2048, 4096, 8192]
     assert warm_positions(1 << 20)[-1] == WARM_POSITIONS // 2
+
+
+def test_bench_serve_refuses_a_port_in_use(tmp_path) -> None:
+    """A server already on the port would answer the bench in place of the one it starts (and measure it)."""
+    import pytest
+
+    path = make_model(tmp_path / "tiny.gguf")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        with pytest.raises(RuntimeError, match=f"port {s.getsockname()[1]} is in use"):
+            bench.run(str(path), port=s.getsockname()[1], engine_bench=False, log=lambda _: None)
+
+
+def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
+    """SIGTERM to `bench serve` (as `timeout` sends) stops its server too: the server runs in a process group of
+    its own, and was left holding the GPU and the port."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = make_model(tmp_path / "tiny.gguf")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "bench", "serve", "--model", str(path),
+                             "--port", str(port), "--no-engine-bench", "--prompt-tokens", "300", "--runs", "50",
+                             "--serve-args", "--device cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in proc.stdout:  # the server is up once the bench sends its first request
+            if "first request after ready" in line:
+                break
+        assert not bench._port_free(port)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(90) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while not bench._port_free(port) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert bench._port_free(port)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)

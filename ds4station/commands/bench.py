@@ -93,8 +93,12 @@ def _serve(args: argparse.Namespace) -> int:
                   "(--no-engine-bench times the server alone)", file=sys.stderr)
             return 2
     prompt = args.prompt_tokens or 8192
-    res = bench.run(args.model, prompt_tokens=prompt, decode_tokens=args.decode_tokens, runs=args.runs,
-                    port=args.port, serve_args=shlex.split(args.serve_args), engine_bench=engine)
+    try:
+        res = bench.run(args.model, prompt_tokens=prompt, decode_tokens=args.decode_tokens, runs=args.runs,
+                        port=args.port, serve_args=shlex.split(args.serve_args), engine_bench=engine)
+    except (RuntimeError, TimeoutError) as e:  # a port in use, a server that exited or never became ready
+        print(f"bench serve: {e}", file=sys.stderr)
+        return 1
     if args.json:
         import dataclasses
 

@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -212,6 +213,17 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
         time.sleep(0.2)
 
 
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs: int = 3, short_runs: int = 3,
         short_tokens: int = 20, port: int = 8017, serve_args: Sequence[str] = (), engine_bench: bool = True,
         ready_timeout: float = 1200.0, log: Callable[[str], None] = print) -> ServeBench:
@@ -223,6 +235,8 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
     from ds4station.engine.tokenizer import Tokenizer
     from ds4station.model.gguf import GGUFFile
 
+    if not _port_free(port):  # a server already there would answer the bench in place of the one it starts
+        raise RuntimeError(f"port {port} is in use (another ds4station serve?): stop it or pass --port")
     res = ServeBench(model, prompt_tokens)
     if engine_bench:
         import gc
@@ -250,6 +264,14 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
     log(f"starting: {' '.join(cmd)}")
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+    def terminated(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)  # through the finally below
+
+    # the server runs in its own process group (a Ctrl-C in the terminal reaches the bench only): a SIGTERM to the
+    # bench stops it too, rather than leaving it holding the GPU and the port
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, terminated) if main else None
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(url, proc, ready_timeout)
@@ -265,6 +287,8 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
             log(f"long request {i}: prefill {turn.prefill_tps:,.1f} tok/s, decode {turn.decode_tps:.1f} tok/s")
         res.batch = _attach_server_records(url, [res.first, *res.short, *res.long])
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(60)
