@@ -19,6 +19,13 @@ if "TRITON_INTERPRET" not in os.environ and not _has_gpu():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+# The engine's tests check exact relations between decode, verification and prefill (chunkings, reuse, drafts,
+# disk restores): on the CPU they run the experts' fp32 matvecs, as the GPU tests pass int_dot=False. The integer
+# dot that a CPU stage decodes with by default has its own tests (test_kernels_cpu, test_kernels_moe, the engine's
+# default in test_engine), which ask for it explicitly. Worker processes inherit this.
+os.environ.setdefault("DS4STATION_CPU_INT8", "0")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread_per_worker() -> None:
     """pytest-xdist runs one worker per core; more torch threads per worker only fight over the cores

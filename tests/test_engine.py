@@ -15,6 +15,7 @@ from ds4station.engine.engine import DEFAULT_GPU_CHUNK, Engine, check_settings, 
 from ds4station.engine.kv import DEFAULT_CHUNK
 from ds4station.engine.model import OFF
 from ds4station.engine.stage import choose_backend
+from ds4station.kernels import cpu
 from ds4station.model.footprint import kv_bytes
 from ds4station.model.route import parse_route
 
@@ -46,6 +47,23 @@ def test_one_stage_runs_in_this_process_on_the_kernel_stage(engine) -> None:
     assert engine.runner.compute == "kernels" and str(engine.route) == "cpu=embed,0-5,output"
     # every KV slot is allocated at load, as the formula says
     assert engine.runner.kv_bytes() == 3 * kv_bytes(engine.cfg, None, 128, "f32", chunk=16, rollback=16)
+
+
+@pytest.mark.skipif(not cpu.int8_matvec("iq2_xxs"), reason="no integer-dot CPU kernels (x86 AVX2)")
+def test_a_cpu_stage_decodes_through_the_integer_dot_by_default(engine, monkeypatch) -> None:
+    """Without DS4STATION_CPU_INT8=0 (which the other tests set, for exact relations between decode and prefill) the
+    routed experts of steps of up to 32 tokens (this engine's 16-token prefill chunks, the decode steps) run the
+    integer dot, as on CUDA: the logits are the fp32 matvecs' within the activations' int8 rounding, not equal."""
+    a, b = engine.new_session(), engine.new_session()
+    try:
+        monkeypatch.delenv("DS4STATION_CPU_INT8")
+        got = [a.extend(PROMPT), a.extend([7])]
+        monkeypatch.setenv("DS4STATION_CPU_INT8", "0")
+        want = [b.extend(PROMPT), b.extend([7])]
+        for g, w in zip(got, want, strict=True):
+            assert 0 < float((g - w).norm() / w.norm()) < 0.05
+    finally:
+        a.close(), b.close()
 
 
 def test_session_extend_in_chunks_and_steps_matches_full_forward(engine):

@@ -1,7 +1,8 @@
 """A CPU stage's native kernels (ds4station/kernels/cpu.py, cpu_kernels.c): built with this machine's compiler,
-their dequantisation bit for bit against gguf-py's numpy code, their matvecs against the dequantised matrix at
-1-40 rows and in groups, independent of the thread count; `linear` and `moe` on the CPU through them against
-the torch references; the build's cache and its failures."""
+their dequantisation bit for bit against gguf-py's numpy code, their fp32 matvecs against the dequantised matrix
+at 1-40 rows and in groups, the integer-dot matvecs (int8 activations) against the GPU integer kernels' torch
+reference, both independent of the thread count; `linear` and `moe` on the CPU through them against the torch
+references; the build's cache and its failures."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from ds4station.kernels import cpu, ops
-from ds4station.kernels.moe import _expert, moe_decode_ref
+from ds4station.kernels.moe import _expert, matvec_ref, moe_decode_ref
 from ds4station.kernels.q8_0 import q8_0_matvec_ref
 
 TYPES = {"q8_0": Q.Q8_0, "iq2_xxs": Q.IQ2_XXS, "q2_k": Q.Q2_K, "q4_k": Q.Q4_K}
@@ -25,6 +26,7 @@ F16_AT = {Q.Q8_0: (0,), Q.IQ2_XXS: (0,), Q.Q2_K: (80, 82), Q.Q4_K: (0, 2)}
 EDGES = np.array([0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF], dtype=np.uint16)
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="no C compiler to build the CPU kernels")
+needs_int8 = pytest.mark.skipif(not cpu.int8_matvec("iq2_xxs"), reason="no integer-dot CPU kernels (x86 AVX2)")
 
 
 def raw_rows(qtype: Q, n: int, k: int, seed: int, edges: bool = True) -> np.ndarray:
@@ -80,18 +82,56 @@ def test_grouped_matvec_reads_each_groups_columns(name: str) -> None:
         cpu.matvec(x[:, :k + 32], w, groups=groups)
 
 
-def test_results_do_not_depend_on_the_thread_count() -> None:
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
+def test_results_do_not_depend_on_the_thread_count(int8: bool) -> None:
     w = packed("iq2_xxs", 301, 1024, seed=1)
     x = torch.randn(5, 1024, generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpu.matvec(x, w)
+        one = cpu.matvec(x, w, int8=int8)
         torch.set_num_threads(max(2, threads))
-        many = cpu.matvec(x, w)
+        many = cpu.matvec(x, w, int8=int8)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)
+
+
+def int8_want(x: torch.Tensor, w: ops.Packed, groups: int = 1) -> torch.Tensor:
+    """The integer kernels' values: each row of x quantised per 32 (act_quant.py's rule), per group of weight rows."""
+    k, rows = w.k, w.n // groups
+    return torch.stack([torch.cat([matvec_ref(ops._row_block(w, g * rows, (g + 1) * rows), xm[g * k:(g + 1) * k], True)
+                                   for g in range(groups)]) for xm in x])
+
+
+@needs_int8
+@pytest.mark.parametrize("name", cpu.INT8_TYPES)
+@pytest.mark.parametrize("m", [1, 3, 8, 17])
+def test_int8_matvec_matches_the_integer_reference(name: str, m: int) -> None:
+    """x quantised to int8 per 32 values (scale amax / 127) times the weights' codes as exact integer dots: the
+    GPU integer-dot kernels' values (moe.matvec_ref with act_quant), Q2_K / Q4_K's min term on the exact x;
+    clearly apart from the fp32 matvec's (the quantisation is real, not a no-op)."""
+    assert cpu.int8_matvec(name) and not cpu.int8_matvec("q8_0")
+    w = packed(name, 67, 512, seed=m)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    x[0, :32] = 0.0  # an all-zero block (scale 0)
+    y = cpu.matvec(x, w, int8=True)
+    assert y.shape == (m, 67) and rel_err(y, int8_want(x, w)) < 1e-5
+    assert rel_err(y, x @ ops.dequantize(w).T) > 1e-4
+
+
+@needs_int8
+@pytest.mark.parametrize("name", cpu.INT8_TYPES)
+def test_int8_grouped_matvec_reads_each_groups_columns(name: str) -> None:
+    groups, k = 4, 256
+    w = packed(name, 32, k, seed=5)
+    x = torch.randn(2, groups * k, generator=torch.Generator().manual_seed(0))
+    assert rel_err(cpu.matvec(x, w, groups=groups, int8=True), int8_want(x, w, groups)) < 1e-5
+
+
+def test_int8_matvec_is_refused_for_types_without_it() -> None:
+    with pytest.raises(ValueError, match="no integer-dot CPU matvec for q8_0"):
+        cpu.matvec(torch.randn(1, 256), packed("q8_0", 8, 256, seed=0), int8=True)
 
 
 def test_expert_slices_and_row_blocks_are_read_in_place() -> None:
@@ -129,8 +169,11 @@ def test_prefill_rows_dequantise_into_one_kept_buffer() -> None:
     assert rel_err(first, x @ ops.dequantize(w).T) < 1e-6
 
 
-def test_moe_on_the_cpu_matches_the_reference() -> None:
-    """Routed experts (IQ2_XXS gate / up, Q2_K down) of 3 and 30 tokens, each used expert once over its tokens."""
+@pytest.mark.parametrize("int8", [False, pytest.param(True, marks=needs_int8)])
+def test_moe_on_the_cpu_matches_the_reference(int8: bool) -> None:
+    """Routed experts (IQ2_XXS gate / up, Q2_K down) of 3 and 30 tokens, each used expert once over its tokens:
+    with int_dot, through the integer dot, against the reference with the activations quantised as the kernels
+    do; without, the fp32 matvecs against the plain reference."""
     e, d, f = 8, 256, 512
     gate, up = (ops.repack(torch.from_numpy(raw_rows(Q.IQ2_XXS, e * f, d, seed=s)).view(e, f, -1), "iq2_xxs", d)
                 for s in (1, 2))
@@ -140,8 +183,9 @@ def test_moe_on_the_cpu_matches_the_reference() -> None:
         x = torch.randn(t, d, generator=g)
         ids = torch.stack([torch.randperm(e, generator=g)[:3] for _ in range(t)])
         weights = torch.rand(t, 3, generator=g)
-        want = moe_decode_ref(x, gate, up, down, ids, weights, clamp=10.0)
-        assert rel_err(ops.moe(x, gate, up, down, ids, weights, clamp=10.0), want) < 1e-5
+        want = moe_decode_ref(x, gate, up, down, ids, weights, clamp=10.0, act_quant=int8)
+        got = ops.moe(x, gate, up, down, ids, weights, clamp=10.0, int_dot=int8)
+        assert rel_err(got, want) < 1e-5
 
 
 def test_without_the_library_the_cpu_runs_the_references(monkeypatch, caplog, tmp_path) -> None:
@@ -200,3 +244,19 @@ def test_a_compiler_without_openmp_builds_them_single_threaded(tmp_path, monkeyp
     lib.ds4_q8_0_matvec.argtypes = [cpu._p] * 2 + cpu._MATVEC
     lib.ds4_q8_0_matvec(*ptrs, x.data_ptr(), 256, y.data_ptr(), 40, 40, 256, 3, 40, 2)
     assert torch.equal(y, cpu.matvec(x, w))
+
+
+@needs_int8
+def test_the_integer_dot_is_the_cpu_moe_default_for_decode_steps(monkeypatch) -> None:
+    """ops.moe's default on the CPU (int_dot None): the integer dot for up to CPU_MATVEC_ROWS tokens (decode and
+    verification steps), fp32 past them (prefill, as the GPU's prefill kernels); DS4STATION_CPU_INT8=0 keeps fp32;
+    float experts never."""
+    w = packed("iq2_xxs", 64, 256, seed=1)
+    down = packed("q2_k", 256, 64 * 4, seed=2)
+    few, many = torch.randn(4, 256), torch.randn(ops.CPU_MATVEC_ROWS + 1, 256)
+    monkeypatch.delenv("DS4STATION_CPU_INT8")
+    assert ops.moe_int_dot(few, w, down) and ops.moe_int_dot(few, w, down, int_dot=True)
+    assert not ops.moe_int_dot(many, w, down) and not ops.moe_int_dot(few, w, down, int_dot=False)
+    assert not ops.moe_int_dot(few, torch.zeros(2, 64, 256), torch.zeros(2, 256, 64))
+    monkeypatch.setenv("DS4STATION_CPU_INT8", "0")
+    assert not ops.moe_int_dot(few, w, down) and ops.moe_int_dot(few, w, down, int_dot=True)

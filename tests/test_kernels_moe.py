@@ -73,8 +73,8 @@ def test_moe_decode_matches_float64(tokens: int, slots: int, clamp: float | None
     moe_decode(xs, gate, up, down, ids_d, w_d, clamp=clamp, out=out, int_dot=False)
     assert rel_err(out, want) < 1e-5
     assert rel_err(moe_decode_ref(xs, gate, up, down, ids_d, w_d, clamp=clamp), want) < 1e-5
-    # ops.moe takes the device's default path: integer dot on CUDA (its own numerics), fp32 elsewhere
-    int_dot = dispatch.use_int_dot(dispatch.launch_backend(xs))
+    # ops.moe takes the device's default path: integer dot on CUDA and on the CPU where built (its own numerics)
+    int_dot = ops.moe_int_dot(xs, gate, down)
     via_ops = ops.moe(xs, gate, up, down, ids_d, w_d, clamp=clamp)
     assert rel_err(via_ops, moe_decode_ref(xs, gate, up, down, ids_d, w_d, clamp=clamp, act_quant=int_dot)) < 1e-5
 

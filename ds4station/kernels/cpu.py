@@ -6,7 +6,9 @@ fp32 with a chain of tensor ops per use (~1.2 s per Flash layer per decoded toke
 24-35x less, docs/PERFORMANCE.md). These kernels
 read each quantised weight once per call for all activation rows (`matvec`, decode: up to MAX_ROWS rows), or
 write fp32 rows for a BLAS matmul (`dequantize`, prefill), over as many OpenMP threads as torch uses
-(torch.get_num_threads(): the stage's `threads`).
+(torch.get_num_threads(): the stage's `threads`). On x86 with AVX2 the routed experts' types (INT8_TYPES) also
+have an integer-dot matvec (`matvec(..., int8=True)`; int8 activations per 32 values, AVX-512 VNNI / AVX-VNNI
+where present), which ops.moe runs for decode steps as the GPU runs its integer-dot kernels (ops.moe_int_dot).
 
 The library is built into cache_dir()/cpu-kernels/ (`cc -O3 -march=native -fopenmp`, keyed by the source, the
 compiler and the CPU's flags) the first time a CPU stage needs it; `CC` names the compiler; one without OpenMP
@@ -48,6 +50,9 @@ _p = ctypes.c_void_p
 _MATVEC = [_p, _i64, _p, _i64, _i64, _i64, _i64, _i64, ctypes.c_int]
 _DEQUANT = [_p, _i64, _i64, ctypes.c_int]
 _WEIGHT_PTRS = {"q8_0": 2, "iq2_xxs": 4, "q2_k": 3, "q4_k": 4}  # the IQ2_XXS tables count as weights here
+# types with an integer-dot matvec (`ds4_<type>_matvec_i8`, where the build has them: x86 with AVX2): the routed
+# experts' types, whose decode the MoE runs through it by default as the GPU's does (ops.moe's int_dot)
+INT8_TYPES = ("iq2_xxs", "q2_k", "q4_k")
 _lock = threading.Lock()
 # the packed fields' dtypes the C functions read
 _DTYPES = {"q8_0": (torch.int8, torch.float16), "iq2_xxs": (torch.int32, torch.float16),
@@ -113,6 +118,11 @@ def _lib() -> ctypes.CDLL | None:
         getattr(lib, f"ds4_{qt}_matvec").argtypes = [_p] * n + _MATVEC
         getattr(lib, f"ds4_{qt}_dequant").argtypes = [_p] * n + _DEQUANT
         getattr(lib, f"ds4_{qt}_matvec").restype = getattr(lib, f"ds4_{qt}_dequant").restype = None
+    lib.ds4_int8.restype = ctypes.c_int
+    if lib.ds4_int8():
+        for qt in INT8_TYPES:
+            getattr(lib, f"ds4_{qt}_matvec_i8").argtypes = [_p] * _WEIGHT_PTRS[qt] + _MATVEC
+            getattr(lib, f"ds4_{qt}_matvec_i8").restype = None
     return lib
 
 
@@ -129,12 +139,29 @@ def _iq2_xxs_tables() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.from_numpy(_grid_np()).contiguous(), _signed_grid(torch.device("cpu"))[:128].sign().contiguous()
 
 
-def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> tuple[list[torch.Tensor], list[int]]:
-    """The tensors whose pointers the C functions take, contiguous (kept alive by the caller), and those pointers."""
+@lru_cache(maxsize=1)
+def _iq2_xxs_int_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer matvec's tables, one 64-bit word per entry: the grid's 8 magnitudes as bytes [256], and each
+    7-bit sign field's 8 signs as +-1 bytes [128]."""
+    grid, signs = _iq2_xxs_tables()
+    return (grid.to(torch.uint8).contiguous().view(torch.int64).reshape(256),
+            signs.to(torch.int8).contiguous().view(torch.int64).reshape(128))
+
+
+def int8_matvec(qtype: str) -> bool:
+    """Whether `matvec(..., int8=True)` can run a `qtype` weight (this build has the integer dot for its type)."""
+    lib = _lib()
+    return qtype in INT8_TYPES and lib is not None and bool(lib.ds4_int8())
+
+
+def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K,
+             int8: bool = False) -> tuple[list[torch.Tensor], list[int]]:
+    """The tensors whose pointers the C functions take (`int8`: the integer matvec's), contiguous (kept alive by
+    the caller), and those pointers."""
     if isinstance(w, PackedQ8_0):
         ts = [w.qs, w.d]
     elif isinstance(w, PackedIQ2XXS):
-        ts = [w.qs, w.d, *_iq2_xxs_tables()]
+        ts = [w.qs, w.d, *(_iq2_xxs_int_tables() if int8 else _iq2_xxs_tables())]
     elif isinstance(w, PackedQ2K):
         ts = [w.qs, w.sc, w.dm]
     elif isinstance(w, PackedQ4K):
@@ -151,19 +178,24 @@ def _weights(w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K) -> tuple[list
     return ts, [t.data_ptr() for t in ts]
 
 
-def matvec(x: torch.Tensor, w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K, groups: int = 1) -> torch.Tensor:
+def matvec(x: torch.Tensor, w: PackedQ8_0 | PackedIQ2XXS | PackedQ2K | PackedQ4K, groups: int = 1,
+           int8: bool = False) -> torch.Tensor:
     """y [M, N] fp32 = x [M, groups * K] @ W^T (groups > 1: weight rows split evenly, group g reading x's columns
-    g*K .. (g+1)*K), any M (calls of MAX_ROWS rows). Needs `available()`."""
+    g*K .. (g+1)*K), any M (calls of MAX_ROWS rows), in fp32 math (the dequantised matrix's values). Needs
+    `available()`. `int8` (where `int8_matvec` allows it): the integer dot, x quantised to int8 per 32 values as
+    the GPU's integer-dot kernels do (the values of moe.matvec_ref with act_quant)."""
     lib = _lib()
     if lib is None:
         raise RuntimeError("CPU kernels are not available")
     n, k = w.n, w.k
     if x.dim() != 2 or x.shape[1] != groups * k or n % groups:
         raise ValueError(f"x {tuple(x.shape)} does not match weight [{n}, {k}] in {groups} groups")
+    if int8 and not int8_matvec(w.qtype):
+        raise ValueError(f"no integer-dot CPU matvec for {w.qtype} in this build")
     x = x.float().contiguous()
-    ts, ptrs = _weights(w)
+    ts, ptrs = _weights(w, int8)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    fn = getattr(lib, f"ds4_{w.qtype}_matvec")
+    fn = getattr(lib, f"ds4_{w.qtype}_matvec{'_i8' if int8 else ''}")
     for m0 in range(0, x.shape[0], MAX_ROWS):
         m = min(MAX_ROWS, x.shape[0] - m0)
         fn(*ptrs, x[m0].data_ptr(), x.stride(0), y[m0].data_ptr(), y.stride(0), n, k, m, n // groups,

@@ -65,7 +65,7 @@ def _dequantize(w: PackedExperts) -> torch.Tensor:
     return dequantize_iq2_xxs(w) if isinstance(w, PackedIQ2XXS) else dequantize_q2_k(w)
 
 
-def _matvec(w: PackedExperts, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
+def matvec_ref(w: PackedExperts, x: torch.Tensor, act_quant: bool) -> torch.Tensor:
     """W @ x in fp32; with act_quant, as the integer-dot kernels compute it: x quantised per 32 (act_quant.py),
     except Q2_K's min term, which uses the exact x."""
     if not act_quant:
@@ -99,13 +99,13 @@ def moe_decode_ref(
         xt = x[t].float()
         for s in range(ids.shape[1]):
             e = int(ids[t, s])
-            g = _matvec(_expert(gate, e), xt, act_quant)
-            u = _matvec(_expert(up, e), xt, act_quant)
+            g = matvec_ref(_expert(gate, e), xt, act_quant)
+            u = matvec_ref(_expert(up, e), xt, act_quant)
             if clamp is not None:
                 g = g.clamp(max=clamp)
                 u = u.clamp(-clamp, clamp)
             h = torch.nn.functional.silu(g) * u * weights[t, s].float()
-            y[t] += _matvec(_expert(down, e), h, act_quant)
+            y[t] += matvec_ref(_expert(down, e), h, act_quant)
     return y
 
 

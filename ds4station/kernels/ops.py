@@ -7,6 +7,7 @@ Each op runs the Triton kernel for a GPU tensor and the family's torch reference
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
@@ -117,15 +118,15 @@ def _dequant_scratch() -> torch.Tensor:
     return buf
 
 
-def _cpu_linear(x: torch.Tensor, w: Packed, groups: int) -> torch.Tensor:
+def _cpu_linear(x: torch.Tensor, w: Packed, groups: int, int8: bool = False) -> torch.Tensor:
     """`linear` on the CPU, fp32 [M, N]: up to CPU_MATVEC_ROWS rows the native matvec (kernels/cpu.py: each weight
-    read once for all rows); more rows (prefill), blocks of rows dequantised to fp32 (CPU_DEQUANT_BYTES at a time,
-    natively into a reused buffer where the library is built) and multiplied by torch's matmul. Without the native
-    kernels, the torch references."""
+    read once for all rows; `int8`: its integer dot, which `moe` asks for); more rows (prefill), blocks of rows
+    dequantised to fp32 (CPU_DEQUANT_BYTES at a time, natively into a reused buffer where the library is built) and
+    multiplied by torch's matmul. Without the native kernels, the torch references."""
     native = cpu.available()
     x = x.float()
     if native and x.shape[0] <= CPU_MATVEC_ROWS:
-        return cpu.matvec(x, w, groups)
+        return cpu.matvec(x, w, groups, int8=int8)
     per_group = w.n // groups
     rows = min(per_group, max(1, CPU_DEQUANT_BYTES // (4 * w.k)))  # the fp32 copy of one block of rows at a time
     out, r = [], 0
@@ -190,6 +191,23 @@ def moe_act_layout(x: torch.Tensor, gate: PackedIQ2XXS | PackedQ2K | torch.Tenso
     return int_dot_layout(x, gate, down, int_dot)
 
 
+def moe_int_dot(x: torch.Tensor, gate: PackedIQ2XXS | PackedQ2K | torch.Tensor,
+                down: PackedIQ2XXS | PackedQ2K | torch.Tensor, int_dot: bool | None = None) -> bool:
+    """Whether `moe` multiplies the experts by x's rows as integer dots (x quantised to int8 per 32 values: the
+    numerics of moe.matvec_ref with act_quant) rather than in floats. GPU: the decode kernels' integer-dot path
+    (moe_act_layout). CPU: up to CPU_MATVEC_ROWS tokens (a decode or verification step; every expert's rows then
+    take the native matvec) with the native integer dot built for the experts' types, unless `int_dot` is False or,
+    with `int_dot` None (the default), DS4STATION_CPU_INT8=0 asks for the fp32 matvecs (exact relations between
+    decode and prefill, which the engine's tests check)."""
+    if dispatch.use_triton(x):
+        return moe_act_layout(x, gate, down, int_dot) is not None
+    if int_dot is False or isinstance(gate, torch.Tensor) or x.shape[0] > CPU_MATVEC_ROWS or not cpu.available():
+        return False
+    if int_dot is None and os.environ.get("DS4STATION_CPU_INT8", "1") == "0":
+        return False
+    return cpu.int8_matvec(gate.qtype) and cpu.int8_matvec(down.qtype)
+
+
 def moe(
     x: torch.Tensor,
     gate: PackedIQ2XXS | PackedQ2K | torch.Tensor,
@@ -208,14 +226,16 @@ def moe(
 
     GPU: up to MOE_DECODE_ROWS tokens run the decode kernels (integer dot on CUDA unless `int_dot` is False;
     `last`: see moe_decode), more the prefill kernels (tokens grouped by expert, tl.dot); no host
-    synchronisation on either path. CPU: each used expert once over all of its tokens through `linear` (the native
-    matvec for a few tokens, a dequantised block and a matmul for many). Float experts (dense [E, N, K] tensors:
+    synchronisation on either path. CPU: each used expert once over all of its tokens through `_cpu_linear` (the
+    native matvec for a few tokens, its integer dot where `moe_int_dot` says so; a dequantised block and a matmul
+    for many). Float experts (dense [E, N, K] tensors:
     files whose experts are F32 / F16 / BF16) take that per-expert path on every device, multiplied by torch."""
     dense = isinstance(gate, torch.Tensor)
     if dispatch.use_triton(x) and not dense:
         if x.shape[0] <= MOE_DECODE_ROWS:
             return moe_decode(x, gate, up, down, ids, weights, clamp, int_dot=int_dot, last=last, xq=xq)
         return moe_prefill(x, gate, up, down, ids, weights, clamp=clamp)
+    int8 = moe_int_dot(x, gate, down, int_dot)
     y = torch.zeros(*ids.shape, x.shape[1], dtype=torch.float32, device=x.device)  # [T, S, D]: the sum does not
     x = x.float()  # depend on the experts' order (numbers or cache slots), as on the GPU
     for e in ids.unique().tolist():  # each used expert once, over all of its tokens
@@ -225,6 +245,7 @@ def moe(
             h = swiglu_pair(x[t] @ g.T, x[t] @ u.T, clamp or 0.0) * weights[t, slot, None]
             y[t, slot] = h @ d.T
         else:
-            h = swiglu_pair(linear(x[t], _expert(gate, e)), linear(x[t], _expert(up, e)), clamp or 0.0)
-            y[t, slot] = linear(h * weights[t, slot, None], _expert(down, e))
+            h = swiglu_pair(_cpu_linear(x[t], _expert(gate, e), 1, int8),
+                            _cpu_linear(x[t], _expert(up, e), 1, int8), clamp or 0.0)
+            y[t, slot] = _cpu_linear(h * weights[t, slot, None], _expert(down, e), 1, int8)
     return y.sum(1)
