@@ -81,7 +81,11 @@ def together(texts, max_tokens, delays=None):
         time.sleep((delays or [0] * len(texts))[i])
         c = client()
         t = time.perf_counter()
-        turn = stream_turn(c, texts[i], max_tokens, float(os.environ.get("TEMPERATURE", "0")))
+        try:
+            turn = stream_turn(c, texts[i], max_tokens, float(os.environ.get("TEMPERATURE", "0")))
+        except Exception as e:  # reported below, once every request has ended
+            out[i] = e
+            return
         out[i] = (t, t + turn.ttft_s, t + turn.ttft_s + turn.stream_s, turn)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(len(texts))]
@@ -89,6 +93,9 @@ def together(texts, max_tokens, delays=None):
         th.start()
     for th in threads:
         th.join()
+    failed = [f"request {i}: {r!r}" for i, r in enumerate(out) if isinstance(r, Exception)]
+    if failed:
+        raise SystemExit(f"[{tag}] {len(failed)} of {len(texts)} requests failed: " + "; ".join(failed))
     return out
 
 
