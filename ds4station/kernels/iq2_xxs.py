@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
+from ds4station.kernels.packed import PackedRows
 from ds4station.kernels.pdl import enter, pdl
 
 if TYPE_CHECKING:
@@ -39,25 +40,14 @@ BLOCK_BYTES_IQ2_XXS = 66
 
 
 @dataclass(frozen=True)
-class PackedIQ2XXS:
+class PackedIQ2XXS(PackedRows):
     """Repacked IQ2_XXS weight: qs int32 [*lead, N, K/16] (2 words per 32 weights), d fp16 [*lead, N, K/256]."""
 
     qs: torch.Tensor
     d: torch.Tensor
 
     qtype = "iq2_xxs"
-
-    @property
-    def n(self) -> int:
-        return self.qs.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.qs.shape[-1] * 16
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() * 4 + self.d.numel() * 2
+    WEIGHTS_PER_QS = 16
 
 
 @lru_cache(maxsize=1)

@@ -23,6 +23,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, matvec_launch, transpose_groups
+from ds4station.kernels.packed import PackedRows
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -30,7 +31,7 @@ BLOCK_BYTES_Q2_K = 84
 
 
 @dataclass(frozen=True)
-class PackedQ2K:
+class PackedQ2K(PackedRows):
     """Repacked Q2_K weight: qs uint8 [*lead, N, K/4] (4 consecutive weights per byte), sc uint8 [*lead, N, K/16],
     dm fp16 [*lead, N, K/128] ((d, dmin) per 256 weights)."""
 
@@ -39,18 +40,7 @@ class PackedQ2K:
     dm: torch.Tensor
 
     qtype = "q2_k"
-
-    @property
-    def n(self) -> int:
-        return self.qs.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.qs.shape[-1] * 4
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() + self.sc.numel() + self.dm.numel() * 2
+    WEIGHTS_PER_QS = 4
 
 
 def _codes_ggml_order(qs: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, transpose_groups
+from ds4station.kernels.packed import PackedRows
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -37,7 +38,7 @@ BLOCK_BYTES_Q4_K = 144
 
 
 @dataclass(frozen=True)
-class PackedQ4K:
+class PackedQ4K(PackedRows):
     """Repacked Q4_K weight: qs uint8 [*lead, N, K/2] (two consecutive weights per byte), sc / mn uint8
     [*lead, N, K/32] (6-bit scale / min per sub-block), dm fp16 [*lead, N, K/128] ((d, dmin) per 256)."""
 
@@ -47,18 +48,7 @@ class PackedQ4K:
     dm: torch.Tensor
 
     qtype = "q4_k"
-
-    @property
-    def n(self) -> int:
-        return self.qs.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.qs.shape[-1] * 2
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() + self.sc.numel() + self.mn.numel() + self.dm.numel() * 2
+    WEIGHTS_PER_QS = 2
 
 
 def repack_q4_k(raw: torch.Tensor, k: int) -> PackedQ4K:

@@ -28,6 +28,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a, dequantize_act16
 from ds4station.kernels.iq2_xxs import _s8x4_f16, _s8x4_f32
+from ds4station.kernels.packed import PackedRows
 from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.splitk import split_buffers, split_k_range, store_split_k
 
@@ -36,25 +37,14 @@ BLOCK_BYTES_Q8_0 = 34
 
 
 @dataclass(frozen=True)
-class PackedQ8_0:
+class PackedQ8_0(PackedRows):
     """Repacked Q8_0 weight: qs int8 [*lead, N, K], d fp16 [*lead, N, K/32] (lead = e.g. experts)."""
 
     qs: torch.Tensor
     d: torch.Tensor
 
     qtype = "q8_0"
-
-    @property
-    def n(self) -> int:
-        return self.qs.shape[-2]
-
-    @property
-    def k(self) -> int:
-        return self.qs.shape[-1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.qs.numel() * self.qs.element_size() + self.d.numel() * self.d.element_size()
+    WEIGHTS_PER_QS = 1
 
 
 def repack_q8_0(raw: torch.Tensor, k: int) -> PackedQ8_0:
