@@ -89,6 +89,21 @@ def q2_k_matvec_ref(x: torch.Tensor, w: PackedQ2K, out_dtype: torch.dtype | None
 
 
 @triton.jit
+def _q2_k_words(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, ww, w_mask, K):
+    """The decode dots' loads of words ww of rows: [rows, words] int32 code words, their scale / min bytes (as
+    int32) and the (d, dmin) of their 256-weight blocks in fp32."""
+    W = K // 16
+    wmask = n_mask[:, None] & w_mask[None, :]
+    word = tl.load(qs_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0, eviction_policy="evict_first")
+    sc = tl.load(sc_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0,
+                 eviction_policy="evict_first").to(tl.int32)
+    dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
+                  eviction_policy="evict_first")
+    d, dmin = _dm_f32(dmw)
+    return word, sc, d, dmin
+
+
+@triton.jit
 def _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """[BLOCK_N] fp32 dot products of weight rows `rows` (int64) with one activation row.
 
@@ -103,13 +118,7 @@ def _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr, K, BLOCK_N: tl.const
     for w0 in range(0, W, BLOCK_W):
         ww = w0 + offs_w
         w_mask = ww < W
-        wmask = n_mask[:, None] & w_mask[None, :]
-        word = tl.load(qs_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0, eviction_policy="evict_first")
-        sc = tl.load(sc_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0,
-                     eviction_policy="evict_first").to(tl.int32)
-        dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
-                      eviction_policy="evict_first")
-        d, dmin = _dm_f32(dmw)
+        word, sc, d, dmin = _q2_k_words(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, ww, w_mask, K)
         qx = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         sx = tl.zeros([BLOCK_W], dtype=tl.float32)
         for i in tl.static_range(16):
@@ -133,13 +142,7 @@ def _q2_k_dot_i8(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xq_ptr, xs_ptr, xsum_ptr,
     for w0 in range(0, W, BLOCK_W):
         ww = w0 + offs_w
         w_mask = ww < W
-        wmask = n_mask[:, None] & w_mask[None, :]
-        word = tl.load(qs_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0, eviction_policy="evict_first")
-        sc = tl.load(sc_ptr + rows[:, None] * W + ww[None, :], mask=wmask, other=0,
-                     eviction_policy="evict_first").to(tl.int32)
-        dmw = tl.load(dm_ptr + rows[:, None] * (K // 256) + (ww // 16)[None, :], mask=wmask, other=0,
-                      eviction_policy="evict_first")
-        d, dmin = _dm_f32(dmw)
+        word, sc, d, dmin = _q2_k_words(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, ww, w_mask, K)
         isum = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.int32)
         for i in tl.static_range(4):
             xv = tl.broadcast_to(tl.load(xq_ptr + i * W + ww, mask=w_mask, other=0)[None, :], (BLOCK_N, BLOCK_W))
