@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.packed import PackedRows
+from ds4station.kernels.packed import PackedRows, raw_rows
 from ds4station.kernels.pdl import enter, pdl
 
 if TYPE_CHECKING:
@@ -88,18 +88,8 @@ def grid_codes(device: torch.device) -> torch.Tensor:
 
 def repack_iq2_xxs(raw: torch.Tensor, k: int) -> PackedIQ2XXS:
     """Split raw GGUF IQ2_XXS bytes (uint8 [..., N, K/256*66] or flat) of rows of length `k`."""
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw IQ2_XXS data must be uint8 bytes, got {raw.dtype}")
-    if k % QK_K:
-        raise ValueError(f"IQ2_XXS row length must be a multiple of {QK_K}, got {k}")
-    nb = k // QK_K
-    row_bytes = nb * BLOCK_BYTES_IQ2_XXS
-    if raw.shape[-1] != row_bytes:
-        if raw.dim() != 1 or raw.numel() % row_bytes:
-            raise ValueError(f"IQ2_XXS data of shape {tuple(raw.shape)} does not hold rows of {k} values")
-        raw = raw.view(-1, row_bytes)
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(*lead, nb, BLOCK_BYTES_IQ2_XXS)
+    blocks = raw_rows(raw, k, "IQ2_XXS", QK_K, BLOCK_BYTES_IQ2_XXS)
+    lead, nb = blocks.shape[:-2], blocks.shape[-2]
     d = blocks[..., :2].contiguous().view(torch.float16).reshape(*lead, nb)
     qs = blocks[..., 2:].contiguous().view(torch.int32).reshape(*lead, k // 16)
     return PackedIQ2XXS(qs=qs, d=d)

@@ -23,7 +23,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, matvec_launch, transpose_groups
-from ds4station.kernels.packed import PackedRows
+from ds4station.kernels.packed import PackedRows, raw_rows
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -53,18 +53,8 @@ def _codes_ggml_order(qs: torch.Tensor) -> torch.Tensor:
 
 def repack_q2_k(raw: torch.Tensor, k: int) -> PackedQ2K:
     """Repack raw GGUF Q2_K bytes (uint8 [..., N, K/256*84] or flat) of rows of length `k`."""
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw Q2_K data must be uint8 bytes, got {raw.dtype}")
-    if k % QK_K:
-        raise ValueError(f"Q2_K row length must be a multiple of {QK_K}, got {k}")
-    nb = k // QK_K
-    row_bytes = nb * BLOCK_BYTES_Q2_K
-    if raw.shape[-1] != row_bytes:
-        if raw.dim() != 1 or raw.numel() % row_bytes:
-            raise ValueError(f"Q2_K data of shape {tuple(raw.shape)} does not hold rows of {k} values")
-        raw = raw.view(-1, row_bytes)
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(*lead, nb, BLOCK_BYTES_Q2_K)
+    blocks = raw_rows(raw, k, "Q2_K", QK_K, BLOCK_BYTES_Q2_K)
+    lead, nb = blocks.shape[:-2], blocks.shape[-2]
     sc = blocks[..., :16].reshape(*lead, k // 16).contiguous()
     codes = _codes_ggml_order(blocks[..., 16:80]).reshape(*lead, k // 4, 4)
     qs = codes[..., 0] | (codes[..., 1] << 2) | (codes[..., 2] << 4) | (codes[..., 3] << 6)

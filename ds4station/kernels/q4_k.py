@@ -30,7 +30,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
 from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, transpose_groups
-from ds4station.kernels.packed import PackedRows
+from ds4station.kernels.packed import PackedRows, raw_rows
 from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
@@ -55,18 +55,9 @@ def repack_q4_k(raw: torch.Tensor, k: int) -> PackedQ4K:
     """Repack raw GGUF Q4_K bytes (uint8 [..., N, K/256*144] or flat) of rows of length `k`."""
     from ds4station.kernels.quants import _k_scale_min, _nibbles_32
 
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw Q4_K data must be uint8 bytes, got {raw.dtype}")
-    if k % QK_K:
-        raise ValueError(f"Q4_K row length must be a multiple of {QK_K}, got {k}")
-    nb = k // QK_K
-    row_bytes = nb * BLOCK_BYTES_Q4_K
-    if raw.shape[-1] != row_bytes:
-        if raw.dim() != 1 or raw.numel() % row_bytes:
-            raise ValueError(f"Q4_K data of shape {tuple(raw.shape)} does not hold rows of {k} values")
-        raw = raw.view(-1, row_bytes)
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(-1, BLOCK_BYTES_Q4_K)
+    blocks = raw_rows(raw, k, "Q4_K", QK_K, BLOCK_BYTES_Q4_K)
+    lead, nb = blocks.shape[:-2], blocks.shape[-2]
+    blocks = blocks.reshape(-1, BLOCK_BYTES_Q4_K)
     dm = blocks[:, 0:4].contiguous().view(torch.float16).reshape(*lead, nb * 2)
     sc, mn = _k_scale_min(blocks[:, 4:16])
     codes = _nibbles_32(blocks[:, 16:144]).reshape(-1, QK_K // 2, 2)  # weight order, pairs

@@ -28,7 +28,7 @@ import triton.language as tl
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a, dequantize_act16
 from ds4station.kernels.iq2_xxs import _s8x4_f16, _s8x4_f32
-from ds4station.kernels.packed import PackedRows
+from ds4station.kernels.packed import PackedRows, raw_rows
 from ds4station.kernels.pdl import enter, pdl
 from ds4station.kernels.splitk import split_buffers, split_k_range, store_split_k
 
@@ -52,19 +52,8 @@ def repack_q8_0(raw: torch.Tensor, k: int) -> PackedQ8_0:
 
     Runs on whatever device `raw` is on (on the GPU it is a few strided copies).
     """
-    if raw.dtype != torch.uint8:
-        raise TypeError(f"raw Q8_0 data must be uint8 bytes, got {raw.dtype}")
-    if k % QK8_0:
-        raise ValueError(f"Q8_0 row length must be a multiple of {QK8_0}, got {k}")
-    nb = k // QK8_0
-    row_bytes = nb * BLOCK_BYTES_Q8_0
-    if raw.shape[-1] != row_bytes:
-        if raw.dim() != 1 or raw.numel() % row_bytes:
-            raise ValueError(f"Q8_0 data of shape {tuple(raw.shape)} does not hold rows of {k} values "
-                             f"({row_bytes} bytes)")
-        raw = raw.view(-1, row_bytes)
-    lead = raw.shape[:-1]
-    blocks = raw.reshape(*lead, nb, BLOCK_BYTES_Q8_0)
+    blocks = raw_rows(raw, k, "Q8_0", QK8_0, BLOCK_BYTES_Q8_0)
+    lead, nb = blocks.shape[:-2], blocks.shape[-2]
     d = blocks[..., :2].contiguous().view(torch.float16).reshape(*lead, nb)
     qs = blocks[..., 2:].contiguous().view(torch.int8).reshape(*lead, k)
     return PackedQ8_0(qs=qs, d=d)
