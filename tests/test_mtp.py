@@ -511,3 +511,17 @@ def test_bench_draft_measures_oracle_and_mtp_drafts(mtp_model: Path) -> None:
     table = res.table()
     assert "| 1 |" in table and "| 2 |" in table and "MTP layer: the model file" in table
     assert "| 8/8 |" in table and "differed" not in table
+
+
+def test_bench_draft_command_prints_the_table_and_writes_json(mtp_model: Path, tmp_path: Path, capsys) -> None:
+    """`ds4station bench draft --json FILE`: exit 0, the table on stdout and the same result as JSON."""
+    import json
+
+    from ds4station.cli import main
+
+    out = tmp_path / "draft.json"
+    assert main(["bench", "draft", "--model", str(mtp_model), "--k", "1", "--prompt-tokens", "24",
+                 "--decode-tokens", "4", "--device", "cpu", "--json", str(out)]) == 0
+    assert "| 1 |" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["k"] for r in res["rows"]] == [1] and res["rows"][0]["greedy_plain"] == 4

@@ -65,6 +65,11 @@ def _model(args: argparse.Namespace) -> int:
 
     res = benchmark.run(args.random_shape, model=args.model, prompts=ints(args.prompts), prefills=ints(args.prefills),
                         decode_tokens=args.decode_tokens, runs=args.runs, chunk=args.chunk)
+    return _report(args, res)
+
+
+def _report(args: argparse.Namespace, res) -> int:
+    """Print a bench's table, and write its result as JSON where --json names a file."""
     if args.json:
         import dataclasses
 
@@ -99,13 +104,7 @@ def _serve(args: argparse.Namespace) -> int:
     except (RuntimeError, TimeoutError) as e:  # a port in use, a server that exited or never became ready
         print(f"bench serve: {e}", file=sys.stderr)
         return 1
-    if args.json:
-        import dataclasses
-
-        with open(args.json, "w") as fh:
-            json.dump(dataclasses.asdict(res), fh, indent=1)
-    print(res.table())
-    return 0
+    return _report(args, res)
 
 
 def _draft(args: argparse.Namespace) -> int:
@@ -121,13 +120,7 @@ def _draft(args: argparse.Namespace) -> int:
     mtp = args.mtp or (MTP_IN_MODEL if GGUFFile.open(args.model).has_mtp else None)
     res = draft_bench.run(args.model, mtp=mtp, ks=ks, prompt=args.prompt_tokens or 512,
                           tokens=args.decode_tokens, device=args.device, log=lambda m: print(m, file=sys.stderr))
-    if args.json:
-        import dataclasses
-
-        with open(args.json, "w") as fh:
-            json.dump(dataclasses.asdict(res), fh, indent=1)
-    print(res.table())
-    return 0
+    return _report(args, res)
 
 
 # name -> (handler, one-line help)
