@@ -45,3 +45,10 @@ def test_every_flag_is_documented() -> None:
     missing = sorted(f"{cmd} {flag}" for cmd, flags in _options().items() for flag in flags
                      if not re.search(re.escape(flag) + r"(?![a-z0-9-])", README))
     assert not missing, f"flags the README never mentions: {missing}"
+
+
+def test_every_environment_variable_is_documented() -> None:
+    """Every DS4STATION_* variable the package reads is written in the README."""
+    package = Path(__file__).resolve().parent.parent / "ds4station"
+    names = {n for f in package.rglob("*.py") for n in re.findall(r"DS4STATION_[A-Z0-9_]+", f.read_text())}
+    assert names and not sorted(n for n in names if n not in README)
