@@ -15,10 +15,10 @@ from ds4station.kernels import dispatch
 from ds4station.kernels.iq2_xxs import (
     _sign_selectors,
     dequantize_iq2_xxs,
-    iq2_xxs_matvec,
     iq2_xxs_matvec_ref,
     repack_iq2_xxs,
 )
+from ds4station.kernels.moe import rows_matvec
 from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -68,7 +68,7 @@ def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, ti
     w = repack_iq2_xxs(raw.to(DEVICE), k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
-    iq2_xxs_matvec(x, w, out=out, tiles=tiles)
+    rows_matvec(x, w, out=out, tiles=tiles)
     assert rel_err(out, iq2_xxs_matvec_ref(x, w, out_dtype=torch.float32)) < 1e-5
     oracle = torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), Q.IQ2_XXS))).double()
     assert rel_err(out, x.double().cpu() @ oracle.T) < 1e-5
@@ -77,9 +77,9 @@ def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, ti
 def test_matvec_rejects_bad_shapes() -> None:
     w = repack_iq2_xxs(raw_iq2((4,), 256, seed=0).to(DEVICE), 256)
     with pytest.raises(ValueError, match="does not match"):
-        iq2_xxs_matvec(torch.zeros(1, 512, device=DEVICE), w)
+        rows_matvec(torch.zeros(1, 512, device=DEVICE), w)
     with pytest.raises(ValueError, match="1-8 activation rows"):
-        iq2_xxs_matvec(torch.zeros(9, 256, device=DEVICE), w)
+        rows_matvec(torch.zeros(9, 256, device=DEVICE), w)
 
 
 @triton.jit

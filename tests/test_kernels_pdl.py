@@ -72,7 +72,7 @@ def test_every_kernel_waits_first_and_every_launch_passes_pdl() -> None:
             spread = [ast.unparse(k.value) for k in call.keywords if k.arg is None]
             assert any(s.startswith("pdl(") for s in spread), \
                 f"{path.name}:{call.lineno} launches {call.func.value.id} without **pdl(...)"  # type: ignore[attr-defined]
-    assert kernels >= 30 and launches >= 30
+    assert kernels >= 28 and launches >= 28
     assert early >= 2  # the Q8_0 integer-dot and F16 matvecs load their first weights before the wait
 
 

@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
 
 from ds4station.kernels import dispatch
-from ds4station.kernels.q2_k import dequantize_q2_k, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+from ds4station.kernels.moe import rows_matvec
+from ds4station.kernels.q2_k import dequantize_q2_k, q2_k_matvec_ref, repack_q2_k
 from ds4station.kernels.quants import random_blocks, row_bytes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -60,7 +61,7 @@ def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, ti
     w = repack_q2_k(raw.to(DEVICE), k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE, dtype)
     out = torch.full((m, n), float("nan"), device=DEVICE, dtype=torch.float32)
-    q2_k_matvec(x, w, out=out, tiles=tiles)
+    rows_matvec(x, w, out=out, tiles=tiles)
     assert rel_err(out, q2_k_matvec_ref(x, w, out_dtype=torch.float32)) < 1e-5
     oracle = torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), Q.Q2_K))).double()
     assert rel_err(out, x.double().cpu() @ oracle.T) < 1e-5
@@ -69,6 +70,6 @@ def test_matvec_matches_reference(n: int, k: int, m: int, dtype: torch.dtype, ti
 def test_matvec_rejects_bad_shapes() -> None:
     w = repack_q2_k(raw_q2k((4,), 256, seed=0).to(DEVICE), 256)
     with pytest.raises(ValueError, match="does not match"):
-        q2_k_matvec(torch.zeros(1, 512, device=DEVICE), w)
+        rows_matvec(torch.zeros(1, 512, device=DEVICE), w)
     with pytest.raises(ValueError, match="1-8 activation rows"):
-        q2_k_matvec(torch.zeros(9, 256, device=DEVICE), w)
+        rows_matvec(torch.zeros(9, 256, device=DEVICE), w)

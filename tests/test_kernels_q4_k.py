@@ -14,10 +14,10 @@ from gguf.quants import dequantize as gguf_dequantize
 
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels.dispatch import MatmulTiles, MatvecTiles
+from ds4station.kernels.moe import rows_matvec
 from ds4station.kernels.q4_k import (
     dequantize_q4_k,
     q4_k_matmul,
-    q4_k_matvec,
     q4_k_matvec_ref,
     repack_q4_k,
 )
@@ -47,7 +47,7 @@ def test_matvec_matches_reference(poisoned_empty: None, m: int, n: int, k: int, 
     _, rows = _weight(n, k, seed=m + n)
     w = repack_q4_k(rows.to(DEVICE), k)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    got = q4_k_matvec(x, w, out_dtype=torch.float32, tiles=tiles)
+    got = rows_matvec(x, w, out_dtype=torch.float32, tiles=tiles)
     want = q4_k_matvec_ref(x, w, out_dtype=torch.float32)
     assert not got.isnan().any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -88,7 +88,7 @@ def test_bad_input() -> None:
     _, rows = _weight(4, 256, seed=9)
     w = repack_q4_k(rows, 256)
     with pytest.raises(ValueError, match="does not match"):
-        q4_k_matvec(torch.zeros(1, 128), w)
+        rows_matvec(torch.zeros(1, 128), w)
     with pytest.raises(ValueError, match="multiple of 256"):
         repack_q4_k(rows, 100)
     with pytest.raises(TypeError, match="uint8"):

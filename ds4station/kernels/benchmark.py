@@ -278,19 +278,15 @@ def bench_expert_matvecs(device: torch.device, copy_gbps: float, d_model: int = 
     """One routed expert's gate (IQ2_XXS 2048x4096) and down (Q2_K 4096x2048) as plain matvecs."""
     from gguf import GGMLQuantizationType as Q
 
-    from ds4station.kernels.iq2_xxs import (
-        PackedIQ2XXS,
-        iq2_xxs_matvec,
-        iq2_xxs_matvec_ref,
-        repack_iq2_xxs,
-    )
-    from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec, q2_k_matvec_ref, repack_q2_k
+    from ds4station.kernels.iq2_xxs import PackedIQ2XXS, iq2_xxs_matvec_ref, repack_iq2_xxs
+    from ds4station.kernels.moe import rows_matvec
+    from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec_ref, repack_q2_k
 
     gen = torch.Generator(device=device).manual_seed(1)
     return [_rotating_matvec("iq2_xxs_matvec", f"expert {d_ff}x{d_model}", Q.IQ2_XXS, d_ff, d_model, repack_iq2_xxs,
-                             iq2_xxs_matvec, iq2_xxs_matvec_ref, PackedIQ2XXS, gen, copy_gbps, torch.float16),
+                             rows_matvec, iq2_xxs_matvec_ref, PackedIQ2XXS, gen, copy_gbps, torch.float16),
             _rotating_matvec("q2_k_matvec", f"expert {d_model}x{d_ff}", Q.Q2_K, d_model, d_ff, repack_q2_k,
-                             q2_k_matvec, q2_k_matvec_ref, PackedQ2K, gen, copy_gbps, torch.float16)]
+                             rows_matvec, q2_k_matvec_ref, PackedQ2K, gen, copy_gbps, torch.float16)]
 
 
 def _rotating_matvec(kname: str, shape: str, qtype, n: int, k: int, repack: Callable, fn: Callable,  # type: ignore[no-untyped-def]
@@ -314,17 +310,11 @@ def bench_q4_k(device: torch.device, copy_gbps: float, bf16_tflops: float, token
     at 4096x4096 and 2048x4096 over rotating copies, and the prefill matmul at `tokens` rows."""
     from gguf import GGMLQuantizationType as Q
 
-    from ds4station.kernels.q4_k import (
-        PackedQ4K,
-        dequantize_q4_k,
-        q4_k_matmul,
-        q4_k_matvec,
-        q4_k_matvec_ref,
-        repack_q4_k,
-    )
+    from ds4station.kernels.moe import rows_matvec
+    from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, q4_k_matvec_ref, repack_q4_k
 
     gen = torch.Generator(device=device).manual_seed(2)
-    res = [_rotating_matvec("q4_k_matvec", f"{n}x{k}", Q.Q4_K, n, k, repack_q4_k, q4_k_matvec, q4_k_matvec_ref,
+    res = [_rotating_matvec("q4_k_matvec", f"{n}x{k}", Q.Q4_K, n, k, repack_q4_k, rows_matvec, q4_k_matvec_ref,
                             PackedQ4K, gen, copy_gbps, torch.float32) for n, k in ((4096, 4096), (2048, 4096))]
     w = repack_q4_k(_random_raw(Q.Q4_K, (4096,), 4096, gen, 0.02), 4096)
     x = torch.randn(tokens, 4096, device=device)
@@ -426,13 +416,14 @@ def sweep_tiles(device: torch.device, copy_gbps: float) -> list[Result]:
     from gguf import GGMLQuantizationType as Q
 
     from ds4station.kernels.dispatch import MatvecTiles
-    from ds4station.kernels.iq2_xxs import PackedIQ2XXS, iq2_xxs_matvec, repack_iq2_xxs
-    from ds4station.kernels.q2_k import PackedQ2K, q2_k_matvec, repack_q2_k
+    from ds4station.kernels.iq2_xxs import PackedIQ2XXS, repack_iq2_xxs
+    from ds4station.kernels.moe import rows_matvec
+    from ds4station.kernels.q2_k import PackedQ2K, repack_q2_k
 
     gen = torch.Generator(device=device).manual_seed(4)
     cases = [
-        ("iq2_xxs", "expert gate", 2048, 4096, Q.IQ2_XXS, repack_iq2_xxs, iq2_xxs_matvec, PackedIQ2XXS, (4096,)),
-        ("q2_k", "expert down", 4096, 2048, Q.Q2_K, repack_q2_k, q2_k_matvec, PackedQ2K, (2048,)),
+        ("iq2_xxs", "expert gate", 2048, 4096, Q.IQ2_XXS, repack_iq2_xxs, rows_matvec, PackedIQ2XXS, (4096,)),
+        ("q2_k", "expert down", 4096, 2048, Q.Q2_K, repack_q2_k, rows_matvec, PackedQ2K, (2048,)),
     ]
     res = []
     for qname, name, n, k, qtype, repack, fn, cls, block_ks in cases:

@@ -61,7 +61,7 @@ class Report:
 
 def _specs(target: CompileTarget) -> list[KernelSpec]:
     """Every kernel at the tiles dispatch picks for `target` at DS4's real shapes."""
-    from ds4station.kernels import act_quant, attention, hc, iq2_xxs, moe_prefill, norm, q2_k, q8_0, router
+    from ds4station.kernels import act_quant, attention, hc, moe_prefill, norm, q8_0, router
 
     backend = target.kernel_backend
     specs: list[KernelSpec] = []
@@ -94,27 +94,14 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
             ("x_ptr", "qs_ptr", "d_ptr", "y_ptr", "part_ptr", "cnt_ptr", "N", "K", "rows_per_group", "stride_xm",
              "stride_ym"),
             mt.num_warps, mt.num_stages, wants_dot=True))
-    t = dispatch.matvec_tiles("iq2_xxs", 2048, 4096, 1, backend)
-    specs.append(KernelSpec(
-        "iq2_xxs_matvec expert 2048x4096", iq2_xxs._iq2_xxs_matvec_kernel,
-        {"xt_ptr": ptr16, "qs_ptr": "*i64", "d_ptr": ptr16, "grid_ptr": "*i64", "y_ptr": ptr32, "N": i32,
-         "K": i32, "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_G": "constexpr"},
-        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_G": t.block_k // 32},
-        ("xt_ptr", "qs_ptr", "d_ptr", "grid_ptr", "y_ptr", "N", "K", "stride_ym"),
-        t.num_warps, t.num_stages, decode=True))
-    t = dispatch.matvec_tiles("q2_k", 4096, 2048, 1, backend)
-    specs.append(KernelSpec(
-        "q2_k_matvec expert 4096x2048", q2_k._q2_k_matvec_kernel,
-        {"xt_ptr": ptr16, "qs_ptr": "*i32", "sc_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": ptr32, "N": i32, "K": i32,
-         "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_W": "constexpr"},
-        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_W": t.block_k // 16},
-        ("xt_ptr", "qs_ptr", "sc_ptr", "dm_ptr", "y_ptr", "N", "K", "stride_ym"),
-        t.num_warps, t.num_stages, decode=True))
+    ptrs = {"iq2_xxs": ("*i64", ptr16, ptr16, ptr16), "q2_k": ("*i32", "*u8", "*i32", "*i32"),
+            "q4_k": ("*i32", "*u8", "*u8", "*i32"), "q8_0": ("*i32", ptr16, ptr16, ptr16)}
+    specs.append(_rows_matvec_spec("iq2_xxs_matvec expert 2048x4096", "iq2_xxs", 2048, 4096, ptrs["iq2_xxs"], ptr16,
+                                   backend))
+    specs.append(_rows_matvec_spec("q2_k_matvec expert 4096x2048", "q2_k", 4096, 2048, ptrs["q2_k"], ptr16, backend))
     mo = dispatch.moe_tiles("iq2_xxs", "q2_k", 4096, 2048, 6, backend)
     # the fused MoE decode per expert type: the q2 file's IQ2_XXS gate/up and Q2_K down, the q2-q4 / q4 files'
     # Q4_K, some conversions' Q8_0 (the kernels' four weight pointers; the ones a type does not use repeat)
-    ptrs = {"iq2_xxs": ("*i64", ptr16, ptr16, ptr16), "q2_k": ("*i32", "*u8", "*i32", "*i32"),
-            "q4_k": ("*i32", "*u8", "*u8", "*i32"), "q8_0": ("*i32", ptr16, ptr16, ptr16)}
     for qtype in ("iq2_xxs", "q4_k", "q8_0"):
         specs.append(_moe_spec("gate_up", qtype, ptrs[qtype], dispatch.moe_tiles(qtype, qtype, 4096, 2048, 6, backend)))
     for qtype in ("q2_k", "q4_k"):
@@ -248,17 +235,9 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
                 decode=mode != 0))
     from ds4station.kernels import f16, q4_k
 
-    q4 = {"x_ptr": p32, "qs_ptr": "*i32", "sc_ptr": "*u8", "mn_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": p32}
-    t = dispatch.matvec_tiles("q4_k", 4096, 4096, 1, backend)
-    q4v = {("xt_ptr" if k == "x_ptr" else k): v for k, v in q4.items()}
-    q4m = {**q4, "qs_ptr": "*u8"}
-    out.append(KernelSpec(
-        "q4_k_matvec 4096x4096 m1", q4_k._q4_k_matvec_kernel,
-        {**q4v, "N": i32, "K": i32, "stride_ym": i32, "M": "constexpr", "BLOCK_N": "constexpr",
-         "BLOCK_U": "constexpr"},
-        {"M": 1, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // 8},
-        ("xt_ptr", "qs_ptr", "sc_ptr", "mn_ptr", "dm_ptr", "y_ptr", "K", "stride_ym"), t.num_warps,
-        t.num_stages, decode=True))
+    q4m = {"x_ptr": p32, "qs_ptr": "*u8", "sc_ptr": "*u8", "mn_ptr": "*u8", "dm_ptr": "*i32", "y_ptr": p32}
+    out.append(_rows_matvec_spec("q4_k_matvec 4096x4096 m1", "q4_k", 4096, 4096, ("*i32", "*u8", "*u8", "*i32"), p32,
+                                 backend))
     mt = dispatch.matmul_tiles("q4_k", 2048, 4096, 4096, backend)
     out.append(KernelSpec(
         "q4_k_matmul prefill 2048x4096x4096", q4_k._q4_k_matmul_kernel,
@@ -324,6 +303,21 @@ def _row_specs(backend: dispatch.Backend) -> list[KernelSpec]:
         ("gu_ptr", "y_ptr", "hi_ptr", "lo_ptr", "xs_ptr", "F", "stride_gu", "stride_y"), t.num_warps, 1,
         decode=True))
     return out
+
+
+def _rows_matvec_spec(name: str, qtype: str, n: int, k: int, ptrs: tuple[str, ...], x_type: str,
+                      backend: str) -> KernelSpec:
+    """moe.rows_matvec's kernel over one dense weight of `qtype` [n, k], one activation row."""
+    from ds4station.kernels import moe
+
+    t = dispatch.matvec_tiles(qtype, n, k, 1, backend)
+    weights = {f"p{i}": p for i, p in enumerate(ptrs)}
+    return KernelSpec(
+        name, moe._rows_matvec_kernel,
+        {"xt_ptr": x_type, **weights, "grid_ptr": "*i64", "y_ptr": "*fp32", "N": "i32", "K": "i32", "stride_ym": "i32",
+         "QT": "constexpr", "M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_U": "constexpr"},
+        {"QT": moe._QT_CODE[qtype], "M": 1, "BLOCK_N": t.block_n, "BLOCK_U": t.block_k // moe._UNIT[qtype]},
+        ("xt_ptr", *weights, "grid_ptr", "y_ptr", "N", "K", "stride_ym"), t.num_warps, t.num_stages, decode=True)
 
 
 def _moe_spec(part: str, qtype: str, ptrs: tuple[str, ...], tiles: dispatch.MoeTiles) -> KernelSpec:

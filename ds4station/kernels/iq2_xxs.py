@@ -12,8 +12,8 @@ as a 7-bit field with computed parity (fp32 path: flip the float's sign bit; int
 of a nibble-code grid, one dp4a per 4 weights). Tiles are 2-D [rows, 32-groups], one lane per group (see _iq2_xxs_dot).
 Kernels: `_iq2_xxs_dot` (fp32 math), `_iq2_xxs_dot_i8` (dp4a, act_quant.py activations; the signed bytes by
 byte permutes from a nibble-code grid table, `grid_codes`, gathered from shared memory), `_iq2_xxs_tile`
-(dequantised fp32 tile for prefill tl.dot, from `grid_words`), `_iq2_xxs_matvec_kernel` (decode matvec, 1-8
-rows).
+(dequantised fp32 tile for prefill tl.dot, from `grid_words`). moe.rows_matvec runs the decode matvec of a
+dense IQ2_XXS weight.
 """
 
 from __future__ import annotations
@@ -27,12 +27,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4station.kernels import dispatch
 from ds4station.kernels.packed import PackedRows, raw_rows
-from ds4station.kernels.pdl import enter, pdl
 
 if TYPE_CHECKING:
-    from ds4station.kernels.q2_k import PackedQ2K
+    pass
 from ds4station.kernels.act_quant import _dp4a, _popc, _prmt
 
 QK_K = 256
@@ -123,7 +121,7 @@ def dequantize_iq2_xxs(w: PackedIQ2XXS) -> torch.Tensor:
 
 
 def iq2_xxs_matvec_ref(x: torch.Tensor, w: PackedIQ2XXS, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Torch reference of `iq2_xxs_matvec` (fp32 math)."""
+    """Torch reference of the IQ2_XXS decode matvec (moe.rows_matvec; fp32 math)."""
     return (x.float() @ dequantize_iq2_xxs(w).T).to(out_dtype or x.dtype)
 
 
@@ -336,53 +334,7 @@ def _iq2_xxs_tile(qs_ptr, d_ptr, grid_ptr, rows, n_mask, k0, K, BLOCK_K: tl.cons
     return tl.reshape(w, (rows.shape[0], BLOCK_K))
 
 
-@triton.jit
-def _iq2_xxs_matvec_kernel(xt_ptr, qs_ptr, d_ptr, grid_ptr, y_ptr, N, K, stride_ym,
-                           M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)
-    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
-        acc = _iq2_xxs_dot(qs_ptr, d_ptr, grid_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_G)
-        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
 def transpose_groups(x: torch.Tensor, sub: int) -> torch.Tensor:
     """[M, K] -> [M, sub, K/sub] contiguous: the activation layout the 2-bit kernels read (see _iq2_xxs_dot)."""
     m, k = x.shape
     return x.reshape(m, k // sub, sub).transpose(1, 2).contiguous()
-
-
-def matvec_launch(x: torch.Tensor, w: PackedIQ2XXS | PackedQ2K, qtype: str, out: torch.Tensor | None,
-                  out_dtype: torch.dtype | None, tiles: dispatch.MatvecTiles | None
-                  ) -> tuple[int, dispatch.MatvecTiles, torch.Tensor, tuple[int]]:
-    """What a 2-bit decode matvec launch needs: rows M, tiles, the output [M, N] and the grid."""
-    if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight [{w.n}, {w.k}]")
-    m = x.shape[0]
-    if not 1 <= m <= 8:
-        raise ValueError(f"{qtype}_matvec takes 1-8 activation rows, got {m}")
-    tiles = tiles or dispatch.matvec_tiles(qtype, w.n, w.k, m, dispatch.launch_backend(x))
-    if out is None:
-        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
-    return m, tiles, out, (triton.cdiv(w.n, tiles.block_n),)
-
-
-def iq2_xxs_matvec(
-    x: torch.Tensor,
-    w: PackedIQ2XXS,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    tiles: dispatch.MatvecTiles | None = None,
-) -> torch.Tensor:
-    """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
-    m, tiles, out, grid = matvec_launch(x, w, "iq2_xxs", out, out_dtype, tiles)
-    _iq2_xxs_matvec_kernel[grid](
-        transpose_groups(x, 32), w.qs.view(torch.int64), w.d, grid_words(x.device), out,
-        w.n, w.k, out.stride(0),
-        M=m, BLOCK_N=tiles.block_n, BLOCK_G=tiles.block_k // 32,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
-    )
-    return out

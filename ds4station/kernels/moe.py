@@ -13,7 +13,8 @@ Two paths, chosen by `int_dot` (default: dispatch.use_int_dot, i.e. CUDA):
 - integer dot (dp4a), four launches: quantise x (act_quant.py), `_moe_gate_up_i8_kernel`, quantise h,
   `_moe_down_i8_kernel`. Measured 1.8x faster than fp32 math on the H200; the int8 activations (per 32
   values) cost ~1e-2 relative error, as llama.cpp's q8_1 activations do. For IQ2_XXS, Q2_K and Q4_K.
-For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot).
+For many tokens use moe_prefill.py (tokens grouped by expert, tl.dot). `rows_matvec` runs the same row dot
+over one dense IQ2_XXS / Q2_K / Q4_K weight (the decode matvec of such projections).
 
 Supported weight types: IQ2_XXS, Q2_K, Q4_K or Q8_0 for gate/up and for down, independently (the q2 file:
 IQ2_XXS / Q2_K; the q2-q4 and q4 files: Q4_K experts; some conversions: Q8_0). Q8_0 has no integer-dot path
@@ -126,6 +127,41 @@ def _rows_dot(QT: tl.constexpr, p0, p1, p2, p3, grid_ptr, rows, n_mask, xt_ptr, 
     else:
         acc = _q8_0_dot(p0, p1, rows, n_mask, xt_ptr, K, BLOCK_N, BLOCK_U)
     return acc
+
+
+@triton.jit
+def _rows_matvec_kernel(xt_ptr, p0, p1, p2, p3, grid_ptr, y_ptr, N, K, stride_ym, QT: tl.constexpr, M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr = False):
+    enter(PDL)
+    pid = tl.program_id(0)
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rows = offs_n.to(tl.int64)
+    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
+        acc = _rows_dot(QT, p0, p1, p2, p3, grid_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_U)
+        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
+
+
+def rows_matvec(x: torch.Tensor, w: PackedIQ2XXS | PackedQ2K | PackedQ4K, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, tiles: dispatch.MatvecTiles | None = None) -> torch.Tensor:
+    """Decode y [M, N] = x [M, K] @ W^T for 1-8 activation rows of one IQ2_XXS, Q2_K or Q4_K weight (a dense
+    projection, not an expert stack): the fused MoE kernels' row dot (`_rows_dot`, fp32 math), one program per
+    `tiles.block_n` rows, the activation transposed to [M, unit, K / unit] as that dot reads it."""
+    if isinstance(w, PackedQ8_0) or w.qs.dim() != 2 or x.dim() != 2 or x.shape[1] != w.k:
+        raise ValueError(f"x {tuple(x.shape)} does not match a dense IQ2_XXS / Q2_K / Q4_K weight [{w.n}, {w.k}]")
+    m = x.shape[0]
+    if not 1 <= m <= 8:
+        raise ValueError(f"{w.qtype} matvec takes 1-8 activation rows, got {m}")
+    tiles = tiles or dispatch.matvec_tiles(w.qtype, w.n, w.k, m, dispatch.launch_backend(x))
+    if out is None:
+        out = torch.empty((m, w.n), device=x.device, dtype=out_dtype or x.dtype)
+    unit = _UNIT[w.qtype]
+    _rows_matvec_kernel[(triton.cdiv(w.n, tiles.block_n),)](
+        transpose_groups(x, unit), *_ptrs(w), grid_words(x.device), out, w.n, w.k, out.stride(0),
+        QT=_QT_CODE[w.qtype], M=m, BLOCK_N=tiles.block_n, BLOCK_U=tiles.block_k // unit,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
+    )
+    return out
 
 
 @triton.jit

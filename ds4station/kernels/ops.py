@@ -19,14 +19,13 @@ from ds4station.kernels.act_quant import quantize_act16
 from ds4station.kernels.iq2_xxs import (
     PackedIQ2XXS,
     dequantize_iq2_xxs,
-    iq2_xxs_matvec,
     repack_iq2_xxs,
 )
-from ds4station.kernels.moe import _expert, int_dot_layout, moe_decode
+from ds4station.kernels.moe import _expert, int_dot_layout, moe_decode, rows_matvec
 from ds4station.kernels.moe_prefill import moe_prefill
 from ds4station.kernels.norm import rms_norm, rope_
-from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, q2_k_matvec, repack_q2_k
-from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, q4_k_matvec, repack_q4_k
+from ds4station.kernels.q2_k import PackedQ2K, dequantize_q2_k, repack_q2_k
+from ds4station.kernels.q4_k import PackedQ4K, dequantize_q4_k, q4_k_matmul, repack_q4_k
 from ds4station.kernels.q8_0 import (
     PackedQ8_0,
     dequantize_q8_0,
@@ -171,11 +170,7 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
         return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)
     if m <= MAX_MATVEC_ROWS:
-        if isinstance(w, PackedIQ2XXS):
-            return iq2_xxs_matvec(x, w, out_dtype=out_dtype)
-        if isinstance(w, PackedQ4K):
-            return q4_k_matvec(x, w, out_dtype=out_dtype)
-        return q2_k_matvec(x, w, out_dtype=out_dtype)
+        return rows_matvec(x, w, out_dtype=out_dtype)
     if isinstance(w, PackedQ4K):
         return q4_k_matmul(x, w, out_dtype=out_dtype)
     return (x.half() @ dequantize(w).half().T).to(out_dtype or x.dtype)

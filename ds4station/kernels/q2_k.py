@@ -1,4 +1,4 @@
-"""Q2_K weights (DS4's routed down experts): repack, decode matvec, torch reference.
+"""Q2_K weights (DS4's routed down experts): repack, the decode row dots (moe.rows_matvec runs them), torch reference.
 
 GGUF block (256 weights, 84 bytes): scales[16] (low nibble = scale, high nibble = min of each 16 weights),
 qs[64] (2-bit quants), fp16 d, fp16 dmin. Weight e of the block, with e = h*128 + s*32 + l (h half, s shift
@@ -20,11 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, matvec_launch, transpose_groups
+from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32
 from ds4station.kernels.packed import PackedRows, raw_rows
-from ds4station.kernels.pdl import enter, pdl
 
 QK_K = 256
 BLOCK_BYTES_Q2_K = 84
@@ -74,7 +72,7 @@ def dequantize_q2_k(w: PackedQ2K) -> torch.Tensor:
 
 
 def q2_k_matvec_ref(x: torch.Tensor, w: PackedQ2K, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Torch reference of `q2_k_matvec` (fp32 math)."""
+    """Torch reference of the Q2_K decode matvec (moe.rows_matvec; fp32 math)."""
     return (x.float() @ dequantize_q2_k(w).T).to(out_dtype or x.dtype)
 
 
@@ -176,33 +174,3 @@ def _q2_k_tile16(qs_ptr, sc_ptr, dm_ptr, tab_ptr, rows, n_mask, k0, K, BLOCK_K: 
     dl = tl.reshape(tl.broadcast_to(dl[:, :, None], (BN, NW, 16)), (BN, BLOCK_K))
     ml = tl.reshape(tl.broadcast_to(ml[:, :, None], (BN, NW, 16)), (BN, BLOCK_K))
     return tl.reshape(q, (BN, BLOCK_K)) * dl - ml
-
-
-@triton.jit
-def _q2_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, dm_ptr, y_ptr, N, K, stride_ym,
-                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)
-    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
-        acc = _q2_k_dot(qs_ptr, sc_ptr, dm_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_W)
-        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-def q2_k_matvec(
-    x: torch.Tensor,
-    w: PackedQ2K,
-    out: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-    tiles: dispatch.MatvecTiles | None = None,
-) -> torch.Tensor:
-    """Triton y = x @ W^T for 1-8 activation rows: x [M, K] -> [M, N]."""
-    m, tiles, out, grid = matvec_launch(x, w, "q2_k", out, out_dtype, tiles)
-    _q2_k_matvec_kernel[grid](
-        transpose_groups(x, 16), w.qs.view(torch.int32), w.sc, w.dm.view(torch.int32), out, w.n, w.k, out.stride(0),
-        M=m, BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 16,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x),
-    )
-    return out

@@ -1,4 +1,4 @@
-"""Q4_K weights: repack, decode matvec, prefill tl.dot matmul, torch references.
+"""Q4_K weights: repack, decode row dots, prefill tl.dot matmul, torch references.
 
 GGUF block (256 weights, 144 bytes): fp16 d, fp16 dmin, scales[12] (6-bit scale and min of each of the 8
 sub-blocks of 32, packed as engine/quants.py's `_k_scale_min` reads them), qs[128] (4-bit quants: sub-block 2c
@@ -9,8 +9,9 @@ of byte j, 2j + 1 in the high one), so an int32 word is 8 consecutive weights of
 scales and mins unpacked to one byte each per sub-block; (d, dmin) per 256 weights. 0.578 bytes per weight
 against the GGUF's 0.5625 (the unpacked scales).
 
-- `q4_k_matvec(x, w)`: decode, 1-8 activation rows; 2-D [rows, words] tiles with one lane per int32 word
-  (8 weights) and the activation transposed to [8, K/8], as the 2-bit kernels do; fp32 math. (A first
+- `_q4_k_dot`: the decode row dot (moe.rows_matvec for a dense weight, the fused MoE kernels for experts),
+  1-8 activation rows; 2-D [rows, words] tiles with one lane per int32 word (8 weights) and the activation
+  transposed to [8, K/8], as the 2-bit kernels do; fp32 math. (A first
   version decoded 3-D [rows, words, 8] tiles and reshaped them to [rows, K]: 0.7% of copy bandwidth on the
   H200, 1.3 ms for 4096x4096.)
 - `q4_k_matmul(x, w)`: prefill, a dequantised [rows, BLOCK_K] tile (`_q4_k_tile`) as an fp16 tl.dot operand,
@@ -29,7 +30,7 @@ import triton.language as tl
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import _dp4a
-from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32, transpose_groups
+from ds4station.kernels.iq2_xxs import _dm_f32, _uint_f32
 from ds4station.kernels.packed import PackedRows, raw_rows
 from ds4station.kernels.pdl import enter, pdl
 
@@ -190,19 +191,6 @@ def _q4_k_word_dp4a(word, j: tl.constexpr, xq_ptr, gg, g_mask, G, isum):
 
 
 @triton.jit
-def _q4_k_matvec_kernel(xt_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, N, K, stride_ym,
-                        M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_U: tl.constexpr, PDL: tl.constexpr = False):
-    enter(PDL)
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    rows = offs_n.to(tl.int64)
-    for m in tl.static_range(M):  # extra activation rows re-read the weights from L2
-        acc = _q4_k_dot(qs_ptr, sc_ptr, mn_ptr, dm_ptr, rows, n_mask, xt_ptr + m * K, K, BLOCK_N, BLOCK_U)
-        tl.store(y_ptr + m * stride_ym + offs_n, acc.to(y_ptr.dtype.element_ty), mask=n_mask)
-
-
-@triton.jit
 def _q4_k_matmul_kernel(x_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, M, N, K, stride_xm, stride_ym,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     enter(PDL)
@@ -222,29 +210,9 @@ def _q4_k_matmul_kernel(x_ptr, qs_ptr, sc_ptr, mn_ptr, dm_ptr, y_ptr, M, N, K, s
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-def _args(w: PackedQ4K, words: bool) -> tuple[torch.Tensor, ...]:
-    """Kernel pointers: the quants as int32 words (matvec) or bytes (matmul tile), scales, (d, dmin) pairs."""
-    return w.qs.view(torch.int32) if words else w.qs, w.sc, w.mn, w.dm.view(torch.int32)
-
-
 def _check(x: torch.Tensor, w: PackedQ4K) -> None:
     if x.dim() != 2 or x.shape[1] != w.k or w.qs.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} does not match the Q4_K weight [{w.n}, {w.k}]")
-
-
-def q4_k_matvec(x: torch.Tensor, w: PackedQ4K, out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                tiles: dispatch.MatvecTiles | None = None) -> torch.Tensor:
-    """y [M, N] = x [M, K] @ W^T for 1 <= M <= 8 activation rows (Triton launcher; fp32 math)."""
-    _check(x, w)
-    m = x.shape[0]
-    if not 1 <= m <= 8:
-        raise ValueError(f"the decode matvec takes 1-8 rows, got {m}")
-    tiles = tiles or dispatch.matvec_tiles("q4_k", w.n, w.k, m, dispatch.launch_backend(x))
-    y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype) if out is None else out
-    _q4_k_matvec_kernel[(triton.cdiv(w.n, tiles.block_n),)](
-        transpose_groups(x, 8), *_args(w, True), y, w.n, w.k, y.stride(0), M=m, BLOCK_N=tiles.block_n,
-        BLOCK_U=tiles.block_k // 8, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
-    return y
 
 
 def q4_k_matmul(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = None,
@@ -257,6 +225,7 @@ def q4_k_matmul(x: torch.Tensor, w: PackedQ4K, out_dtype: torch.dtype | None = N
     tiles = tiles or dispatch.matmul_tiles("q4_k", m, w.n, w.k, dispatch.launch_backend(x))
     y = torch.empty(m, w.n, device=x.device, dtype=out_dtype or x.dtype)
     _q4_k_matmul_kernel[(triton.cdiv(m, tiles.block_m), triton.cdiv(w.n, tiles.block_n))](
-        x, *_args(w, False), y, m, w.n, w.k, x.stride(0), y.stride(0), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl(x))
+        x, w.qs, w.sc, w.mn, w.dm.view(torch.int32), y, m, w.n, w.k, x.stride(0), y.stride(0),
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages, **pdl(x))
     return y
