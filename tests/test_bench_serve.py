@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from ds4station.engine.demo import make_model
 from ds4station.engine.stage import WARM_POSITIONS, warm_lengths, warm_positions
 from ds4station.engine.tokenizer import Tokenizer
@@ -62,7 +64,6 @@ def test_warm_up_covers_the_length_classes_and_position_buckets() -> None:
 
 def test_bench_serve_refuses_a_port_in_use(tmp_path) -> None:
     """A server already on the port would answer the bench in place of the one it starts (and measure it)."""
-    import pytest
 
     path = make_model(tmp_path / "tiny.gguf")
     with socket.socket() as s:
@@ -70,6 +71,29 @@ def test_bench_serve_refuses_a_port_in_use(tmp_path) -> None:
         s.listen()
         with pytest.raises(RuntimeError, match=f"port {s.getsockname()[1]} is in use"):
             bench.run(str(path), port=s.getsockname()[1], engine_bench=False, log=lambda _: None)
+
+
+def test_a_port_whose_server_just_stopped_is_free() -> None:
+    """A server that closed its connections first leaves them in TIME_WAIT on its port for up to a minute; a new
+    server binds it all the same (uvicorn sets SO_REUSEADDR), so the bench must not call it in use (it did, and a
+    terminated bench's test failed on it under load). A listening socket still makes it in use."""
+    import time
+
+    with socket.socket() as srv:
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn's listener
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        assert not bench._port_free(port)
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = srv.accept()
+        conn.close()  # the server closes first: its end of the connection waits in TIME_WAIT
+        time.sleep(0.05)
+        client.close()
+    with socket.socket() as plain:  # a bind without SO_REUSEADDR (the old check) is refused
+        with pytest.raises(OSError):
+            plain.bind(("127.0.0.1", port))
+    assert bench._port_free(port)
 
 
 def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
@@ -93,7 +117,8 @@ def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
                 break
         assert not bench._port_free(port)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(90) == 128 + signal.SIGTERM
+        rest = proc.stdout.read()  # what the bench printed after the signal (a failure shows it)
+        assert proc.wait(90) == 128 + signal.SIGTERM, rest[-3000:]
         deadline = time.monotonic() + 30
         while not bench._port_free(port) and time.monotonic() < deadline:
             time.sleep(0.2)

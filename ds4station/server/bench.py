@@ -214,9 +214,12 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
 
 
 def _port_free(port: int) -> bool:
+    """Whether `serve` can listen on the port: bound as uvicorn binds (SO_REUSEADDR), so the closed connections
+    of a server that just stopped (TIME_WAIT, up to a minute) do not count, and a socket listening there does."""
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
