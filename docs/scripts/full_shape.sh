@@ -17,15 +17,26 @@
 #                                                     --sweep; no file needed), kept in /tmp/attn_sweep.txt
 #   bash docs/scripts/full_shape.sh tiles [SPEC]      decode after 8K with the dispatched attention tiles and with
 #                                                     SPEC (default: the sweep's best), alternating twice
-# Env: FILE (default /mnt/x/flash-q2.gguf). PYTHONPATH must reach this tree's dependencies.
+#   bash docs/scripts/full_shape.sh tma               the TMA Q8_0 matvec candidate (q8_0_tma.py): check, then its
+#                                                     sweep against the dispatched kernel (no file needed)
+# Env: FILE (default /mnt/x/flash-q2.gguf); LAYERS=N makes and uses the flash shape cut to its first N layers
+# (make_layers.py; default FILE /mnt/x/fN.gguf) on a card that cannot hold all 43 (30 fit an 80 GB H100).
+# PYTHONPATH must reach this tree's dependencies.
 set -u
-part=${1:?usage: full_shape.sh bench|serve|long|streams|ahead|draft|cpu|sweep|tiles [OLD_TREE|N|SPEC]}
+part=${1:?usage: full_shape.sh bench|serve|long|streams|ahead|draft|cpu|sweep|tiles|tma [OLD_TREE|N|SPEC]}
 old=${2:-}
-file=${FILE:-/mnt/x/flash-q2.gguf}
+layers=${LAYERS:-}
+file=${FILE:-/mnt/x/${layers:+f$layers.gguf}}
+[ -n "$layers" ] || file=${FILE:-/mnt/x/flash-q2.gguf}
 here=$(pwd)
 deps=${PYTHONPATH:-}
 if [ "$part" = cpu ]; then
   timeout 580 python3 docs/scripts/cpu_layers.py "${2:-8}" 64 2>&1 | tail -3
+  exit
+fi
+if [ "$part" = tma ]; then
+  timeout 60 python3 docs/scripts/q8_0_tma.py check 2>&1 | tail -4
+  timeout 480 python3 docs/scripts/q8_0_tma.py bench 2>&1 | grep -v "^    (" | tail -70
   exit
 fi
 if [ "$part" = sweep ]; then
@@ -35,7 +46,8 @@ fi
 if [ ! -f "$file" ]; then
   mkdir -p "$(dirname "$file")"
   mountpoint -q "$(dirname "$file")" || mount -t tmpfs -o size=100g tmpfs "$(dirname "$file")"
-  python3 -m ds4station.cli make-model --preset flash --device cuda --out "$file" 2>&1 | tail -1
+  if [ -n "$layers" ]; then python3 docs/scripts/make_layers.py "$file" "$layers" 2>&1 | tail -1
+  else python3 -m ds4station.cli make-model --preset flash --device cuda --out "$file" 2>&1 | tail -1; fi
 fi
 bench() {  # tree label
   echo "=== bench $2"
