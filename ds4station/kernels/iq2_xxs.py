@@ -20,18 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from ds4station.kernels.packed import PackedRows, raw_rows
-
-if TYPE_CHECKING:
-    pass
 from ds4station.kernels.act_quant import _dp4a, _popc, _prmt
+from ds4station.kernels.packed import PackedRows, raw_rows
 
 QK_K = 256
 BLOCK_BYTES_IQ2_XXS = 66
