@@ -11,13 +11,8 @@ from ds4station.engine.demo import make_model
 from ds4station.engine.stage import WARM_POSITIONS, warm_lengths, warm_positions
 from ds4station.engine.tokenizer import Tokenizer
 from ds4station.model.gguf import GGUFFile
+from ds4station.ports import free_port, port_free
 from ds4station.server import bench
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_chat_text_reaches_the_asked_prompt_length(tmp_path) -> None:
@@ -34,7 +29,7 @@ def test_chat_text_reaches_the_asked_prompt_length(tmp_path) -> None:
 
 def test_bench_serve_drives_a_real_server_like_an_agent(tmp_path) -> None:
     path = make_model(tmp_path / "tiny.gguf")
-    res = bench.run(str(path), prompt_tokens=300, decode_tokens=8, runs=2, short_runs=1, port=_free_port(),
+    res = bench.run(str(path), prompt_tokens=300, decode_tokens=8, runs=2, short_runs=1, port=free_port(),
                     serve_args=["--device", "cpu"], engine_bench=False, ready_timeout=120, log=lambda _: None)
     assert res.first is not None and res.first.ttft_s > 0 and len(res.short) == 1 and len(res.long) == 2
     for turn in res.long:
@@ -84,7 +79,7 @@ def test_a_port_whose_server_just_stopped_is_free() -> None:
         srv.bind(("127.0.0.1", 0))
         srv.listen()
         port = srv.getsockname()[1]
-        assert not bench._port_free(port)
+        assert not port_free(port)
         client = socket.create_connection(("127.0.0.1", port))
         conn, _ = srv.accept()
         conn.close()  # the server closes first: its end of the connection waits in TIME_WAIT
@@ -93,7 +88,7 @@ def test_a_port_whose_server_just_stopped_is_free() -> None:
     with socket.socket() as plain:  # a bind without SO_REUSEADDR (the old check) is refused
         with pytest.raises(OSError):
             plain.bind(("127.0.0.1", port))
-    assert bench._port_free(port)
+    assert port_free(port)
 
 
 def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
@@ -106,7 +101,7 @@ def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
     import time
 
     path = make_model(tmp_path / "tiny.gguf")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "bench", "serve", "--model", str(path),
                              "--port", str(port), "--no-engine-bench", "--prompt-tokens", "300", "--runs", "50",
                              "--serve-args", "--device cpu"],
@@ -115,14 +110,14 @@ def test_a_terminated_bench_stops_the_server_it_started(tmp_path) -> None:
         for line in proc.stdout:  # the server is up once the bench sends its first request
             if "first request after ready" in line:
                 break
-        assert not bench._port_free(port)
+        assert not port_free(port)
         proc.send_signal(signal.SIGTERM)
         rest = proc.stdout.read()  # what the bench printed after the signal (a failure shows it)
         assert proc.wait(90) == 128 + signal.SIGTERM, rest[-3000:]
         deadline = time.monotonic() + 30
-        while not bench._port_free(port) and time.monotonic() < deadline:
+        while not port_free(port) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert bench._port_free(port)
+        assert port_free(port)
     finally:
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)

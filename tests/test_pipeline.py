@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from ds4station.model.footprint import kv_bytes
 from ds4station.model.gguf import GGUFFile
 from ds4station.model.route import RouteError, parse_route
 from ds4station.model.sizes import format_size
+from ds4station.ports import free_port
 
 CTX, CHUNK = 128, 16
 PROMPT = [(7 * i + 3) % 500 + 5 for i in range(40)]  # 40 tokens: 3 prefill pieces of <= 16
@@ -231,12 +231,6 @@ def test_route_and_cache_validation_before_anything_starts(model_path: Path, min
         Engine.load(model_path, CTX, "cpu=embed,0-5,output", activation_bits=8)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -244,7 +238,7 @@ def _env() -> dict[str, str]:
 def test_remote_worker_with_too_small_cache_exits_nonzero_stating_the_minimum(model_path: Path) -> None:
     gguf = GGUFFile.open(model_path)
     need = min_cache_bytes(load_tensors(gguf, range(3, 6), embed=False, output=False), range(3, 6))
-    port = _free_port()
+    port = free_port()
     failure: list[BaseException] = []
 
     def coordinator() -> None:

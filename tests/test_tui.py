@@ -30,8 +30,9 @@ from textual.widget import Widget
 from ds4station.commands.tui import serve_extra
 from ds4station.hardware import detect_devices
 from ds4station.planner import named_shape
+from ds4station.ports import free_port
 from ds4station.tui.app import Ds4StationApp
-from ds4station.tui.launcher import ServerProcess, free_port
+from ds4station.tui.launcher import ServerProcess
 from ds4station.tui.messages import Collected, ServerView
 from ds4station.tui.planning import ModelChoice
 from ds4station.tui.screens import HelpScreen, PlanScreen

@@ -8,7 +8,8 @@ import time
 
 import psutil
 
-from ds4station.tui.launcher import ServerProcess, free_port, serve_command
+from ds4station.ports import free_port
+from ds4station.tui.launcher import ServerProcess, serve_command
 
 # A parent that starts a grandchild (like serve starting stage workers), prints, then waits.
 _PARENT = """

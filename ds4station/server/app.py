@@ -40,6 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ds4station.engine.scheduler import Scheduler
+from ds4station.ports import free_port
 
 from . import anthropic, openai, status, warmup
 from .errors import ApiError
@@ -306,12 +307,7 @@ class BackgroundServer:
     """Run an app under uvicorn in a daemon thread on a free port (tests, the TUI's demo mode); `url` once up."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
-        import socket
-
-        if port == 0:
-            with socket.socket() as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
+        port = port or free_port(host)
         self.url = f"http://{host}:{port}"
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
                                 timeout_graceful_shutdown=2)

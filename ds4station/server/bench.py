@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ds4station.ports import port_free
+
 WORDS = ("station model token agent kernel graph cache route layer expert prefill decode stream window block "
          "index query value scale tile warp thread memory card desktop server client request answer tool call "
          "result patch file line code test build run plan speed context session").split()
@@ -213,20 +215,6 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
         time.sleep(0.2)
 
 
-def _port_free(port: int) -> bool:
-    """Whether `serve` can listen on the port: bound as uvicorn binds (SO_REUSEADDR), so the closed connections
-    of a server that just stopped (TIME_WAIT, up to a minute) do not count, and a socket listening there does."""
-    import socket
-
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs: int = 3, short_runs: int = 3,
         short_tokens: int = 20, port: int = 8017, serve_args: Sequence[str] = (), engine_bench: bool = True,
         ready_timeout: float = 1200.0, log: Callable[[str], None] = print) -> ServeBench:
@@ -238,7 +226,7 @@ def run(model: str, *, prompt_tokens: int = 8192, decode_tokens: int = 64, runs:
     from ds4station.engine.tokenizer import Tokenizer
     from ds4station.model.gguf import GGUFFile
 
-    if not _port_free(port):  # a server already there would answer the bench in place of the one it starts
+    if not port_free(port):  # a server already there would answer the bench in place of the one it starts
         raise RuntimeError(f"port {port} is in use (another ds4station serve?): stop it or pass --port")
     res = ServeBench(model, prompt_tokens)
     if engine_bench:

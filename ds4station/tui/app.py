@@ -25,8 +25,9 @@ from ds4station.cache import cache_dir
 from ds4station.hardware import Device, detect_devices
 from ds4station.planner import DeviceBudget, Plan, PlanError, budgets_from_gpus, load_preset, parse_gpu_spec
 from ds4station.planner.launch import LaunchError
+from ds4station.ports import free_port
 
-from .launcher import ServerProcess, exit_reason, free_port, serve_command, stop_all
+from .launcher import ServerProcess, exit_reason, serve_command, stop_all
 from .messages import Collected, Detected, ServerStopped, ServerView, StageLoad
 from .planning import ModelChoice, PlanEditor, demo_model, model_from_file, model_from_shape, serve_args
 from .screens import DashboardScreen, HelpScreen, ModelScreen, PlanScreen

@@ -14,7 +14,6 @@ import collections
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -52,13 +51,6 @@ def error_lines(log: Sequence[str], n: int = 12) -> list[str]:
         block = lines[start:]
         return block if len(block) <= n else [block[0], "  ...", *block[-(n - 2):]]
     return lines[-n:]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def serve_command(serve_args: Sequence[str]) -> list[str]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
+from ds4station.ports import free_port
 from ds4station.tui.widgets.server_panel import client_snippets
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,18 +46,12 @@ def _cli(name: str) -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """`ds4station serve` on the built-in demo model (made in a private cache), as a user starts it."""
     _cli("claude")  # skip or fail before starting anything
     root = tmp_path_factory.mktemp("agents")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(root / "cache"), "PYTHONUNBUFFERED": "1"}
     log = (root / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "ds4station.cli", "serve", "--port", str(port), "--device", "cpu"],
