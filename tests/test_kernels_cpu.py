@@ -14,6 +14,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
+from numerics import rel_err
 
 from ds4station.kernels import cpu, ops
 from ds4station.kernels.moe import _expert, matvec_ref, moe_decode_ref
@@ -45,10 +46,6 @@ def raw_rows(qtype: Q, n: int, k: int, seed: int, edges: bool = True) -> np.ndar
 
 def packed(name: str, n: int, k: int, seed: int = 0, edges: bool = True) -> ops.Packed:
     return ops.repack(torch.from_numpy(raw_rows(TYPES[name], n, k, seed, edges)), name, k)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import rel_err
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.dispatch import F16Tiles, f16_matvec_tiles
@@ -21,12 +22,6 @@ def _case(m: int, n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=gen) * 0.05).to(DEVICE, torch.float16)
     return x, w
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    assert not got.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
-    return ((got - want).norm() / want.norm()).item()
 
 
 # (M, N, K): every K tail (16, 100, 257 against 16..1024-wide steps), N tails (1, 5, 67, 300), 1-8 rows

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
+from numerics import rel_err
 
 from ds4station.kernels import dispatch, ops
 from ds4station.kernels.iq2_xxs import repack_iq2_xxs
@@ -29,12 +30,6 @@ def raw_experts(qtype: Q, e: int, n: int, k: int, seed: int, scale: float) -> to
 
 def oracle(raw: torch.Tensor, qtype: Q) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(gguf_quants.dequantize(raw.numpy(), qtype))).double()
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    assert not got.isnan().any()
-    return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize(("tokens", "slots", "clamp", "dtype"), [(1, 3, 10.0, torch.float32),

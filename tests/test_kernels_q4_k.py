@@ -1,6 +1,7 @@
 """Q4_K kernels (kernels/q4_k.py) in the Triton interpreter: the repack dequantises exactly as gguf-py does
-(through engine/quants.py, itself bit-exact with gguf-py), the decode matvec and the prefill tl.dot matmul
-match the torch reference at odd shapes with poisoned outputs, and the engine's Linear takes Q4_K weights."""
+(through engine/quants.py, itself bit-exact with gguf-py), the prefill tl.dot matmul matches the torch
+reference at odd shapes with poisoned outputs, and the engine's Linear takes Q4_K weights. (The decode matvec
+over Q4_K is test_kernels_rows_matvec.py's.)"""
 
 from __future__ import annotations
 
@@ -13,12 +14,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize as gguf_dequantize
 
 from ds4station.kernels import dispatch, ops
-from ds4station.kernels.dispatch import MatmulTiles, MatvecTiles
-from ds4station.kernels.moe import rows_matvec
+from ds4station.kernels.dispatch import MatmulTiles
 from ds4station.kernels.q4_k import (
     dequantize_q4_k,
     q4_k_matmul,
-    q4_k_matvec_ref,
     repack_q4_k,
 )
 from ds4station.kernels.quants import QTensor, random_blocks
@@ -37,20 +36,6 @@ def test_repack_dequantises_like_gguf_py(n: int, k: int) -> None:
     want = torch.from_numpy(gguf_dequantize(raw.numpy(), Q.Q4_K).astype(np.float32)).view(n, k)
     assert torch.equal(dequantize_q4_k(repack_q4_k(rows, k)), want)
     assert torch.equal(QTensor(raw, Q.Q4_K, (n, k)).dequantize(), want)
-
-
-@pytest.mark.parametrize(("m", "n", "k", "tiles"), [
-    (1, 37, 512, None), (3, 70, 768, None), (8, 5, 256, None),
-    (2, 33, 768, MatvecTiles(block_n=4, block_k=128, num_warps=1)),  # several K steps and ragged rows
-])
-def test_matvec_matches_reference(poisoned_empty: None, m: int, n: int, k: int, tiles: MatvecTiles | None) -> None:
-    _, rows = _weight(n, k, seed=m + n)
-    w = repack_q4_k(rows.to(DEVICE), k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(DEVICE)
-    got = rows_matvec(x, w, out_dtype=torch.float32, tiles=tiles)
-    want = q4_k_matvec_ref(x, w, out_dtype=torch.float32)
-    assert not got.isnan().any()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tiles", [None, MatmulTiles(block_m=16, block_n=16, block_k=64, group_m=1, num_warps=1,
@@ -86,9 +71,6 @@ def test_linear_and_public_ops_take_q4_k() -> None:
 
 def test_bad_input() -> None:
     _, rows = _weight(4, 256, seed=9)
-    w = repack_q4_k(rows, 256)
-    with pytest.raises(ValueError, match="does not match"):
-        rows_matvec(torch.zeros(1, 128), w)
     with pytest.raises(ValueError, match="multiple of 256"):
         repack_q4_k(rows, 100)
     with pytest.raises(TypeError, match="uint8"):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants as gguf_quants
+from numerics import rel_err
 
 from ds4station.kernels import dispatch
 from ds4station.kernels.act_quant import dequantize_act16, quantize_act16
@@ -35,12 +36,6 @@ def raw_q8_0(lead: tuple[int, ...], k: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     n = int(np.prod(lead))
     return random_blocks(Q.Q8_0, n * k, g, 0.05).view(*lead, row_bytes(Q.Q8_0, k))
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double().cpu(), want.double().cpu()
-    assert not got.isnan().any(), "unwritten (NaN-poisoned) or NaN output"
-    return ((got - want).norm() / want.norm()).item()
 
 
 @pytest.mark.parametrize("lead", [(7,), (3, 5)])
