@@ -644,14 +644,16 @@ def test_decode_ahead_gives_each_request_the_tokens_it_gets_alone(engine, make_s
     assert f.completion_tokens > 4 and s.batch_totals["ahead_steps"] == before
 
 
-def test_decode_ahead_is_opt_in_on_a_lone_queueing_stage(engine, monkeypatch) -> None:
-    """`decodes_ahead`: only where the stage queues its steps (a lone CUDA stage; faked here) and only with
-    DS4STATION_DECODE_AHEAD=1 (off by default until measured at full shape)."""
+def test_decode_ahead_is_the_default_on_a_lone_queueing_stage(engine, monkeypatch) -> None:
+    """`decodes_ahead`: only where the stage queues its steps (a lone CUDA stage; faked here), by default, and
+    not with DS4STATION_DECODE_AHEAD=0."""
     from ds4station.engine.engine import Engine
 
-    assert engine.decodes_ahead is False
-    monkeypatch.setattr(Engine, "queues_steps", property(lambda self: True))
     monkeypatch.delenv("DS4STATION_DECODE_AHEAD", raising=False)
+    assert engine.decodes_ahead is False  # the CPU stage does not queue its steps
+    monkeypatch.setattr(Engine, "queues_steps", property(lambda self: True))
+    assert engine.decodes_ahead is True
+    monkeypatch.setenv("DS4STATION_DECODE_AHEAD", "0")
     assert engine.decodes_ahead is False
     monkeypatch.setenv("DS4STATION_DECODE_AHEAD", "1")
     assert engine.decodes_ahead is True

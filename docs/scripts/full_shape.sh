@@ -7,9 +7,10 @@
 #   bash docs/scripts/full_shape.sh serve             `bench serve` with an 8K prompt (the user's path)
 #   bash docs/scripts/full_shape.sh long              engine bench of a 128K prompt: prefill and decode after it
 #                                                     (issue 20's 128K targets; ~4 minutes)
-#   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve
+#   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve (AHEAD=0: with
+#                                                     DS4STATION_DECODE_AHEAD=0, decode ahead off)
 #   bash docs/scripts/full_shape.sh ahead             serve's decode after 8K with DS4STATION_DECODE_AHEAD=1 and =0,
-#                                                     alternating twice (then `AHEAD=1 ... streams` for the batches)
+#                                                     alternating twice
 #   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
 #   bash docs/scripts/full_shape.sh cpu [N]           a CPU stage of the flash shape cut to N layers (default 8) on
 #                                                     the host's cores (kernels/cpu.py; no GPU, no file needed)
@@ -65,7 +66,7 @@ case $part in
            DS4STATION_DECODE_AHEAD=$a timeout 120 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
              --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|decode steps|long request" | cut -c1-200
          done; done ;;
-  streams) DS4STATION_DECODE_AHEAD=${AHEAD:-0} TESTS=streams TEMPERATURE=0 timeout 400 \
+  streams) DS4STATION_DECODE_AHEAD=${AHEAD:-1} TESTS=streams TEMPERATURE=0 timeout 400 \
              python3 docs/scripts/batch_streams.py "$file" new --sessions 8 --ctx 40K 2>&1 | grep -E "steps|tok/s" \
              | cut -c1-220 ;;
   draft) timeout 300 python3 -m ds4station.cli bench draft --model "$file" --k 1,2,3 --prompt-tokens 512 \

@@ -529,13 +529,12 @@ class Engine:
     def decodes_ahead(self) -> bool:
         """True when `decode_batch` queues a step whose tokens are still on the device (the previous step's
         picks): a stage that queues its steps (`queues_steps`) with its experts resident and no MTP layer (which
-        records the token ids), when DS4STATION_DECODE_AHEAD=1. The decode loop then queues the next step before
-        it reads the tokens, so the GPU does not wait for the host between two steps. Off by default until it is
-        measured at full shape: on the demo model, whose step is host-bound, it made serve's decode rate vary
-        (docs/PERFORMANCE.md, thirty-sixth session)."""
+        records the token ids), unless DS4STATION_DECODE_AHEAD=0. The decode loop then queues the next step before
+        it reads the tokens, so the GPU does not wait for the host between two steps: 0.3-1.2 ms less per step
+        at 1-8 streams on a GPU-bound step (docs/PERFORMANCE.md, fortieth session)."""
         runner = self.runner
         return (self.queues_steps and runner is not None and runner.mtp is None and runner.experts is None
-                and os.environ.get("DS4STATION_DECODE_AHEAD", "0") == "1")
+                and os.environ.get("DS4STATION_DECODE_AHEAD", "1") != "0")
 
     def new_session(self, activation_bits: int | None = None) -> Session:
         bits = self.activation_bits if activation_bits is None else activation_bits

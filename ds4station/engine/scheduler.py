@@ -20,7 +20,7 @@ The scheduler owns everything between "a list of prompt token ids" and "a stream
   generation within one step;
 - each request samples, detokenizes incrementally and applies stop tokens / stop strings / max tokens; on
   an engine that queues its steps (`queues_steps`: one local CUDA stage) the batched step is launched
-  before the step's texts are made and sent, so the two overlap; where the engine `decodes_ahead` (opt-in) and every
+  before the step's texts are made and sent, so the two overlap; where the engine `decodes_ahead` (by default) and every
   running request samples freely, it is launched before the step's tokens are read, fed them where they were
   picked (`_looks_ahead`), so the GPU never waits for the host between two decode steps;
 - a finished turn is settled (its answer fed into the live KV as the next prompt will spell it) when no
