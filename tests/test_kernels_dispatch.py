@@ -212,3 +212,22 @@ def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() 
     assert dispatch.q8_0_int_dot_tiles(32768, 1024, 1).block_n == 2
     assert dispatch.q8_0_int_dot_tiles(4096, 8192, 3).block_k == 512
     assert dispatch.q8_0_int_dot_tiles(129280, 4096, 4).block_k == 2048
+    # through tensor descriptors (sm_90+): q_b at one row only; not where the GPU has none, not at two rows,
+    # not on the other shapes, not where a group's rows do not divide into its blocks
+    tma = dispatch.q8_0_int_dot_tiles(32768, 1024, 1, tma=True)
+    assert tma.tma and (tma.block_n, tma.block_k, tma.num_warps, tma.num_stages, tma.per_sm) == (64, 512, 4, 3, 1)
+    assert not dispatch.q8_0_int_dot_tiles(32768, 1024, 1).tma
+    assert not dispatch.q8_0_int_dot_tiles(32768, 1024, 2, tma=True).tma
+    assert not any(dispatch.q8_0_int_dot_tiles(n, k, 1, tma=True).tma
+                   for n, k in ((1536, 4096), (8192, 4096), (4096, 8192), (4096, 2048), (129280, 4096)))
+    assert not dispatch.q8_0_int_dot_tiles(32768, 1024, 1, tma=True, rows_per_group=32768 // 3 + 1).tma
+
+
+def test_tensor_descriptor_reads_only_on_an_nvidia_gpu_and_not_when_turned_off(monkeypatch) -> None:
+    assert dispatch.tma_reads(torch.zeros(1)) is False  # the CPU (the interpreter takes the tiles as given)
+    if torch.cuda.is_available():
+        x = torch.zeros(1, device="cuda")
+        want = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+        assert dispatch.tma_reads(x) is want
+        monkeypatch.setenv("DS4STATION_Q8_TMA", "0")
+        assert dispatch.tma_reads(x) is False

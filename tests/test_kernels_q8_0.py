@@ -275,6 +275,35 @@ def test_int_dot_matvec_at_the_routed_tiles(n: int, k: int, m: int, groups: int)
         assert rel_err(out, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5, tiles
 
 
+@pytest.mark.parametrize(("n", "k", "m", "groups", "tiles"), [
+    (96, 512, 1, 1, dispatch.MatvecTiles(32, 256, 4, 2, tma=True)),  # a last row block past N, 2 K steps
+    (80, 768, 2, 1, dispatch.MatvecTiles(32, 256, 4, 3, tma=True, per_sm=1)),  # persistent: 2 programs, 3 blocks
+    (128, 1024, 3, 4, dispatch.MatvecTiles(32, 512, 4, 2, tma=True, per_sm=1)),  # groups
+    (70, 512, 1, 1, dispatch.q8_0_int_dot_tiles(32768, 1024, 1, tma=True)),  # the routed tiles, N < one block
+])
+def test_int_dot_matvec_through_tensor_descriptors(poisoned_empty: None, n: int, k: int, m: int, groups: int,
+                                                   tiles: dispatch.MatvecTiles) -> None:
+    """The integer-dot matvec with `tma` tiles (the weights and scales behind tensor descriptors, one flat
+    pipelined loop over (row block, K step), optionally a persistent grid): the same result as its reference
+    and as the plain integer-dot kernel, every output row written."""
+    assert tiles.tma
+    w = repack_q8_0(raw_q8_0((n,), k, seed=n + m).to(DEVICE), k)
+    act = quantize_act16(torch.randn(m, groups * k, generator=torch.Generator().manual_seed(k)).to(DEVICE))
+    got = q8_0_matvec_q16(act, w, groups=groups, tiles=tiles)
+    assert rel_err(got, q8_0_matvec_q16_ref(act, w, groups=groups)) < 1e-5
+    plain = q8_0_matvec_q16(act, w, groups=groups, tiles=dispatch.MatvecTiles(block_n=1, block_k=256, num_warps=1))
+    assert rel_err(got, plain) < 1e-6
+
+
+def test_int_dot_matvec_through_tensor_descriptors_refuses_what_they_cannot_read() -> None:
+    w = repack_q8_0(raw_q8_0((64,), 768, seed=1).to(DEVICE), 768)
+    act = quantize_act16(torch.randn(1, 768, generator=torch.Generator().manual_seed(2)).to(DEVICE))
+    for tiles in (dispatch.MatvecTiles(32, 512, 4, 2, tma=True),  # K = 768 is not a multiple of 512
+                  dispatch.MatvecTiles(32, 128, 4, 2, tma=True)):  # scale rows of 4 fp16: under TMA's 16 bytes
+        with pytest.raises(ValueError, match="tensor descriptors"):
+            q8_0_matvec_q16(act, w, tiles=tiles)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.IQ2_XXS])
 def test_cpu_linear_dequantises_in_bounded_blocks_of_rows(monkeypatch: pytest.MonkeyPatch, qtype: Q) -> None:
     """On the CPU the activation rows past ops.CPU_MATVEC_ROWS (a prefill's) meet the matrix dequantised a block of

@@ -181,6 +181,20 @@ def _specs(target: CompileTarget) -> list[KernelSpec]:
                     ("hi_ptr", "lo_ptr", "xs_ptr", "qs_ptr", "d_ptr", "y_ptr", "K", "rows_per_group", "stride_xm",
                      "stride_ym"),
                     t.num_warps, t.num_stages, decode=True))
+        if target.backend == "cuda" and int(target.arch) >= 90:  # its tensor-descriptor form where dispatch picks it
+            t = dispatch.q8_0_int_dot_tiles(32768, 1024, 1, tma=True)
+            kb = t.block_k
+            specs.append(KernelSpec(
+                "q8_0_matvec_tma attn_q_b m1", q8_0._q8_0_matvec_tma_kernel,
+                {"hi_ptr": "*i32", "lo_ptr": "*i32", "xs_ptr": ptr32,
+                 "w_desc": f"tensordesc<i32[{t.block_n}, {kb // 4}]>",
+                 "d_desc": f"tensordesc<fp16[{t.block_n}, {kb // 32}]>",
+                 "y_ptr": ptr32, "N": i32, "K": i32, "rows_per_group": i32, "stride_xm": i32, "stride_ym": i32,
+                 "M": "constexpr", "M_PAD": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr",
+                 "STAGES": "constexpr"},
+                {"M": 1, "M_PAD": 1, "BLOCK_N": t.block_n, "BLOCK_K": kb, "STAGES": t.num_stages},
+                ("hi_ptr", "lo_ptr", "xs_ptr", "y_ptr", "K", "rows_per_group", "stride_xm", "stride_ym"),
+                t.num_warps, t.num_stages, decode=True))
         specs += _moe_i8_specs("iq2_xxs", "q2_k", ptrs, mo)
         specs += _moe_i8_specs("q4_k", "q4_k", ptrs, dispatch.moe_tiles("q4_k", "q4_k", 4096, 2048, 6, backend))
     specs += _hc_specs(hc, backend)

@@ -19,6 +19,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import Literal
 
 import torch
@@ -76,6 +77,22 @@ def shared_limit(t: torch.Tensor) -> int | None:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or props.shared_memory_per_block)
 
 
+def multiprocessors(t: torch.Tensor) -> int:
+    """SMs / CUs of the GPU this tensor lives on (2 for a CPU tensor: the interpreter's stand-in)."""
+    return torch.cuda.get_device_properties(t.device).multi_processor_count if t.is_cuda else 2
+
+
+def tma_reads(t: torch.Tensor) -> bool:
+    """Whether kernels may read weights through the tensor memory accelerator on this tensor's GPU: NVIDIA
+    sm_90 or newer, unless DS4STATION_Q8_TMA=0 (the Q8_0 integer-dot matvec's `tma` tiles)."""
+    return t.is_cuda and _has_tma(t.device.index) and os.environ.get("DS4STATION_Q8_TMA", "1") != "0"
+
+
+@cache
+def _has_tma(index: int | None) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (tests without a GPU)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -127,6 +144,8 @@ class MatvecTiles:
     block_k: int  # K elements per loop step (a multiple of the quant block)
     num_warps: int
     num_stages: int = 1
+    tma: bool = False  # weights through tensor descriptors (Q8_0 integer dot, sm_90+); num_stages deep
+    per_sm: int = 0  # with tma: a persistent grid of this many programs per SM (0: one per row block)
 
 
 # Largest K chunk per step, per quant type (the whole row of DS4's matrices where registers allow).
@@ -264,10 +283,25 @@ def q8_0_route(n: int, k: int, m: int, backend: Backend, quantised: bool = False
     return "matvec" if m <= q8_0_matvec_rows(n, k, backend) else "matmul"
 
 
-def q8_0_int_dot_tiles(n: int, k: int, m: int) -> MatvecTiles:
+# The tensor-descriptor form of the integer-dot matvec (`tma` tiles) where it won: q_b's 32,768 rows of K =
+# 1,024 at one activation row.
+_Q8_0_TMA = MatvecTiles(block_n=64, block_k=512, num_warps=4, num_stages=3, tma=True, per_sm=1)
+
+
+def q8_0_int_dot_tiles(n: int, k: int, m: int, tma: bool = False, rows_per_group: int | None = None) -> MatvecTiles:
     """Tiles of the integer-dot Q8_0 matvec where `q8_0_route` picks it: one warp per program, one or two rows,
     the whole K row up to 2,048 per step at one activation row (the head at every row count), 512 beyond (the
-    best of 1 / 2 / 4 / 8 rows x 512 / 1,024 / 2,048 x 1 / 2 / 4 warps per shape, same run)."""
+    best of 1 / 2 / 4 / 8 rows x 512 / 1,024 / 2,048 x 1 / 2 / 4 warps per shape, same run).
+
+    `tma` (the GPU reads through tensor descriptors: `tma_reads`): the many short rows of q_b (N >= 16,384, K <=
+    1,024) at one activation row take `_Q8_0_TMA`. H100, fortieth session (docs/PERFORMANCE.md,
+    `docs/scripts/q8_0_tma.py bench`: 48 specs at the eight decode shapes, each against these tiles): q_b 21.5
+    -> 15.0 us (1,661 -> 2,374 GB/s) at 64 rows x 512, 4 warps, 3 stages, one program per SM; the other shapes
+    lost (q_a 3.4 -> 6.7 us, kv 2.7 -> 6.5, the shared expert's gate + up 5.0 -> 7.4, the head 177.9 -> 182.5)
+    or moved by <= 5% (output a / b, shared down)."""
+    if (tma and m == 1 and n >= 16384 and k <= 1024 and k % _Q8_0_TMA.block_k == 0
+            and (rows_per_group is None or rows_per_group % _Q8_0_TMA.block_n == 0)):
+        return _Q8_0_TMA
     head = n >= _Q8_0_HEAD_ROWS
     block_k = min(2048, _pow2_ceil(k)) if m == 1 or head else 512
     block_n = 2 if not head and (m == 2 or k <= 1024) else 1

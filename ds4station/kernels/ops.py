@@ -165,7 +165,7 @@ def linear(x: torch.Tensor, w: Packed, groups: int = 1, out_dtype: torch.dtype |
         if route == "int_dot":
             return q8_0_matvec_q16(quantize_act16(x) if act is None else act, w, groups=groups,
                                    out_dtype=out_dtype or x.dtype,
-                                   tiles=dispatch.q8_0_int_dot_tiles(w.n, w.k, m))
+                                   tiles=dispatch.q8_0_int_dot_tiles(w.n, w.k, m, dispatch.tma_reads(x), w.n // groups))
         if route == "matvec":
             return q8_0_matvec(x, w, groups=groups, out_dtype=out_dtype)
         return q8_0_matmul(x, w, out_dtype=out_dtype, groups=groups)

@@ -11,6 +11,9 @@ Kernels:
   (DS4's attn_output_a: 8 groups of 1024 rows, one launch).
 - `_q8_0_matvec_i8_kernel`: the same product from an activation quantised to two int8 digits per value
   (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
+- `_q8_0_matvec_tma_kernel`: the same integer dot with the weights and scales read through Hopper's tensor
+  memory accelerator (tensor descriptors; the copies run STAGES K steps ahead in shared memory), on the
+  shapes where dispatch.q8_0_int_dot_tiles says it wins (q_b's many short rows, sm_90+).
 - `_q8_0_matmul_kernel`: prefill, dequantises a weight tile to fp16 and feeds tl.dot (fp32 accumulate),
   optionally as Y^T = W X^T with the weight tile as the register operand (dispatch's w_as_a), and optionally
   split-K (dispatch's split_k: fp32 partials per K slice, summed in slice order by the slice that finishes
@@ -259,6 +262,61 @@ def _q8_0_i8_step(acc, q, s, hi_ptr, lo_ptr, xs_ptr, group, k0, K, stride_xm, M:
     return acc
 
 
+@triton.jit
+def _q8_0_matvec_tma_kernel(
+    hi_ptr, lo_ptr, xs_ptr, w_desc, d_desc, y_ptr,
+    N, K, rows_per_group, stride_xm, stride_ym,
+    M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """_q8_0_matvec_i8_kernel with the weight words [N, K/4] and the fp16 scales [N, K/32] behind tensor
+    descriptors (w_desc, d_desc: blocks [BLOCK_N, BLOCK_K/4] and [BLOCK_N, BLOCK_K/32]). A program walks its
+    (row block, K step) pairs as one flat loop that Triton pipelines STAGES deep, so the bulk copies also run
+    ahead across row blocks and no registers hold loads in flight; row blocks pid, pid + grid, ... (a
+    persistent grid where the launcher caps it). K is a multiple of BLOCK_K; rows past N arrive as zeros."""
+    enter(PDL)
+    KB: tl.constexpr = BLOCK_K // 32
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    k_steps = K // BLOCK_K
+    mine = (tl.cdiv(N, BLOCK_N) - pid + grid - 1) // grid
+    cols = tl.arange(0, M_PAD)
+    acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+    for it in tl.range(0, mine * k_steps, num_stages=STAGES):
+        rb = pid + (it // k_steps) * grid
+        ks = it % k_steps
+        k0 = ks * BLOCK_K
+        q = w_desc.load([rb * BLOCK_N, k0 // 4]).reshape(BLOCK_N, KB, 8)
+        s = d_desc.load([rb * BLOCK_N, k0 // 32]).to(tl.float32)
+        acc = _q8_0_i8_step(acc, q, s, hi_ptr, lo_ptr, xs_ptr, (rb * BLOCK_N) // rows_per_group, k0, K, stride_xm,
+                            M, BLOCK_K)
+        if ks == k_steps - 1:
+            offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(y_ptr + cols[None, :] * stride_ym + offs_n[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=(offs_n < N)[:, None] & (cols[None, :] < M))
+            acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+
+
+def _launch_tma(act: tuple[torch.Tensor, torch.Tensor, torch.Tensor], w: PackedQ8_0, rows_per_group: int,
+                out: torch.Tensor, tiles: dispatch.MatvecTiles) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    hi = act[0]
+    n, k = w.n, w.k
+    if k % tiles.block_k or tiles.block_k % 256 or w.qs.data_ptr() % 16 or w.d.data_ptr() % 16:
+        raise ValueError(f"{tiles} cannot read the Q8_0 weight [{n}, {k}] through tensor descriptors (K a multiple "
+                         "of block_k, itself of 256, and 16-byte aligned fields)")
+    grid = triton.cdiv(n, tiles.block_n)
+    if tiles.per_sm:
+        grid = min(grid, tiles.per_sm * dispatch.multiprocessors(hi))
+    _q8_0_matvec_tma_kernel[(grid,)](
+        *act, TensorDescriptor.from_tensor(w.qs.view(torch.int32), [tiles.block_n, tiles.block_k // 4]),
+        TensorDescriptor.from_tensor(w.d, [tiles.block_n, tiles.block_k // 32]), out, n, k, rows_per_group,
+        hi.stride(0), out.stride(0), M=hi.shape[0], M_PAD=triton.next_power_of_2(hi.shape[0]),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.num_stages, num_warps=tiles.num_warps, **pdl(hi),
+    )
+
+
 def q8_0_matvec_q16(
     act: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     w: PackedQ8_0,
@@ -268,7 +326,8 @@ def q8_0_matvec_q16(
     tiles: dispatch.MatvecTiles | None = None,
 ) -> torch.Tensor:
     """Integer-dot y = x @ W^T from an activation already quantised by act_quant.quantize_act16 (so the
-    producer of x can emit it fused); act = (hi, lo, scale) for x [M, groups*K]. Returns [M, N]."""
+    producer of x can emit it fused); act = (hi, lo, scale) for x [M, groups*K]. Returns [M, N]. Tiles with
+    `tma` read the weights through tensor descriptors (`_q8_0_matvec_tma_kernel`, sm_90+)."""
     hi, lo, xs = act
     m = hi.shape[0]
     n, k = w.n, w.k
@@ -280,6 +339,9 @@ def q8_0_matvec_q16(
         raise ValueError(f"block_n {tiles.block_n} must divide the {rows_per_group} rows of a group")
     if out is None:
         out = torch.empty((m, n), device=hi.device, dtype=out_dtype)
+    if tiles.tma:
+        _launch_tma(act, w, rows_per_group, out, tiles)
+        return out
     _q8_0_matvec_i8_kernel[(triton.cdiv(n, tiles.block_n),)](
         hi, lo, xs, w.qs.view(torch.int32), w.d, out, n, k, rows_per_group, hi.stride(0), out.stride(0),
         M=m, M_PAD=triton.next_power_of_2(m), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
