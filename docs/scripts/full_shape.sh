@@ -9,8 +9,8 @@
 #                                                     (issue 20's 128K targets; ~4 minutes)
 #   bash docs/scripts/full_shape.sh streams           1/2/4/8 concurrent greedy streams through serve (AHEAD=0: with
 #                                                     DS4STATION_DECODE_AHEAD=0, decode ahead off)
-#   bash docs/scripts/full_shape.sh ahead             serve's decode after 8K with DS4STATION_DECODE_AHEAD=1 and =0,
-#                                                     alternating twice
+#   bash docs/scripts/full_shape.sh onoff VAR         serve's decode after 8K with the switch VAR=1 and VAR=0 (e.g.
+#                                                     DS4STATION_Q8_TMA, DS4STATION_DECODE_AHEAD), alternating twice
 #   bash docs/scripts/full_shape.sh draft             verification steps and oracle / MTP drafts (issue 21)
 #   bash docs/scripts/full_shape.sh cpu [N]           a CPU stage of the flash shape cut to N layers (default 8) on
 #                                                     the host's cores (kernels/cpu.py; no GPU, no file needed)
@@ -24,7 +24,7 @@
 # (make_layers.py; default FILE /mnt/x/fN.gguf) on a card that cannot hold all 43 (30 fit an 80 GB H100).
 # PYTHONPATH must reach this tree's dependencies.
 set -u
-part=${1:?usage: full_shape.sh bench|serve|long|streams|ahead|draft|cpu|sweep|tiles|tma [OLD_TREE|N|SPEC]}
+part=${1:?usage: full_shape.sh bench|serve|long|streams|onoff|draft|cpu|sweep|tiles|tma [OLD_TREE|VAR|N|SPEC]}
 old=${2:-}
 layers=${LAYERS:-}
 file=${FILE:-/mnt/x/${layers:+f$layers.gguf}}
@@ -61,9 +61,10 @@ case $part in
           2>&1 | grep -v Warning | tail -9 ;;
   serve) timeout 240 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench --prompt-tokens 8K \
            --decode-tokens 64 --runs 2 2>&1 | tail -9 ;;
-  ahead) for r in 1 2; do for a in 1 0; do
-           echo "=== DS4STATION_DECODE_AHEAD=$a"
-           DS4STATION_DECODE_AHEAD=$a timeout 120 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
+  onoff) var=${2:?onoff needs the variable, e.g. DS4STATION_Q8_TMA}
+         for r in 1 2; do for a in 1 0; do
+           echo "=== $var=$a"
+           env "$var=$a" timeout 150 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
              --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|decode steps|long request" | cut -c1-200
          done; done ;;
   streams) DS4STATION_DECODE_AHEAD=${AHEAD:-1} TESTS=streams TEMPERATURE=0 timeout 400 \

@@ -84,8 +84,9 @@ def multiprocessors(t: torch.Tensor) -> int:
 
 def tma_reads(t: torch.Tensor) -> bool:
     """Whether kernels may read weights through the tensor memory accelerator on this tensor's GPU: NVIDIA
-    sm_90 or newer, unless DS4STATION_Q8_TMA=0 (the Q8_0 integer-dot matvec's `tma` tiles)."""
-    return t.is_cuda and _has_tma(t.device.index) and os.environ.get("DS4STATION_Q8_TMA", "1") != "0"
+    sm_90 or newer, with DS4STATION_Q8_TMA=1 (the Q8_0 integer-dot matvec's `tma` tiles). Opt-in until it is
+    measured in the decode step through serve (docs/PERFORMANCE.md, fortieth session: so far the kernel alone)."""
+    return t.is_cuda and os.environ.get("DS4STATION_Q8_TMA", "0") == "1" and _has_tma(t.device.index)
 
 
 @cache
