@@ -172,7 +172,9 @@ def _q8_0_decode_case(name: str, n: int, k: int, groups: int, m: int, ws: list, 
 
 def _q8_0_int_dot_case(name: str, n: int, k: int, groups: int, ws: list, copy_gbps: float) -> Result:
     """One row through the integer-dot Q8_0 kernel on an activation quantised beforehand (the producer is
-    meant to emit it fused); the quantiser's own launch is timed in `quantize_act16` rows."""
+    meant to emit it fused), at the tiles the engine gives it (`dispatch.q8_0_int_dot_tiles`, as ops.linear);
+    the quantiser's own launch is timed in `quantize_act16` rows."""
+    from ds4station.kernels import dispatch
     from ds4station.kernels.act_quant import quantize_act16
     from ds4station.kernels.q8_0 import q8_0_matvec_q16, q8_0_matvec_ref
 
@@ -180,9 +182,10 @@ def _q8_0_int_dot_case(name: str, n: int, k: int, groups: int, ws: list, copy_gb
     x = torch.randn(1, groups * k, device=device, dtype=torch.float16)
     act = quantize_act16(x)
     y = torch.empty(1, n, device=device, dtype=torch.float32)
-    err = _rel_err(q8_0_matvec_q16(act, ws[0], groups=groups, out=y),
+    tiles = dispatch.q8_0_int_dot_tiles(n, k, 1, dispatch.tma_reads(x), n // groups)
+    err = _rel_err(q8_0_matvec_q16(act, ws[0], groups=groups, out=y, tiles=tiles),
                    q8_0_matvec_ref(x, ws[0], groups=groups, out_dtype=torch.float32))
-    t = _graph_time_us(lambda i: q8_0_matvec_q16(act, ws[i], groups=groups, out=y), len(ws))
+    t = _graph_time_us(lambda i: q8_0_matvec_q16(act, ws[i], groups=groups, out=y, tiles=tiles), len(ws))
     gbps = (n * k + n * k // 32 * 2 + groups * k * 2.25 + n * 4) / t / 1e3
     shape = f"{name} {n}x{k}" + (f" ({groups} groups)" if groups > 1 else "")
     return Result("q8_0_matvec int8 dot", shape, 1, t, gbps, 100 * gbps / copy_gbps, rel_err=err)

@@ -10,7 +10,8 @@ Kernels:
   Grouped form: W's rows are split into G equal groups, and group g reads its own input row x[m, g]
   (DS4's attn_output_a: 8 groups of 1024 rows, one launch).
 - `_q8_0_matvec_i8_kernel`: the same product from an activation quantised to two int8 digits per value
-  (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (not yet timed; CUDA only).
+  (act_quant.quantize_act16), two dp4a per weight word, exact int32 block sums (CUDA; where
+  dispatch.q8_0_route sends the decode's large projections and those whose producer quantises their input).
 - `_q8_0_matvec_tma_kernel`: the same integer dot with the weights and scales read through Hopper's tensor
   memory accelerator (tensor descriptors; the copies run STAGES K steps ahead in shared memory), on the
   shapes where dispatch.q8_0_int_dot_tiles says it wins (q_b's many short rows, sm_90+).
