@@ -86,12 +86,19 @@ def tma_reads(t: torch.Tensor) -> bool:
     """Whether kernels may read weights through the tensor memory accelerator on this tensor's GPU: NVIDIA
     sm_90 or newer, with DS4STATION_Q8_TMA=1 (the Q8_0 integer-dot matvec's `tma` tiles). Opt-in until it is
     measured in the decode step through serve (docs/PERFORMANCE.md, fortieth session: so far the kernel alone)."""
-    return t.is_cuda and os.environ.get("DS4STATION_Q8_TMA", "0") == "1" and _has_tma(t.device.index)
+    return os.environ.get("DS4STATION_Q8_TMA", "0") == "1" and hopper_or_newer(t.device)
+
+
+def hopper_or_newer(device: torch.device) -> bool:
+    """An NVIDIA GPU of sm_90 or newer (not ROCm): what PDL launches (pdl.py) and tensor descriptors need."""
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _sm90(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @cache
-def _has_tma(index: int | None) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+def _sm90(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def interpreting() -> bool:

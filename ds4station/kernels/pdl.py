@@ -26,7 +26,6 @@ such loads (and index arithmetic) before `enter(PDL)` in the source.
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -42,16 +41,9 @@ _ON = {"PDL": True, "launch_pdl": True}
 _OFF: dict = {}
 
 
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
 def enabled(device: torch.device) -> bool:
     """Whether launches on this device go out with PDL (CUDA sm_90+, not interpreted, not switched off)."""
-    if not ON or device.type != "cuda" or torch.version.hip is not None or dispatch.interpreting():
-        return False
-    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+    return ON and not dispatch.interpreting() and dispatch.hopper_or_newer(device)
 
 
 def pdl(t: torch.Tensor) -> dict:
