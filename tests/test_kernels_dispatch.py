@@ -223,11 +223,14 @@ def test_q8_0_route_sends_large_few_row_projections_to_the_integer_dot_matvec() 
     assert not dispatch.q8_0_int_dot_tiles(32768, 1024, 1, tma=True, rows_per_group=32768 // 3 + 1).tma
 
 
-def test_tensor_descriptor_reads_only_when_asked_and_on_an_nvidia_gpu(monkeypatch) -> None:
-    monkeypatch.setenv("DS4STATION_Q8_TMA", "1")
+def test_tensor_descriptor_reads_by_default_on_an_nvidia_sm90_gpu_unless_turned_off(monkeypatch) -> None:
+    monkeypatch.delenv("DS4STATION_Q8_TMA", raising=False)
     assert dispatch.tma_reads(torch.zeros(1)) is False  # the CPU (the interpreter takes the tiles as given)
     if torch.cuda.is_available():
         x = torch.zeros(1, device="cuda")
-        assert dispatch.tma_reads(x) is (torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9)
-        monkeypatch.delenv("DS4STATION_Q8_TMA")
-        assert dispatch.tma_reads(x) is False  # opt-in
+        hopper = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+        assert dispatch.tma_reads(x) is hopper  # the default
+        monkeypatch.setenv("DS4STATION_Q8_TMA", "1")
+        assert dispatch.tma_reads(x) is hopper
+        monkeypatch.setenv("DS4STATION_Q8_TMA", "0")
+        assert dispatch.tma_reads(x) is False  # turned off

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full-shape measurements of docs/PERFORMANCE.md in device calls of <= 10 minutes, on a GPU that holds the
-# flash q2 file (an H200): the random-weight file in a tmpfs, then one part per call (chain the calls so the
+# flash q2 file (an H200): the random-weight file (with its MTP layer, for `draft`) in a tmpfs, then one part per call (chain the calls so the
 # machine, and the file on it, stay warm between them; a part re-makes the file when it is missing).
 #   bash docs/scripts/full_shape.sh bench [OLD_TREE]  engine bench of this tree (and of OLD_TREE, a `git archive`
 #                                                     of an older commit, in the same call)
@@ -48,7 +48,7 @@ if [ ! -f "$file" ]; then
   mkdir -p "$(dirname "$file")"
   mountpoint -q "$(dirname "$file")" || mount -t tmpfs -o size=100g tmpfs "$(dirname "$file")"
   if [ -n "$layers" ]; then python3 docs/scripts/make_layers.py "$file" "$layers" 2>&1 | tail -1
-  else python3 -m ds4station.cli make-model --preset flash --device cuda --out "$file" 2>&1 | tail -1; fi
+  else python3 -m ds4station.cli make-model --preset flash --mtp --device cuda --out "$file" 2>&1 | tail -1; fi
 fi
 bench() {  # tree label
   echo "=== bench $2"
