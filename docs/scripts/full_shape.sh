@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The full-shape measurements of docs/PERFORMANCE.md in device calls of <= 10 minutes, on a GPU that holds the
-# flash q2 file (an H200): the random-weight file (with its MTP layer, for `draft`) in a tmpfs, then one part per call (chain the calls so the
-# machine, and the file on it, stay warm between them; a part re-makes the file when it is missing).
+# flash q2 file (an H200): the random-weight file (with its MTP layer, for `draft`) in a tmpfs, then one part per
+# call (chain the calls so the machine, and the file on it, stay warm between them; a part re-makes the file when
+# it is missing).
 #   bash docs/scripts/full_shape.sh bench [OLD_TREE]  engine bench of this tree (and of OLD_TREE, a `git archive`
 #                                                     of an older commit, in the same call)
 #   bash docs/scripts/full_shape.sh serve             `bench serve` with an 8K prompt (the user's path)
