@@ -63,10 +63,12 @@ case $part in
   serve) timeout 240 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench --prompt-tokens 8K \
            --decode-tokens 64 --runs 2 2>&1 | tail -9 ;;
   onoff) var=${2:?onoff needs the variable, e.g. DS4STATION_Q8_TMA}
+         guard=240  # the first server compiles the kernels (~110 s to ready); the later ones find them cached
          for r in 1 2; do for a in 1 0; do
            echo "=== $var=$a"
-           env "$var=$a" timeout 150 python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
+           env "$var=$a" timeout $guard python3 -m ds4station.cli bench serve --model "$file" --no-engine-bench \
              --prompt-tokens 8K --decode-tokens 64 --runs 2 2>&1 | grep -E "decode after|decode steps|long request" | cut -c1-200
+           guard=150
          done; done ;;
   streams) DS4STATION_DECODE_AHEAD=${AHEAD:-1} TESTS=streams TEMPERATURE=0 timeout 400 \
              python3 docs/scripts/batch_streams.py "$file" new --sessions 8 --ctx 40K 2>&1 | grep -E "steps|tok/s" \
